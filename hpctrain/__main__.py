@@ -1,0 +1,34 @@
+"""The ``hpctrain`` command line. Each subcommand lives in ``hpctrain/cli/<name>.py`` with
+``add_arguments(parser)`` and ``run(args) -> int``; add a new one to COMMANDS.
+
+Training is launched on every rank, under MPI:
+    mpirun -n 4 python -m mpi4py -m hpctrain train share/configs/demo.toml --run-dir runs/demo
+(``-m mpi4py`` turns an exception on any rank into an abort of the whole job, never a hang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "train": "train a model (run under mpirun/srun, one process per rank)",
+    "prepare": "turn text files into a token dataset (HDF5) with a held-out split",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hpctrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        module = importlib.import_module(f"hpctrain.cli.{name}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    args = parser.parse_args(argv)
+    return args._module.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the ``hpctrain`` CLI, one module each."""

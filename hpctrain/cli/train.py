@@ -1,0 +1,31 @@
+"""``hpctrain train CONFIG --run-dir DIR [--set section.key=value ...]``"""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", help="TOML preset, e.g. share/configs/demo.toml")
+    p.add_argument("--run-dir", required=True, help="where metrics, logs and checkpoints go")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+
+
+def run(args) -> int:
+    from .. import comm
+    from ..config import ConfigError, load, validate
+
+    world = comm.world()
+    try:
+        cfg = load(args.config, args.overrides)
+        validate(cfg, world.size)
+    except (ConfigError, FileNotFoundError) as e:
+        # Every rank reaches the same verdict before any collective: exit, no abort.
+        if world.rank == 0:
+            print(f"hpctrain train: {e}", file=sys.stderr)
+        return 2
+    from ..train import train
+
+    train(cfg, args.run_dir, world)
+    return 0

@@ -1,0 +1,331 @@
+"""Configuration: one frozen dataclass per section, TOML presets, dotted overrides, validation.
+
+A run is described by a TOML file (see ``share/configs/``) plus ``--set section.key=value``
+overrides. Unknown keys and wrong types are rejected with the list of valid keys; layouts
+that cannot work (``dp*tp*pp != world size``, a batch that does not split) are rejected by
+:func:`validate` before any collective is called, with the arithmetic in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    dp: int = 1  # data-parallel ranks (expert parallelism is carved out of these)
+    tp: int = 1  # tensor-parallel ranks (Megatron-style)
+    pp: int = 1  # pipeline stages
+    ep: int = 1  # expert-parallel ranks, must divide dp
+    sequence_parallel: bool = False
+    placement: str = "auto"  # "auto": tp inside a node; "naive": rank order, for comparison
+    dp_reduction: str = "flat"  # "flat" or "hierarchical" (within node, across, within)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int = 0  # 0: 4 * d_model
+    vocab_size: int = 256
+    dtype: str = "float32"  # float32, float64, bfloat16
+    device: str = "cpu"  # cpu or cuda
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    recompute: bool = False
+    num_experts: int = 0  # 0: dense model
+    top_k: int = 1
+    moe_every: int = 1
+    capacity_factor: float = 0.0  # 0: dropless
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    global_batch_size: int = 8  # sequences per optimizer step
+    micro_batch_size: int = 1  # sequences per rank per microbatch
+    seq_len: int = 64
+    seed: int = 1234
+    log_every: int = 1
+    eval_every: int = 0
+    eval_batches: int = 2
+    max_wall_s: float = 0.0  # 0: no wall-time budget
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    decay_steps: int = 0  # 0: train.steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0: no clipping
+    zero: int = 0  # 0, 1 or 2
+    bucket_mb: float = 4.0  # gradient bucket size for the data-parallel reduction
+    overlap: bool = False  # post bucket reductions during the last backward
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # HDF5 from `hpctrain prepare`; "" = the embedded corpus
+    corpus_mb: float = 2.0  # size of the embedded corpus (Python's own sources)
+    val_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    kind: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1
+    virtual_stages: int = 1
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # "" = RUN_DIR/checkpoints
+    every: int = 0  # 0: only at the end (when save_final)
+    resume: str = ""  # "" fresh, "auto" latest if any, or a checkpoint path
+    keep: int = 3
+    save_final: bool = True
+    alignment: int = 0  # HDF5 alignment in bytes (e.g. the Lustre stripe size); 0 = off
+    mpi_hints: dict = field(default_factory=dict)  # MPI-IO hints, e.g. striping_factor
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    trace: bool = False
+    trace_steps: str = "1-3"  # step window kept in trace.json
+    watchdog_s: float = 0.0  # 0: off
+    peak_flops: float = 0.0  # per rank; 0 = measure at start
+
+
+@dataclass(frozen=True)
+class Config:
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+_SECTION_TYPES = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+
+
+def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
+    """Check ``value`` against the type of ``default``; ints are accepted for floats."""
+    where = f"{section}.{key}"
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if isinstance(default, str):
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    if isinstance(default, dict):
+        if isinstance(value, dict):
+            return {str(k): str(v) for k, v in value.items()}
+        raise ConfigError(f"{where} must be a table, got {value!r}")
+    return value
+
+
+def from_dict(raw: dict) -> Config:
+    """Build a Config from nested dicts, rejecting unknown sections/keys and wrong types."""
+    sections = {}
+    for name, body in raw.items():
+        if name not in _SECTION_TYPES:
+            raise ConfigError(f"unknown section [{name}]; valid: {', '.join(_SECTION_TYPES)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"[{name}] must be a table of keys")
+        proto = _SECTION_TYPES[name]()
+        valid = {f.name for f in fields(proto)}
+        values = {}
+        for key, value in body.items():
+            if key not in valid:
+                raise ConfigError(
+                    f"unknown key {name}.{key}; valid keys of [{name}]: {', '.join(sorted(valid))}"
+                )
+            values[key] = _coerce(name, key, value, getattr(proto, key))
+        sections[name] = dataclasses.replace(proto, **values)
+    return Config(**sections)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value is read as a TOML literal
+    (``3``, ``1e-3``, ``true``, ``"x"``) and falls back to a bare string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    lhs, rhs = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {rhs.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = rhs.strip()
+    return section, key, value
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a TOML preset (or defaults when path is None) and apply dotted overrides."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from e
+    for text in overrides:
+        section, key, value = parse_override(text)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"[{section}] must be a table of keys")
+        raw[section][key] = value
+    return from_dict(raw)
+
+
+def dumps_toml(cfg: Config) -> str:
+    """The resolved config as TOML (written to every run directory and checkpoint)."""
+
+    def lit(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {lit(x)}" for k, x in v.items()) + "}"
+        return repr(v)
+
+    out = []
+    for name, body in to_dict(cfg).items():
+        out.append(f"[{name}]")
+        out += [f"{k} = {lit(v)}" for k, v in body.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def microbatches(cfg: Config) -> int:
+    t = cfg.train
+    return t.global_batch_size // (cfg.topology.dp * t.micro_batch_size)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Reject impossible layouts before any collective; messages show the arithmetic."""
+    top, m, t, o, s = cfg.topology, cfg.model, cfg.train, cfg.optim, cfg.schedule
+    errors = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    for axis in ("dp", "tp", "pp", "ep"):
+        need(getattr(top, axis) >= 1, f"topology.{axis} must be >= 1")
+    if errors:
+        raise ConfigError("; ".join(errors))
+    n = top.dp * top.tp * top.pp
+    need(
+        n == world_size,
+        f"layout dp*tp*pp = {top.dp}*{top.tp}*{top.pp} = {n} but the world has {world_size} "
+        f"ranks; set topology.dp/tp/pp so that the product is {world_size}",
+    )
+    need(top.dp % top.ep == 0, f"topology.ep={top.ep} must divide topology.dp={top.dp} "
+         "(expert parallelism is carved out of data parallelism)")
+    need(top.placement in ("auto", "naive"), "topology.placement must be auto or naive")
+    need(top.dp_reduction in ("flat", "hierarchical"),
+         "topology.dp_reduction must be flat or hierarchical")
+    # Model shapes.
+    need(m.dtype in ("float32", "float64", "bfloat16"),
+         f"model.dtype={m.dtype!r}; valid: float32, float64, bfloat16")
+    need(m.device in ("cpu", "cuda"), f"model.device={m.device!r}; valid: cpu, cuda")
+    need(m.n_layers >= 1 and m.d_model >= 1 and m.n_heads >= 1 and m.vocab_size >= 2,
+         "model.n_layers, d_model, n_heads must be >= 1 and vocab_size >= 2")
+    need(m.d_model % max(m.n_heads, 1) == 0,
+         f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    need(m.n_heads % top.tp == 0,
+         f"model.n_heads={m.n_heads} is not divisible by topology.tp={top.tp} "
+         "(attention is split by heads)")
+    need(m.ffn_dim % top.tp == 0,
+         f"model.d_ff={m.ffn_dim} is not divisible by topology.tp={top.tp} "
+         "(the MLP is split on its hidden dimension)")
+    if top.sequence_parallel:
+        need(t.seq_len % top.tp == 0,
+             f"train.seq_len={t.seq_len} is not divisible by topology.tp={top.tp} "
+             "(sequence parallelism splits the sequence over tp)")
+    if m.tie_embeddings:
+        need(top.pp == 1, "model.tie_embeddings needs topology.pp=1 (the embedding and the "
+             "head would live on different pipeline stages)")
+    if m.num_experts:
+        need(m.num_experts % top.ep == 0,
+             f"model.num_experts={m.num_experts} is not divisible by topology.ep={top.ep}")
+        need(m.top_k in (1, 2) and m.top_k <= m.num_experts, "model.top_k must be 1 or 2")
+        need(m.moe_every >= 1, "model.moe_every must be >= 1")
+    else:
+        need(top.ep == 1, "topology.ep > 1 needs an MoE model (model.num_experts > 0)")
+    # Batch arithmetic.
+    per_step = top.dp * t.micro_batch_size
+    need(t.global_batch_size >= 1 and t.micro_batch_size >= 1 and t.seq_len >= 1,
+         "train.global_batch_size, micro_batch_size and seq_len must be >= 1")
+    need(
+        per_step > 0 and t.global_batch_size % per_step == 0,
+        f"train.global_batch_size={t.global_batch_size} is not divisible by "
+        f"dp*micro_batch_size = {top.dp}*{t.micro_batch_size} = {per_step}",
+    )
+    need(t.steps >= 0, "train.steps must be >= 0")
+    # Pipeline arithmetic.
+    need(s.kind in ("gpipe", "1f1b", "interleaved", "zb-h1"),
+         f"schedule.kind={s.kind!r}; valid: gpipe, 1f1b, interleaved, zb-h1")
+    v = s.virtual_stages if s.kind == "interleaved" else 1
+    need(s.virtual_stages >= 1, "schedule.virtual_stages must be >= 1")
+    need(m.n_layers >= top.pp * v,
+         f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "
+         "stage needs at least one layer")
+    # Optimizer.
+    need(o.zero in (0, 1, 2), "optim.zero must be 0, 1 or 2")
+    need(o.bucket_mb > 0, "optim.bucket_mb must be > 0")
+    need(0 <= cfg.data.val_fraction < 1, "data.val_fraction must be in [0, 1)")
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

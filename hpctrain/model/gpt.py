@@ -1,0 +1,248 @@
+"""A GPT decoder in plain PyTorch. Imports no MPI.
+
+The model is built as one or more *stages* (contiguous runs of blocks); the first stage owns
+the embedding, the last owns the final norm, the head and the loss. Tensor parallelism is
+expressed through an ``ops`` object (see :class:`LocalOps`): the model calls
+``ops.enter_tp``/``ops.exit_tp`` around its column-/row-parallel matmuls and sizes its
+weights by ``ops.tp_size``; ``hpctrain.parallel.tensor`` supplies the communicating version.
+
+Every parameter carries ``p.hp`` (:class:`ParamMeta`): its global shape and how it is split,
+which initialisation, checkpointing and the gradient norm use so that any layout holds and
+counts exactly the same numbers as one rank.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """How this rank's tensor relates to the global parameter.
+
+    ``tp_dim``: dimension split over the tp group (None: replicated over tp).
+    ``sp_partial``: replicated over tp, but with sequence parallelism each tp rank sees only
+    its part of the sequence, so the gradient must be summed over tp.
+    ``expert_dim``: dimension split over the ep group (expert weights), else None.
+    ``init``: "normal", "ones" or "zeros"; ``std`` for normal.
+    """
+
+    global_shape: tuple[int, ...]
+    tp_dim: int | None = None
+    sp_partial: bool = False
+    expert_dim: int | None = None
+    init: str = "normal"
+    std: float = 0.02
+
+
+def shard_range(n: int, parts: int, index: int) -> tuple[int, int, int]:
+    """Split length ``n`` into ``parts`` equal padded pieces: (start, stop, local_len).
+
+    ``local_len = ceil(n / parts)``; the last pieces may hold fewer than local_len real
+    rows (``stop - start``), the rest being padding that is never read."""
+    local = -(-n // parts)
+    start = min(index * local, n)
+    return start, min(start + local, n), local
+
+
+class LocalOps:
+    """Single-rank stand-in for tensor-parallel communication: all identities."""
+
+    tp_size = 1
+    tp_rank = 0
+    sequence_parallel = False
+
+    def enter_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """Before a column-parallel matmul (tp: identity fwd / all-reduce bwd)."""
+        return x
+
+    def exit_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """After a row-parallel matmul (tp: all-reduce fwd / identity bwd)."""
+        return x
+
+    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor,
+                          vocab_start: int, vocab_size: int) -> torch.Tensor:
+        """Sum of token cross-entropies; ``logits`` (N, V_local) hold columns
+        [vocab_start, vocab_start + V_local) of a vocabulary of ``vocab_size`` (columns past
+        it are padding and must not count)."""
+        return F.cross_entropy(logits[:, :vocab_size].float(), targets, reduction="sum")
+
+
+def _param(shape, meta: ParamMeta, dtype) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype))
+    p.hp = meta
+    return p
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, sp_partial: bool):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), ParamMeta((dim,), sp_partial=sp_partial, init="ones"),
+                             dtype)
+
+    def forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal self-attention, split by heads over tp: wq/wk/wv column-parallel (rows),
+    wo row-parallel (columns)."""
+
+    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float):
+        super().__init__()
+        C, hd, tp = cfg.d_model, cfg.head_dim, ops.tp_size
+        self.ops, self.heads, self.hd = ops, cfg.n_heads // tp, hd
+        local = self.heads * hd
+        col = ParamMeta((C, C), tp_dim=0, std=cfg.init_std)
+        self.wq = _param((local, C), col, dtype)
+        self.wk = _param((local, C), col, dtype)
+        self.wv = _param((local, C), col, dtype)
+        self.wo = _param((C, local), ParamMeta((C, C), tp_dim=1, std=resid_std), dtype)
+
+    def forward(self, x):  # x: (B, T, C) full sequence, replicated over tp
+        B, T, _ = x.shape
+        q = F.linear(x, self.wq).view(B, T, self.heads, self.hd).transpose(1, 2)
+        k = F.linear(x, self.wk).view(B, T, self.heads, self.hd).transpose(1, 2)
+        v = F.linear(x, self.wv).view(B, T, self.heads, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
+        return F.linear(y, self.wo)  # partial sum over tp: (B, T, C)
+
+
+class MLP(nn.Module):
+    """GELU MLP split on the hidden dimension: w1 column-parallel, w2 row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float):
+        super().__init__()
+        C, H = cfg.d_model, cfg.ffn_dim
+        local = H // ops.tp_size
+        self.w1 = _param((local, C), ParamMeta((H, C), tp_dim=0, std=cfg.init_std), dtype)
+        self.w2 = _param((C, local), ParamMeta((C, H), tp_dim=1, std=resid_std), dtype)
+
+    def forward(self, x):
+        return F.linear(F.gelu(F.linear(x, self.w1)), self.w2)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops, dtype, ffn: nn.Module | None = None):
+        super().__init__()
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        sp = ops.sequence_parallel
+        self.ops = ops
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, sp)
+        self.attn = Attention(cfg, ops, dtype, resid_std)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, sp)
+        self.mlp = ffn if ffn is not None else MLP(cfg, ops, dtype, resid_std)
+
+    def forward(self, x):  # x: (B, T, C), or (B, T/tp, C) with sequence parallelism
+        ops = self.ops
+        x = x + ops.exit_tp(self.attn(ops.enter_tp(self.norm1(x))))
+        return x + ops.exit_tp(self.mlp(ops.enter_tp(self.norm2(x))))
+
+
+class GPTStage(nn.Module):
+    """Blocks ``layers`` of the model, plus the embedding when ``first`` and the final norm,
+    head and loss when ``last``. ``forward(x, targets)`` takes token ids (B, T) on the first
+    stage, activations (B, T, C) elsewhere; the last stage returns the *sum* of token
+    cross-entropies (the caller scales by the global token count), others the activations.
+    """
+
+    def __init__(self, cfg: ModelConfig, layers, first: bool, last: bool, ops=None,
+                 ffn_factory=None):
+        super().__init__()
+        ops = ops if ops is not None else LocalOps()
+        dtype = DTYPES[cfg.dtype]
+        self.cfg, self.ops, self.first, self.last = cfg, ops, first, last
+        self.layers = list(layers)
+        V, C = cfg.vocab_size, cfg.d_model
+        self.vocab_start, _, self.vocab_local = shard_range(V, ops.tp_size, ops.tp_rank)
+        vocab_meta = ParamMeta((V, C), tp_dim=0, std=cfg.init_std)
+        if first:
+            self.embed = _param((self.vocab_local, C), vocab_meta, dtype)
+        self.blocks = nn.ModuleDict({
+            str(i): Block(cfg, ops, dtype, ffn_factory(i) if ffn_factory else None)
+            for i in self.layers
+        })
+        if last:
+            self.norm_f = RMSNorm(C, cfg.norm_eps, dtype, ops.sequence_parallel)
+            if not cfg.tie_embeddings:
+                self.head = _param((self.vocab_local, C), vocab_meta, dtype)
+
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: rows outside this rank's range contribute zeros."""
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_local)
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        if self.ops.tp_size > 1:
+            h = h.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.ops.exit_tp(h)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        w = self.embed if self.cfg.tie_embeddings else self.head
+        h = self.ops.enter_tp(self.norm_f(x))  # (B, T, C)
+        logits = F.linear(h, w)  # (B, T, V_local)
+        return self.ops.cross_entropy_sum(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+            self.vocab_start, self.cfg.vocab_size)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        if self.first:
+            x = self.embed_tokens(x)
+        for block in self.blocks.values():
+            if self.cfg.recompute and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if not self.last:
+            return x
+        return self.head_loss(x, targets)
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Per-parameter seed: the same global tensor whatever rank or layout creates it."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def local_slice(meta: ParamMeta, tp_size: int, tp_rank: int, ep_size: int = 1,
+                ep_rank: int = 0) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """(global index of this rank's real rows, local valid extent) for a parameter."""
+    index = [slice(0, n) for n in meta.global_shape]
+    for dim, parts, rank in ((meta.tp_dim, tp_size, tp_rank), (meta.expert_dim, ep_size,
+                                                                ep_rank)):
+        if dim is not None and parts > 1:
+            start, stop, _ = shard_range(meta.global_shape[dim], parts, rank)
+            index[dim] = slice(start, stop)
+    return tuple(index), tuple(s.stop - s.start for s in index)
+
+
+@torch.no_grad()
+def init_parameters(stages, seed: int, tp_size: int = 1, tp_rank: int = 0,
+                    ep_size: int = 1, ep_rank: int = 0) -> None:
+    """Initialise each parameter by generating its *global* tensor from a per-name seed and
+    keeping this rank's slice; padding rows are zero. Layout-independent by construction."""
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            m = p.hp
+            if m.init == "ones":
+                full = torch.ones(m.global_shape, dtype=torch.float64)
+            elif m.init == "zeros":
+                full = torch.zeros(m.global_shape, dtype=torch.float64)
+            else:
+                g = torch.Generator().manual_seed(param_seed(seed, name))
+                full = torch.randn(m.global_shape, generator=g, dtype=torch.float64) * m.std
+            index, extent = local_slice(m, tp_size, tp_rank, ep_size, ep_rank)
+            p.zero_()
+            p[tuple(slice(0, n) for n in extent)] = full[index].to(p.dtype)

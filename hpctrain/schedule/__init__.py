@@ -1,0 +1,1 @@
+"""Pipeline schedules as data (actions.py), a simulator (simulate.py) and a runner."""
