@@ -1,0 +1,131 @@
+"""Launching hpctrain as a user does (mpirun + the CLI) and reading what a run leaves.
+
+``train_cli(tmp, n, *overrides)`` runs ``mpirun -n N python -m mpi4py -m hpctrain train``
+on the tiny preset and returns a :class:`Run` with per-step losses and grad norms from
+``metrics.jsonl`` and the final parameters from the final checkpoint (global shapes).
+``baseline(*overrides)`` is the same on one rank, cached per session (keyed by overrides).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(Path(sys.executable))
+TINY = str(ROOT / "share/configs/tiny.toml")
+
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    "OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE",
+}
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ)
+    e.update(MPI_ENV)
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def mpirun(n: int, args: list[str], timeout: float = 300, check: bool = True,
+           extra_env: dict | None = None, mpirun_args: tuple = ()):
+    """Run ``python -m mpi4py ARGS`` on n ranks; returns the CompletedProcess."""
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", *mpirun_args, PY, "-m", "mpi4py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n"
+                             f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def hpctrain(args: list[str], timeout: float = 120, check: bool = True):
+    """The CLI without mpirun (one process, MPI singleton)."""
+    proc = subprocess.run([PY, "-m", "hpctrain", *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hpctrain {args} exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    metrics: list[dict]
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+    stdout: str = ""
+
+    @property
+    def losses(self) -> np.ndarray:
+        return np.array([m["loss"] for m in self.metrics])
+
+    @property
+    def grad_norms(self) -> np.ndarray:
+        return np.array([m["grad_norm"] for m in self.metrics])
+
+
+def read_params(ckpt: Path, prefix: str = "model/") -> dict[str, np.ndarray]:
+    import h5py
+
+    out = {}
+    with h5py.File(ckpt, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[...])
+                     if hasattr(obj, "shape") and name.startswith(prefix) else None)
+    return out
+
+
+def read_run(run_dir: Path, stdout: str = "") -> Run:
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run = Run(run_dir, metrics, stdout=stdout)
+    latest = run_dir / "checkpoints" / "latest"
+    if latest.is_file():
+        run.params = read_params(run_dir / "checkpoints" / latest.read_text().strip())
+    return run
+
+
+def train_cli(run_dir: Path, n: int, *overrides: str, config: str = TINY, timeout=300,
+              extra_env: dict | None = None) -> Run:
+    args = ["-m", "hpctrain", "train", config, "--run-dir", str(run_dir)]
+    for o in overrides:
+        args += ["--set", o]
+    proc = mpirun(n, args, timeout=timeout, extra_env=extra_env)
+    return read_run(Path(run_dir), proc.stdout)
+
+
+_BASELINES: dict = {}
+
+
+def baseline(tmp_root: Path, *overrides: str) -> Run:
+    """The one-rank run with the same overrides (layout keys excluded), cached."""
+    key = tuple(sorted(overrides))
+    if key not in _BASELINES:
+        d = tmp_root / f"baseline_{len(_BASELINES)}"
+        _BASELINES[key] = train_cli(d, 1, *overrides)
+    return _BASELINES[key]
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def assert_same(run: Run, ref: Run, rel: float = 1e-9, what: str = "") -> None:
+    """Same losses, grad norms and final parameters as the reference (invariant 1)."""
+    assert len(run.losses) == len(ref.losses), (what, run.losses, ref.losses)
+    e = rel_err(run.losses, ref.losses)
+    assert e <= rel, f"{what}: losses differ by {e:.3e}: {run.losses} vs {ref.losses}"
+    e = rel_err(run.grad_norms, ref.grad_norms)
+    assert e <= rel, f"{what}: grad norms differ by {e:.3e}"
+    assert ref.params, "the reference run wrote no final checkpoint"
+    assert set(run.params) == set(ref.params), (what, set(run.params) ^ set(ref.params))
+    for name, value in ref.params.items():
+        e = rel_err(run.params[name], value)
+        assert e <= rel, f"{what}: parameter {name} differs by {e:.3e}"
