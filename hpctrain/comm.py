@@ -127,6 +127,16 @@ class Handle:
         self._keep = None
 
 
+class _DoneRequest:
+    """A request that is already complete (size-1 groups)."""
+
+    def Test(self) -> bool:  # noqa: N802 - mirrors MPI.Request
+        return True
+
+    def Wait(self) -> None:  # noqa: N802
+        return None
+
+
 def wait_all(handles) -> None:
     for h in handles:
         h.wait()
@@ -208,6 +218,20 @@ class Group:
                   lambda: self.mpi.Reduce_scatter_block(sb, rb, MPI.SUM))
         return t_out
 
+    def ireduce_scatter(self, t_in: torch.Tensor, t_out: torch.Tensor) -> Handle:
+        """Nonblocking :meth:`reduce_scatter`; ``t_out`` is valid after ``wait()``. 16-bit
+        inputs are reduced in float32 (``t_out`` may be float32 to keep that precision)."""
+        rec = RECORDER.post("ireduce_scatter", self.axis, -1, t_in.nbytes)
+        src = t_in.float() if t_in.dtype in _LOW_PRECISION else t_in
+        dst = t_out.float() if t_out.dtype in _LOW_PRECISION or src.dtype != t_out.dtype \
+            else t_out
+        finalise = (lambda: t_out.copy_(dst)) if dst is not t_out else None
+        if self.size == 1:
+            dst.copy_(src)
+            return Handle(_DoneRequest(), rec, finalise=finalise)
+        req = self.mpi.Ireduce_scatter_block(_buffer(src), _buffer(dst), MPI.SUM)
+        return Handle(req, rec, finalise=finalise, keep=(src, dst))
+
     # -- data movement -----------------------------------------------------------------
     def allgather(self, t_in: torch.Tensor, t_out: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``t_in`` along dim 0 into ``t_out`` (rank order)."""
@@ -278,10 +302,11 @@ def world() -> Group:
     return Group(MPI.COMM_WORLD, "world")
 
 
-def cartesian(world_group: Group, dims, key: int) -> Group:
-    """A non-periodic Cartesian communicator; ``key`` orders ranks (placement)."""
+def cartesian(world_group: Group, dims, key: int | None = None) -> Group:
+    """A non-periodic Cartesian communicator. ``key`` (the same choice on every rank: all
+    None or all ints) reorders ranks for a placement; collective over the world."""
     base = world_group.mpi
-    if key != base.Get_rank():
+    if key is not None:
         base = base.Split(0, key)
     return Group(base.Create_cart(list(dims), periods=[False] * len(dims), reorder=False),
                  "grid")
@@ -315,3 +340,21 @@ def abort(code: int = 1) -> None:
 
 def wtime() -> float:
     return MPI.Wtime()
+
+
+def finalize() -> None:
+    """Finalise MPI (collective over the world) before ``os._exit`` with a status code."""
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+def mpi_info(hints: dict):
+    """An ``MPI.Info`` holding string hints (MPI-IO: striping_factor, cb_nodes, ...), for
+    libraries that open files over a communicator (parallel HDF5); ``MPI.INFO_NULL`` when
+    there are none."""
+    if not hints:
+        return MPI.INFO_NULL
+    info = MPI.Info.Create()
+    for key, value in hints.items():
+        info.Set(str(key), str(value))
+    return info

@@ -90,7 +90,7 @@ class Topology:
         n = self.dims[0] * self.dims[1] * self.dims[2] * self.dims[3]
         if n != self.world.size:
             raise ValueError(f"grid {self.dims} has {n} ranks, world has {self.world.size}")
-        key = self.world.rank
+        key = None
         if tcfg.placement == "naive":
             key = naive_order(n, self.dims)[self.world.rank]
         self.cart = comm.cartesian(self.world, self.dims, key)

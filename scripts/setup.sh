@@ -60,7 +60,8 @@ if ! "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>
   HDF5_MPI=ON CC=mpicc $PIP install --no-binary=h5py --no-build-isolation --no-cache-dir \
       --force-reinstall --no-deps h5py
 fi
-if ! "$PY" -c "import hpctrain" 2>/dev/null; then
+PY_ABS="$(cd "$VENV" && pwd)/bin/python"
+if ! (cd / && "$PY_ABS" -c "import hpctrain" 2>/dev/null); then  # not via the cwd
   say "installing hpctrain (editable)"
   $PIP install --no-build-isolation --no-deps -e . >/dev/null
 fi

@@ -1,0 +1,77 @@
+"""``hpctrain bench`` end to end at the tiny size: one command runs every benchmark under
+mpirun, writes bench.json and bench.md of the documented shape, and both sides of every
+comparison computed the same thing (no timing is asserted: the machine is shared)."""
+
+import json
+
+import pytest
+from launch import hpctrain
+
+pytestmark = pytest.mark.e2e
+
+PAIRS = {  # benchmark -> (ranks, variants that must both appear)
+    "gradsync": ((2, 4), ("hpctrain bucketed", "per-parameter", "limit: one Allreduce")),
+    "ddp": ((2,), ("hpctrain dp (MPI, bucketed)", "torch DDP (gloo)")),
+    "pipeline": ((2,), ("hpctrain 1f1b (MPI isend/irecv)", "torch Schedule1F1B (gloo)")),
+    "overhead": ((1,), ("hpctrain train", "plain PyTorch loop")),
+}
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = hpctrain(["bench", "--size", "tiny", "--repeats", "1", "--out", str(out)],
+                    timeout=400, check=False)
+    doc = json.loads((out / "bench.json").read_text())
+    return proc, doc, (out / "bench.md").read_text()
+
+
+def _results(doc, name):
+    return [r for r in doc["results"] if r["bench"] == name]
+
+
+def test_every_part_ran_and_command_succeeded(bench):
+    proc, doc, _ = bench
+    failed = [r for r in doc["results"] if "error" in r]
+    assert not failed, failed
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {"date", "host", "torch", "mpi"} <= set(doc["meta"])
+    assert doc["size"] == "tiny" and doc["repeats"] == 1
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_comparison_shape_and_same_result(bench, name):
+    _, doc, _ = bench
+    ranks, variants = PAIRS[name]
+    results = _results(doc, name)
+    assert sorted(r["ranks"] for r in results) == sorted(ranks)
+    for r in results:
+        assert [row["variant"] for row in r["rows"]] == list(variants)
+        for row in r["rows"]:
+            assert row["median"] > 0 and len(row["samples"]) >= 1
+        assert r["ratios"] and all(q["value"] > 0 and q["target"] for q in r["ratios"])
+        check = r["check"]
+        assert check["ok"], (name, r["ranks"], check)
+        if name != "gradsync":  # training: both sides' per-step losses, same and finite
+            losses = list(check["values"].values())
+            assert len(losses) == 2 and len(losses[0]) == len(losses[1]) >= 2
+            assert check["rel_err"] <= 1e-4
+
+
+def test_collectives_table(bench):
+    _, doc, md = bench
+    (res,) = _results(doc, "collectives")
+    table = res["table"]
+    axes = {(r["axis"], r["ranks"]) for r in table}
+    assert axes == {("tp", 2), ("dp", 2), ("world", 4)}
+    assert {r["op"] for r in table} == {"allreduce", "allgather", "reduce_scatter",
+                                         "alltoall", "sendrecv"}
+    assert all(r["latency_us"] > 0 and r["bw_MBps"] > 0 for r in table)
+    assert "| axis (ranks) | bytes |" in md and "| benchmark | ranks |" in md
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    proc = hpctrain(["bench", "--repeats", "0", "--out", str(tmp_path)], check=False)
+    assert proc.returncode == 2 and "--repeats must be >= 1" in proc.stderr
+    proc = hpctrain(["bench", "--only", "nonsense", "--out", str(tmp_path)], check=False)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -1,0 +1,123 @@
+"""Any layout restores any checkpoint (invariant 4), float64, through the real CLI.
+
+Each case: the one-rank run of 6 steps straight (saving at step 3) is the reference. Layout X
+trains 6 steps saving at 3 (compared with the reference too); layout Y restarts from X's
+step 3 and trains 3 more. Y's losses and grad norms must equal the reference's steps 4-6 and
+its final parameters *and optimizer state* the reference's, within 1e-9 relative.
+A case whose parallelism has not landed yet is skipped, naming the missing feature.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from launch import assert_same, baseline, read_params, rel_err, train_cli
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ("train.steps=6", "checkpoint.every=3")
+
+
+def _zero_available() -> bool:
+    from hpctrain import optim
+
+    return hasattr(optim, "ZeroAdamW") or "zero" in (ROOT / "hpctrain/optim.py").read_text()
+
+
+FEATURES = {
+    "tp": lambda: (ROOT / "hpctrain/parallel/tensor.py").is_file(),
+    "pp": lambda: (ROOT / "hpctrain/schedule/actions.py").is_file(),
+    "ep": lambda: (ROOT / "hpctrain/parallel/expert.py").is_file(),
+    "zero": _zero_available,
+}
+
+
+def needs(*features):
+    missing = [f for f in features if not FEATURES[f]()]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (not in the tree yet)")
+
+
+def layout(dp=1, tp=1, pp=1, ep=1):
+    return (f"topology.dp={dp}", f"topology.tp={tp}", f"topology.pp={pp}", f"topology.ep={ep}")
+
+
+def ckpt(run, step):
+    return run.run_dir / "checkpoints" / f"step_{step:08d}.h5"
+
+
+def assert_tail_equal(run, ref, start: int, what: str):
+    """``run`` resumed at ``start``: its steps equal the reference's steps start+1.."""
+    assert len(run.losses) == len(ref.losses) - start, (what, run.losses)
+    for name, a, b in (("losses", run.losses, ref.losses[start:]),
+                       ("grad norms", run.grad_norms, ref.grad_norms[start:])):
+        e = rel_err(a, b)
+        assert e <= 1e-9, f"{what}: {name} differ by {e:.3e}: {a} vs {b}"
+    for prefix in ("model/", "optim/"):
+        mine, want = read_params(ckpt(run, 6), prefix), read_params(ckpt(ref, 6), prefix)
+        assert want and set(mine) == set(want), (what, set(mine) ^ set(want))
+        for name, value in want.items():
+            e = rel_err(mine[name], value)
+            assert e <= 1e-9, f"{what}: {name} differs by {e:.3e}"
+
+
+def reshard(tmp_path, ref, save, load, extra=(), save_extra=(), load_extra=()):
+    """Train on layout ``save`` (n ranks) saving at 3, restart on ``load`` from step 3."""
+    n_save = np.prod([int(o.split("=")[1]) for o in save if not o.startswith("topology.ep")])
+    n_load = np.prod([int(o.split("=")[1]) for o in load if not o.startswith("topology.ep")])
+    if ref is None or tuple(save) != layout():
+        a = train_cli(tmp_path / "save", int(n_save), *COMMON, *extra, *save, *save_extra)
+        if ref is not None:
+            assert_same(a, ref, rel=1e-9, what=f"straight run on {save}")
+    else:
+        a = ref
+    b = train_cli(tmp_path / "load", int(n_load), "train.steps=6", *extra, *load, *load_extra,
+                  f"checkpoint.resume={ckpt(a, 3)}")
+    return a, b
+
+
+def test_dp2_to_dp4_and_one_rank_reference(tmp_path, session_dir):
+    # Runs now: the machinery itself (replicated writes once, reads everywhere).
+    ref = baseline(session_dir, *COMMON)
+    _, b = reshard(tmp_path, ref, layout(dp=2), layout(dp=4))
+    assert_tail_equal(b, ref, 3, "dp=2 -> dp=4")
+
+
+def test_dp4_to_dp2_tp2(tmp_path, session_dir):
+    needs("tp")
+    ref = baseline(session_dir, *COMMON)
+    _, b = reshard(tmp_path, ref, layout(dp=4), layout(dp=2, tp=2))
+    assert_tail_equal(b, ref, 3, "dp=4 -> dp=2 x tp=2")
+
+
+def test_tp2_pp2_to_one_rank(tmp_path, session_dir):
+    needs("tp", "pp")
+    ref = baseline(session_dir, *COMMON)
+    _, b = reshard(tmp_path, ref, layout(tp=2, pp=2), layout())
+    assert_tail_equal(b, ref, 3, "tp=2 x pp=2 -> 1 rank")
+
+
+def test_one_rank_to_pp2_dp2_tp2(tmp_path, session_dir):
+    needs("tp", "pp")
+    ref = baseline(session_dir, *COMMON)
+    _, b = reshard(tmp_path, ref, layout(), layout(dp=2, tp=2, pp=2))
+    assert_tail_equal(b, ref, 3, "1 rank -> pp=2 x dp=2 x tp=2")
+
+
+def test_ep2_to_ep1(tmp_path, session_dir):
+    needs("ep")
+    moe = ("model.num_experts=4",)
+    ref = baseline(session_dir, *COMMON, *moe)
+    _, b = reshard(tmp_path, ref, layout(dp=2, ep=2), layout(dp=2), extra=moe)
+    assert_tail_equal(b, ref, 3, "ep=2 -> ep=1")
+
+
+def test_optimizer_state_reshard_zero(tmp_path, session_dir):
+    """ZeRO-1 shards of the optimizer state over dp=4 restored as dp=2 shards (and the
+    file holds the global tensors: compared with the unsharded reference)."""
+    needs("zero")
+    ref = baseline(session_dir, *COMMON)
+    _, b = reshard(tmp_path, ref, layout(dp=4), layout(dp=2), save_extra=("optim.zero=1",),
+                   load_extra=("optim.zero=1",))
+    assert_tail_equal(b, ref, 3, "zero=1 dp=4 -> zero=1 dp=2")

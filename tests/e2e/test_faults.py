@@ -1,0 +1,101 @@
+"""Every injected fault ends the job with a clear message or is recovered from.
+
+Faults come from ``telemetry.faults`` (see hpctrain/faults.py): a killed rank, a stalled
+rank (watchdog), a poisoned gradient (numeric guard), an exception (python -m mpi4py).
+"""
+
+import json
+import math
+
+import pytest
+from launch import assert_same, baseline, mpirun, read_run, rel_err, train_cli
+
+pytestmark = pytest.mark.e2e
+
+WATCHDOG_S = 5
+MARGIN_S = 60  # start-up of 2 ranks on a loaded machine, grace periods, abort
+
+
+def launch(run_dir, n, *overrides, timeout, mpirun_args=()):
+    args = ["-m", "hpctrain", "train", "share/configs/tiny.toml", "--run-dir", str(run_dir)]
+    for o in overrides:
+        args += ["--set", o]
+    return mpirun(n, args, timeout=timeout, check=False, mpirun_args=mpirun_args)
+
+
+def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, session_dir):
+    run_dir = tmp_path / "killed"
+    proc = launch(run_dir, 2, "topology.dp=2", "checkpoint.every=2",
+                     f"telemetry.watchdog_s={WATCHDOG_S}", 'telemetry.faults="kill@1:3"',
+                     timeout=WATCHDOG_S + MARGIN_S)  # a hang raises TimeoutExpired
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "rank 1" in out, out[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002.h5"
+    # Resumable: steps 3..5 continue exactly the uninterrupted run.
+    resumed = train_cli(run_dir, 2, "topology.dp=2", "checkpoint.every=2",
+                        'checkpoint.resume="auto"')
+    assert [m["step"] for m in resumed.metrics] == [1, 2, 3, 4, 5]
+    ref = baseline(session_dir)
+    assert_same(resumed, ref, rel=1e-9, what="resumed after a killed rank")
+
+
+def test_killed_rank_under_a_launcher_that_waits_is_ended_by_the_watchdog(tmp_path):
+    # mpirun above ends the job itself when a process dies; with --enable-recovery it does
+    # not (like srun without --kill-on-bad-exit): the survivor sits in the gradient
+    # all-reduce until its watchdog names the dead rank and aborts. (In this mode mpirun
+    # reports exit status 0 whatever the ranks return, so only the ending is checked.)
+    run_dir = tmp_path / "killed_recovery"
+    proc = launch(run_dir, 2, "topology.dp=2", f"telemetry.watchdog_s={WATCHDOG_S}",
+                  'telemetry.faults="kill@1:2"', timeout=WATCHDOG_S + MARGIN_S,
+                  mpirun_args=("--enable-recovery",))
+    msg = (run_dir / "watchdog" / "summary.txt").read_text()
+    assert "Stuck: rank 1: no flight record (dead" in msg, proc.stderr[-3000:]
+    assert "rank 0 (pp=0, dp=0, ep=0, tp=0) on" in msg and "waiting in iallreduce on dp" in msg
+    assert msg.splitlines()[0] in proc.stderr
+
+
+def test_stalled_rank_is_named_by_the_watchdog(tmp_path):
+    run_dir = tmp_path / "stalled"
+    proc = launch(run_dir, 2, "topology.dp=2", f"telemetry.watchdog_s={WATCHDOG_S}",
+                     'telemetry.faults="stall@1:2:600"', timeout=WATCHDOG_S + MARGIN_S)
+    assert proc.returncode != 0
+    msg = (run_dir / "watchdog" / "summary.txt").read_text()
+    assert msg.splitlines()[0] in proc.stderr  # the one message, printed once
+    assert proc.stderr.count("hpctrain watchdog:") == 1
+    head = msg.splitlines()[0]
+    assert "Stuck: rank 1 (pp=0, dp=1, ep=0, tp=0)" in head and "'compute'" in head, msg
+    assert "rank 0 (pp=0, dp=0, ep=0, tp=0)" in msg and "waiting in iallreduce on dp" in msg
+    for r in (0, 1):
+        rec = json.loads((run_dir / "watchdog" / f"rank{r}.json").read_text())
+        assert rec["rank"] == r and rec["step"] == 2 and rec["ops"]
+        assert {"op", "axis", "peer", "peer_coords", "bytes", "state"} <= set(rec["ops"][-1])
+    assert rec["phase"] == "compute"
+    flying = [o for o in json.loads((run_dir / "watchdog" / "rank0.json").read_text())["ops"]
+              if o["state"] == "in-flight"]
+    assert flying and flying[-1]["axis"] == "dp"
+    stack = (run_dir / "watchdog" / "rank1.stack").read_text()
+    assert "faults.py" in stack and "inject" in stack
+
+
+def test_poisoned_gradient_skips_the_step_and_training_continues(tmp_path, session_dir):
+    run = train_cli(tmp_path / "poison", 2, "topology.dp=2", 'telemetry.faults="poison@0:2"')
+    by_step = {m["step"]: m for m in run.metrics}
+    assert by_step[2]["skipped"] and "gradient norm is nan" in by_step[2]["skip_reason"]
+    assert not math.isfinite(by_step[2]["grad_norm"])
+    assert [by_step[s]["skips_total"] for s in range(1, 6)] == [0, 1, 1, 1, 1]
+    assert not any(by_step[s]["skipped"] for s in (1, 3, 4, 5))
+    assert all(math.isfinite(m["loss"]) for m in run.metrics)
+    # Steps 1 and 2 saw the same weights as the clean run; step 3 did not get step 2's update.
+    ref = baseline(session_dir)
+    assert rel_err(run.losses[:2], ref.losses[:2]) <= 1e-9
+    assert rel_err(run.losses[2:3], ref.losses[2:3]) > 1e-9
+
+
+def test_exception_on_one_rank_aborts_all(tmp_path):
+    proc = launch(tmp_path / "raise", 2, "topology.dp=2", 'telemetry.faults="raise@1:2"',
+                     timeout=MARGIN_S)
+    assert proc.returncode != 0
+    assert "injected fault: rank 1 raises at step 2" in proc.stderr
+    assert not (tmp_path / "raise" / "checkpoints" / "latest").exists()
+    assert len(read_run(tmp_path / "raise").metrics) == 1

@@ -1,0 +1,235 @@
+"""The jobs/ templates against a real local SLURM (scripts/slurm.sh): no mocks.
+
+The module fixture starts slurmctld + slurmd for this host (installing Debian's slurm-wlm and
+munge when missing) and submits the long-running jobs at once so they overlap; each test then
+waits for its job. The tiny preset in float64 on 2 ranks; the preempted run is compared step
+by step with the uninterrupted single-node run (same layout, same steps).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from launch import PY, ROOT, TINY, assert_same, env, read_run
+
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
+
+SCRIPT = str(ROOT / "scripts/slurm.sh")
+STEPS = 12  # long enough to signal the preemptible job mid-run after polling its metrics
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+def _slurm_cmd(*args: str, timeout: float = 30) -> str:
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)}: {proc.stderr}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A running single-host SLURM; stopped afterwards unless it was up before."""
+    was_up = subprocess.run(["bash", SCRIPT, "status"], capture_output=True).returncode == 0
+    proc = subprocess.run(["bash", SCRIPT, "start"], capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        can_install = os.geteuid() == 0 and shutil.which("apt-get") is not None
+        if can_install or shutil.which("sbatch"):  # it should have worked: a real failure
+            pytest.fail(f"scripts/slurm.sh start failed:\n{proc.stdout}\n{proc.stderr}")
+        pytest.skip("SLURM is not installed and cannot be (needs root and apt-get): "
+                    + proc.stderr.strip().splitlines()[-1])
+    yield
+    if not was_up:
+        subprocess.run(["bash", SCRIPT, "stop"], capture_output=True, timeout=120)
+
+
+def job_env(**extra) -> dict:
+    # CPU_BIND empty: the test cluster has no task/affinity plugin (srun would warn).
+    return env(HPCTRAIN_ROOT=ROOT, PYTHON=PY, CPU_BIND="", **extra)
+
+
+def sbatch(out_dir: Path, script: str, *args: str, **variables) -> str:
+    """Submit ``script`` from the checkout with ``variables`` in its environment; job id."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = ["sbatch", "--parsable", "-o", str(out_dir / "slurm-%j.out"), *args, script]
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(**variables), capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, f"{cmd}: {proc.stderr}"
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_records(job_id: str) -> list[dict]:
+    """``scontrol show job -o`` as dicts, one per job (array elements each)."""
+    out = _slurm_cmd("scontrol", "show", "job", "-o", job_id)
+    return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line]
+
+
+def wait_for(job_id: str, timeout: float = 240) -> list[dict]:
+    """Poll until every record of the job is in a terminal state; returns the records."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = job_records(job_id)
+        if records and all(r["JobState"] in TERMINAL for r in records):
+            return records
+        assert time.monotonic() < deadline, f"job {job_id} not done in {timeout} s: {records}"
+        time.sleep(0.5)
+
+
+def output_of(out_dir: Path, job_id: str) -> str:
+    return "\n".join(p.read_text() for p in sorted(out_dir.glob(f"slurm-{job_id}*.out")))
+
+
+def assert_completed(records: list[dict], out_dir: Path) -> None:
+    for r in records:
+        assert r["JobState"] == "COMPLETED" and r["ExitCode"] == "0:0", (
+            f"job {r['JobId']}: {r['JobState']} exit {r['ExitCode']}\n"
+            + output_of(out_dir, r["JobId"])[-6000:])
+
+
+@pytest.fixture(scope="module")
+def submitted(slurm, tmp_path_factory):
+    """Jobs submitted together at the start (they overlap): name -> (job id, dir)."""
+    d = tmp_path_factory.mktemp("slurm")
+    jobs = {
+        "single": (d / "single", "jobs/single-node.sbatch", ["--ntasks-per-node=2"],
+                   dict(CONFIG=TINY, OVERRIDES=f"train.steps={STEPS}")),
+        "multi": (d / "multi", "jobs/multi-node.sbatch", ["--nodes=1", "--ntasks-per-node=2"],
+                  dict(CONFIG=TINY, LAYOUT="topology.tp=2", OVERRIDES="train.steps=2")),
+        "sweep": (d / "sweep", "jobs/sweep.sbatch", ["--array=0-2", "--ntasks-per-node=1"],
+                  dict(CONFIG=TINY, KEY="optim.lr", VALUES="1e-3 2e-3 4e-3",
+                       OVERRIDES="train.steps=2")),
+    }
+    if (ROOT / "hpctrain/cli/plan.py").is_file():
+        jobs["plan"] = (d / "plan", "jobs/dry-run.sbatch", ["--ntasks-per-node=4"],
+                        dict(CONFIG=TINY, LAYOUT="topology.tp=2 topology.dp=2"))
+    out = {}
+    for name, (jd, script, args, variables) in jobs.items():
+        variables.setdefault("RUN_DIR", str(jd / "run"))
+        if name == "sweep":
+            variables["RUN_ROOT"] = str(jd / "run")
+        out[name] = (sbatch(jd, script, *args, **variables), jd)
+    return out
+
+
+def test_single_node_trains(submitted):
+    job_id, d = submitted["single"]
+    assert_completed(wait_for(job_id), d)
+    run = read_run(d / "run")
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(x) for x in run.losses)
+    assert run.losses[-1] < run.losses[0] - 0.5, run.losses  # it learns
+    log = (d / "run/train.log").read_text()
+    assert f"SLURM job {job_id}: 2 tasks on 1 node(s), restart count 0" in log
+
+
+def _poll_steps(run_dir: Path, n: int, job_id: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n):
+        state = job_records(job_id)[0]["JobState"]
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job_id} {state} early"
+        assert time.monotonic() < deadline, f"job {job_id}: no {n} steps in {timeout} s"
+        time.sleep(0.1)
+
+
+def _wait_requeued(job_id: str, timeout: float = 120) -> None:
+    """Until SLURM has requeued the job (it starts again after AuthInfo=cred_expire, 10 s
+    on the test cluster; starting it earlier fails with "Job credential revoked")."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = job_records(job_id)[0]
+        if int(r["Restarts"]) >= 1:
+            return
+        assert r["JobState"] not in TERMINAL, f"job {job_id} ended instead of requeueing: {r}"
+        assert time.monotonic() < deadline, f"job {job_id} not requeued: {r}"
+        time.sleep(0.2)
+
+
+def test_preemption_requeues_and_resumes_exactly(submitted, tmp_path):
+    """USR1 mid-run -> checkpoint, exit 75, scontrol requeue, resume from latest: the losses,
+    grad norms and final parameters equal the uninterrupted run's (float64, rel 1e-9)."""
+    run_dir = tmp_path / "run"
+    job_id = sbatch(tmp_path, "jobs/preemptible.sbatch", "--ntasks-per-node=2",
+                    CONFIG=TINY, RUN_DIR=str(run_dir), OVERRIDES=f"train.steps={STEPS}")
+    _poll_steps(run_dir, 2, job_id)
+    _slurm_cmd("scancel", "--signal=USR1", "--batch", job_id)
+    _wait_requeued(job_id)
+    records = wait_for(job_id)
+    assert_completed(records, tmp_path)
+    assert records[0]["Restarts"] == "1"
+
+    log = (run_dir / "train.log").read_text()
+    stopped = re.search(r"stop requested by signal at step (\d+)/", log)
+    assert stopped, log
+    k = int(stopped.group(1))
+    assert 2 <= k < STEPS, f"stopped at step {k}: not mid-run"
+    assert re.search(rf"resumed from \S+step_{k:08d}.h5 at step {k}\b", log), log
+    assert "restart count 1" in log
+    run = read_run(run_dir)
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1)), "a step lost/redone"
+
+    ref_id, ref_dir = submitted["single"]
+    assert_completed(wait_for(ref_id), ref_dir)
+    assert_same(run, read_run(ref_dir / "run"), 1e-9, "preempted + requeued vs uninterrupted")
+
+
+def test_singletons_refused(slurm, tmp_path):
+    """Two `python -m hpctrain train` in a 2-task batch script (no srun): each is an MPI
+    singleton of size 1 != SLURM_NTASKS; both must stop before training, saying how to launch."""
+    script = tmp_path / "singletons.sh"
+    cmd = (f"{PY} -m mpi4py -m hpctrain train {TINY} --run-dir {tmp_path}/run "
+           f"--set topology.dp=2")
+    script.write_text("#!/bin/bash\n"
+                      f"{cmd} > {tmp_path}/r0.txt 2>&1 & p0=$!\n"
+                      f"{cmd} > {tmp_path}/r1.txt 2>&1 & p1=$!\n"
+                      "wait $p0; r0=$?; wait $p1; r1=$?\n"
+                      'echo "exit codes $r0 $r1"\n')
+    job_id = sbatch(tmp_path, str(script), "--ntasks=2")
+    wait_for(job_id, timeout=120)
+    out = output_of(tmp_path, job_id)
+    codes = re.search(r"exit codes (\d+) (\d+)", out)
+    assert codes and codes.group(1) != "0" and codes.group(2) != "0", out
+    for r in ("r0", "r1"):
+        text = (tmp_path / f"{r}.txt").read_text()
+        assert "SLURM allocated 2 tasks (SLURM_NTASKS) but this MPI world has 1 rank" in text, text
+        assert "srun --mpi=pmix" in text, text
+    assert not (tmp_path / "run/metrics.jsonl").exists(), "singletons started training"
+
+
+def test_multi_node_template_runs(submitted):
+    job_id, d = submitted["multi"]
+    assert_completed(wait_for(job_id), d)
+    run = read_run(d / "run")
+    assert len(run.metrics) == 2 and all(math.isfinite(x) for x in run.losses)
+    assert "grid (pp, dp_outer, ep, tp) = (1, 1, 1, 2)" in (d / "run/train.log").read_text()
+
+
+def test_sweep_array_runs_each_value(submitted):
+    job_id, d = submitted["sweep"]
+    records = wait_for(job_id)
+    assert len(records) == 3
+    assert_completed(records, d)
+    second_losses = set()
+    for value in ("1e-3", "2e-3", "4e-3"):
+        run_dir = d / "run" / f"optim.lr={value}"
+        assert re.search(rf"^lr = {float(value)!r}$", (run_dir / "config.toml").read_text(),
+                         re.M), value
+        second_losses.add(read_run(run_dir).losses[1])
+    assert len(second_losses) == 3, "the sweep values did not reach the runs"
+
+
+def test_dry_run_template_plans(submitted):
+    if "plan" not in submitted:
+        pytest.skip("hpctrain plan (hpctrain/cli/plan.py) does not exist yet; "
+                    "jobs/dry-run.sbatch calls it")
+    job_id, d = submitted["plan"]
+    assert_completed(wait_for(job_id), d)
+    out = output_of(d, job_id)
+    assert "plan for 4 ranks" in out, out
+    assert "4 ranks: dp=2 (ep=1) x tp=2 x pp=1" in out, out  # the job's world size, LAYOUT

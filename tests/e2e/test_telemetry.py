@@ -1,0 +1,85 @@
+"""Where the time went, through the real CLI: breakdown, MFU, stragglers, trace, report."""
+
+import json
+
+import pytest
+from launch import TINY, train_cli
+
+from hpctrain.__main__ import main as hpctrain_main
+from hpctrain.config import load
+from hpctrain.flops import train_flops_per_token
+
+pytestmark = pytest.mark.e2e
+
+SLOW_RANK = 3  # world rank slowed on purpose: (pp=0, dp=1, ep=0, tp=1) on dp=2 x tp=2
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """4 ranks (dp=2 x tp=2), 3 steps, every step traced, rank 3 sleeping 0.5 s per step."""
+    d = tmp_path_factory.mktemp("telemetry") / "run"
+    return train_cli(d, 4, "topology.dp=2", "topology.tp=2", "train.steps=3",
+                     "telemetry.trace=true", 'telemetry.trace_steps="all"',
+                     f'telemetry.faults="slow@{SLOW_RANK}:1:0.5"')
+
+
+def test_breakdown_adds_up_and_names_every_axis(traced):
+    for m in traced.metrics:
+        parts = m["time_s"]
+        assert all(v >= -1e-6 for v in parts.values()), parts
+        # An accounting identity, not a timing: categories + exposed comm + other = step.
+        assert abs(sum(parts.values()) - m["step_time_s"]) <= 0.02 * m["step_time_s"], parts
+        assert {"data", "compute", "grad_sync", "optimizer", "comm_dp", "comm_tp"} <= set(parts)
+        assert m["comm_bytes"]["dp"] > 0 and m["comm_bytes"]["tp"] > 0
+
+
+def test_throughput_and_mfu(traced):
+    cfg = load(TINY, ["train.steps=3"])
+    fpt = train_flops_per_token(cfg.model, cfg.train.seq_len)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    for m in traced.metrics:
+        assert m["flops_per_token"] == pytest.approx(fpt)
+        assert m["tokens_per_s"] == pytest.approx(tokens / m["step_time_s"])
+        assert m["tflops_per_rank"] * 1e12 == pytest.approx(fpt * tokens / m["step_time_s"] / 4)
+        assert 0 < m["mfu"] < 1
+
+
+def test_straggler_report_names_the_slowed_rank(traced):
+    for m in traced.metrics:
+        s = m["straggler"]
+        assert s["rank"] == SLOW_RANK, m["ranks"]
+        assert "(pp=0, dp=1, ep=0, tp=1)" in s["name"]
+        assert m["step_s_min"] <= m["step_s_median"] <= m["step_s_max"]
+        assert len(m["ranks"]["busy_s"]) == 4
+    assert f"slowest rank {SLOW_RANK} (pp=0, dp=1, ep=0, tp=1)" in traced.stdout
+
+
+def test_trace_is_chrome_json_with_every_rank(traced):
+    trace = json.loads((traced.run_dir / "trace.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
+    assert {e["args"]["step"] for e in events} == {1, 2, 3}
+    for e in events:
+        assert e["dur"] >= 0 and isinstance(e["ts"], float) and isinstance(e["tid"], int)
+    comm = [e for e in events if e["cat"] == "comm"]
+    assert {e["args"]["axis"] for e in comm} >= {"dp", "tp"}
+    assert all(e["args"]["bytes"] >= 0 for e in comm)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert "rank 3 (pp=0, dp=1, ep=0, tp=1)" in names
+    assert not (traced.run_dir / "trace").exists()  # per-rank parts merged and removed
+
+
+def test_report_renders_pngs_and_summary(traced, capsys):
+    out = traced.run_dir / "report"
+    assert hpctrain_main(["report", str(traced.run_dir)]) == 0
+    for png in ("loss_lr.png", "breakdown.png", "ranks.png", "timeline.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000, png
+    summary = (out / "summary.md").read_text()
+    assert f"slowest rank (last interval): rank {SLOW_RANK}" in summary
+    assert "| comm_dp |" in summary and "MFU" in summary
+
+
+def test_report_rejects_a_directory_without_metrics(tmp_path, capsys):
+    assert hpctrain_main(["report", str(tmp_path)]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err

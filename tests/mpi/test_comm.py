@@ -1,0 +1,121 @@
+"""Every comm.py collective against a numpy reference, at any world size (run under mpirun)."""
+
+import numpy as np
+import pytest
+import torch
+
+from hpctrain import comm
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def world():
+    return comm.world()
+
+
+def rank_data(rank, shape, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_allreduce(world, dtype):
+    t = rank_data(world.rank, (5, 3), dtype)
+    ref = sum(rank_data(r, (5, 3), dtype).double() for r in range(world.size))
+    world.allreduce_(t)
+    tol = 1e-12 if dtype == torch.float64 else (1e-5 if dtype == torch.float32 else 2e-2)
+    np.testing.assert_allclose(t.double().numpy(), ref.numpy(), rtol=tol, atol=tol * 4)
+
+
+def test_allreduce_max_and_scalar(world):
+    t = torch.tensor([float(world.rank), -float(world.rank)], dtype=torch.float64)
+    world.allreduce_(t, "max")
+    assert t.tolist() == [world.size - 1, 0.0]
+    assert world.allreduce(1.0) == world.size
+    assert world.allreduce(float(world.rank), "min") == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_iallreduce(world, dtype):
+    t = rank_data(world.rank, (7,), dtype)
+    ref = sum(rank_data(r, (7,), dtype).double() for r in range(world.size))
+    h = world.iallreduce_(t)
+    h.wait()
+    h.wait()  # idempotent
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    np.testing.assert_allclose(t.double().numpy(), ref.numpy(), rtol=tol, atol=tol * 4)
+
+
+def test_allgather_and_reduce_scatter(world):
+    n = world.size
+    mine = rank_data(world.rank, (2, 3))
+    out = torch.empty(2 * n, 3, dtype=torch.float64)
+    world.allgather(mine, out)
+    ref = torch.cat([rank_data(r, (2, 3)) for r in range(n)])
+    assert torch.equal(out, ref)
+    big = rank_data(world.rank, (2 * n, 3))
+    part = torch.empty(2, 3, dtype=torch.float64)
+    world.reduce_scatter(big, part)
+    total = sum(rank_data(r, (2 * n, 3)) for r in range(n))
+    np.testing.assert_allclose(part.numpy(), total[2 * world.rank:2 * world.rank + 2].numpy(),
+                               rtol=1e-12)
+
+
+def test_bcast(world):
+    t = rank_data(world.rank, (4,))
+    world.bcast_(t, root=0)
+    assert torch.equal(t, rank_data(0, (4,)))
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_alltoallv_with_empty_rows(world, blocking):
+    n, r = world.size, world.rank
+    # rank r sends (r + j) % 3 rows to rank j, each row = [r, j, k]
+    send_counts = np.array([(r + j) % 3 for j in range(n)], dtype=np.int64)
+    rows = [[r, j, k] for j in range(n) for k in range(send_counts[j])]
+    send = torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)
+    recv_counts = world.alltoall_counts(send_counts)
+    assert list(recv_counts) == [(j + r) % 3 for j in range(n)]
+    recv = torch.empty(int(recv_counts.sum()), 3, dtype=torch.float64)
+    if blocking:
+        world.alltoallv(send, send_counts, recv, recv_counts)
+    else:
+        world.ialltoallv(send, send_counts, recv, recv_counts).wait()
+    expect = [[j, r, k] for j in range(n) for k in range((j + r) % 3)]
+    assert recv.tolist() == expect
+
+
+def test_isend_irecv_ring(world):
+    n, r = world.size, world.rank
+    out = rank_data(r, (3, 2), torch.bfloat16)
+    got = torch.empty(3, 2, dtype=torch.bfloat16)
+    hr = world.irecv(got, source=(r - 1) % n, tag=7)
+    hs = world.isend(out, dest=(r + 1) % n, tag=7)
+    comm.wait_all([hs, hr])
+    assert torch.equal(got, rank_data((r - 1) % n, (3, 2), torch.bfloat16))
+
+
+def test_proc_null_is_a_no_op(world):
+    t = torch.zeros(2)
+    h = world.irecv(t, source=comm.PROC_NULL)
+    h.wait()
+    world.isend(t, dest=comm.PROC_NULL).wait()
+    assert torch.equal(t, torch.zeros(2))
+
+
+def test_recorder_counts_bytes_per_axis(world):
+    comm.RECORDER.take()
+    t = torch.zeros(16, dtype=torch.float64)
+    world.allreduce_(t)
+    exposed, nbytes = comm.RECORDER.take()
+    if world.size > 1:
+        assert nbytes["world"] == 128 and exposed["world"] >= 0
+        assert comm.RECORDER.ring[-1].op == "allreduce"
+        assert comm.RECORDER.ring[-1].state == "done"
+
+
+def test_non_contiguous_rejected(world):
+    t = torch.zeros(4, 4)[:, 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        comm._buffer(t)

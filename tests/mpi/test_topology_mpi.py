@@ -1,0 +1,70 @@
+"""Cartesian sub-communicators at every layout the world size allows."""
+
+import itertools
+
+import pytest
+import torch
+
+from hpctrain import comm
+from hpctrain.config import TopologyConfig
+from hpctrain.topology import Topology, rank_to_coords
+
+pytestmark = pytest.mark.mpi
+
+
+def layouts(n):
+    for dp, tp, pp in itertools.product([1, 2, 4], repeat=3):
+        if dp * tp * pp == n:
+            for ep in (1, 2):
+                if dp % ep == 0:
+                    yield TopologyConfig(dp=dp, tp=tp, pp=pp, ep=ep)
+
+
+def test_subcommunicators_match_coordinates():
+    world = comm.world()
+    for cfg in layouts(world.size):
+        topo = Topology(cfg, world)
+        c = rank_to_coords(world.rank, topo.dims)
+        assert topo.coords == c
+        assert topo.tp_size == cfg.tp and topo.pp_size == cfg.pp and topo.dp_size == cfg.dp
+        assert topo.ep_size == cfg.ep and topo.edp_comm.size == cfg.dp // cfg.ep
+        assert topo.tp_rank == c.tp and topo.pp_rank == c.pp and topo.ep_rank == c.ep
+        assert topo.dp_rank == c.dp_outer * cfg.ep + c.ep
+        # Every member of my tp group shares my (pp, dp_outer, ep): gather and compare.
+        for group, same in ((topo.tp_comm, ("pp", "dp_outer", "ep")),
+                            (topo.dp_comm, ("pp", "tp")),
+                            (topo.pp_comm, ("dp_outer", "ep", "tp")),
+                            (topo.ep_comm, ("pp", "dp_outer", "tp"))):
+            coords = group.allgather_obj(topo.coords)
+            for other in coords:
+                assert all(getattr(other, a) == getattr(c, a) for a in same), (group, coords)
+        # Pipeline neighbours: PROC_NULL at the ends.
+        if topo.pp_rank == 0:
+            assert topo.pp_prev == comm.PROC_NULL
+        else:
+            assert topo.pp_prev == topo.pp_rank - 1
+        if topo.pp_rank == cfg.pp - 1:
+            assert topo.pp_next == comm.PROC_NULL
+        else:
+            assert topo.pp_next == topo.pp_rank + 1
+        # A reduction over one axis sums exactly that axis's members.
+        assert topo.tp_comm.allreduce(1.0) == cfg.tp
+        t = torch.ones(1)
+        topo.dp_comm.allreduce_(t)
+        assert t.item() == cfg.dp
+
+
+def test_node_local_rank():
+    topo = Topology(TopologyConfig(dp=comm.world().size), comm.world())
+    assert 0 <= topo.local_rank < topo.node_comm.size <= topo.world_size
+    assert topo.hostname
+
+
+def test_naive_placement_permutes_grid():
+    world = comm.world()
+    if world.size < 4:
+        pytest.skip("naive placement differs from auto only with tp and dp > 1")
+    topo = Topology(TopologyConfig(dp=world.size // 2, tp=2, placement="naive"), world)
+    # Ranks 0 and 1 of the world are no longer one tp group.
+    tp_coords = world.allgather_obj(topo.coords.tp)
+    assert tp_coords[0] == tp_coords[1]

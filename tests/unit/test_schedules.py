@@ -1,0 +1,118 @@
+"""Schedules as data, checked by the simulator (no MPI)."""
+
+import pytest
+
+from hpctrain.schedule.actions import KINDS, Action, Schedule, build, parse
+from hpctrain.schedule.runner import HANDLERS
+from hpctrain.schedule.simulate import ScheduleError, simulate
+
+CASES = [(k, pp, v, m)
+         for k in KINDS for pp in (2, 4) for v in (1, 2) for m in (pp, 2 * pp, 2 * pp + 1)
+         if v == 1 or k == "interleaved"]
+
+
+def _positions(actions):
+    return {(a.kind, a.microbatch, a.c): i for i, a in enumerate(actions)}
+
+
+@pytest.mark.parametrize("kind,pp,v,m", CASES, ids=[f"{c[0]}-pp{c[1]}-v{c[2]}-m{c[3]}"
+                                                     for c in CASES])
+def test_schedule_is_sound(kind, pp, v, m):
+    if kind == "interleaved" and v > 1 and m % pp:
+        with pytest.raises(ValueError, match=f"multiple of {pp}"):
+            build(kind, pp, m, v)
+        return
+    sched = build(kind, pp, m, v)
+    result = simulate(sched)  # raises on unmatched transfers, misordering, deadlock
+    assert len(sched.ranks) == pp and result.makespan > 0
+    split = kind == "zb-h1"
+    for r, actions in enumerate(sched.ranks):
+        pos = _positions(actions)
+        for mb in range(m):
+            for c in range(v):
+                assert pos[("F", mb, c)] < pos[("B", mb, c)]
+                if split:
+                    assert pos[("B", mb, c)] < pos[("W", mb, c)]
+                stage = r + c * pp
+                if stage > 0:  # received before used, sent back after the backward
+                    assert pos[("RF", mb, c)] < pos[("F", mb, c)] < pos[("B", mb, c)]
+                    assert pos[("B", mb, c)] < pos[("SB", mb, c)]
+                if stage < pp * v - 1:
+                    assert pos[("F", mb, c)] < pos[("SF", mb, c)]
+                    assert pos[("RB", mb, c)] < pos[("B", mb, c)]
+        assert all(a.kind in HANDLERS for a in actions)  # the runner can execute it
+    # sends and receives pair up one to one
+    n_send = sum(a.kind in ("SF", "SB") for acts in sched.ranks for a in acts)
+    n_recv = sum(a.kind in ("RF", "RB") for acts in sched.ranks for a in acts)
+    assert n_send == n_recv == 2 * m * (pp * v - 1)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9])
+def test_1f1b_bubble_formula_and_memory(pp, m):
+    res = simulate(build("1f1b", pp, m))
+    assert res.bubble == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-12)
+    assert res.peak_inflight == [min(pp - r, m) for r in range(pp)]  # 1F1B: at most pp - r
+    assert simulate(build("gpipe", pp, m)).peak_inflight == [m] * pp  # GPipe: all of them
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("m", [4, 8, 12])
+def test_interleaved_and_zero_bubble_beat_1f1b(pp, m):
+    base = simulate(build("1f1b", pp, m)).bubble
+    assert simulate(build("interleaved", pp, m, 2)).bubble < base
+    assert simulate(build("zb-h1", pp, m)).bubble < base
+    # zb-h1 keeps 1F1B's activation memory
+    assert (simulate(build("zb-h1", pp, m)).peak_inflight
+            == simulate(build("1f1b", pp, m)).peak_inflight)
+
+
+def test_unequal_costs_change_the_makespan():
+    sched = build("1f1b", 2, 4)
+    slow_last = simulate(sched, costs=lambda r, a: 2.0 if r == 1 and a.kind == "F" else 1.0)
+    assert slow_last.makespan > simulate(sched, costs={"F": 1, "B": 0.5, "W": 0.5}).makespan
+
+
+def _from_text(kind, pp, m, lists) -> Schedule:
+    return Schedule(kind, pp, 1, m, tuple(tuple(parse(t) for t in s.split()) for s in lists))
+
+
+def test_mismatched_order_is_caught_naming_rank_and_action():
+    good = build("gpipe", 2, 2)
+    assert good.text(0) == "F0 SF0 RB0 F1 SF1 RB1 B0 B1"  # receives posted one compute ahead
+    assert good.text(1).startswith("RF0 RF1 F0")
+    # rank 1 posts its receives in the wrong order: its RF1 meets rank 0's SF0.
+    bad = [good.text(0), good.text(1).replace("RF0 RF1", "RF1 RF0")]
+    sched = _from_text("gpipe", 2, 2, bad)
+    with pytest.raises(ScheduleError, match=r"rank 1 action #0 RF1 is met by rank 0 action #1 "
+                                            r"SF0: .* same microbatch order"):
+        simulate(sched)
+
+
+def test_deadlock_is_caught_naming_ranks():
+    # rank 0 waits for the gradient of microbatch 0 before sending its activation.
+    sched = _from_text("1f1b", 2, 1, ["F0 RB0 B0 SF0", "RF0 F0 B0 SB0"])
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 action #2 B0 waits for SB0 "
+                                            r".*rank 1 action #1 F0 waits for SF0"):
+        simulate(sched)
+
+
+def test_missing_and_misordered_actions_are_caught():
+    with pytest.raises(ScheduleError, match=r"rank 1 action #1 B0: comes before F0"):
+        simulate(_from_text("1f1b", 2, 1, ["F0 SF0 RB0 B0", "RF0 B0 F0 SB0"]))
+    with pytest.raises(ScheduleError, match=r"rank 0: B0 is missing"):
+        simulate(_from_text("1f1b", 2, 1, ["F0 SF0 RB0", "RF0 F0 B0 SB0"]))
+    with pytest.raises(ScheduleError, match=r"rank 1 action #0 F0: its input is never received"):
+        simulate(_from_text("1f1b", 2, 1, ["F0 SF0 RB0 B0", "F0 B0 SB0"]))
+
+
+def test_action_strings_round_trip_and_bad_input():
+    for text in ("F3", "B0", "W12", "SF3", "RB2v1", "F0v0"):
+        assert str(parse(text)) == text
+    assert parse("SF3v1") == Action("SF", 3, 1)
+    with pytest.raises(ValueError, match="not an action"):
+        parse("3F")
+    with pytest.raises(ValueError, match="needs schedule.kind='interleaved'"):
+        build("1f1b", 2, 4, virtual=2)
+    with pytest.raises(ValueError, match="valid: gpipe, 1f1b, interleaved, zb-h1"):
+        build("pipedream", 2, 4)
