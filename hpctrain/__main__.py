@@ -15,6 +15,12 @@ import sys
 COMMANDS = {
     "train": "train a model (run under mpirun/srun, one process per rank)",
     "prepare": "turn text files into a token dataset (HDF5) with a held-out split",
+    "plan": "print the pipeline schedule per rank, its bubble and in-flight microbatches (no MPI)",
+    "inspect": "show a checkpoint's tensors and lineage; --verify recomputes checksums",
+    "export": "export a checkpoint's model as safetensors (with its config alongside)",
+    "report": "plots and a Markdown summary of where a run's time went (needs matplotlib)",
+    "bench": "benchmarks side by side: vs PyTorch, the naive baseline and the limit",
+    "generate": "continue a prompt with a checkpoint's model (any layout's, on one process)",
 }
 
 

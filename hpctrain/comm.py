@@ -2,8 +2,8 @@
 
 Every collective and point-to-point transfer of the trainer goes through a :class:`Group`
 (one per topology axis). Tensors are handed over zero-copy: CPU torch tensors as numpy views
-with mpi4py's upper-case buffer methods, CUDA tensors through :func:`_gpu_buffer` (the CuPy
-seam; see ``hpctrain/gpu.py``). bfloat16/float16 travel as raw 16-bit words for data
+with mpi4py's upper-case buffer methods, CUDA tensors through ``hpctrain/gpu.py`` (CuPy
+via DLPack, or host staging). bfloat16/float16 travel as raw 16-bit words for data
 movement and are reduced in float32.
 
 Every operation is recorded (op, axis, peer, bytes, posted, completed) in a
@@ -14,6 +14,7 @@ operations is the flight recorder the watchdog dumps when a rank is stuck.
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -79,23 +80,41 @@ class Recorder:
 RECORDER = Recorder()
 
 
-def _gpu_buffer(t: torch.Tensor):
-    """A CUDA tensor as an MPI buffer: CuPy view via DLPack after the producing stream is
-    synchronised (invariant 6), or a host copy when the MPI is not CUDA-aware."""
-    from . import gpu
+class _Buffers:
+    """Turns tensors into MPI buffers for one operation and remembers the copy-backs that
+    host staging of device tensors needs (``done()`` runs them once MPI has finished)."""
 
-    return gpu.mpi_buffer(t)
+    def __init__(self):
+        self._finish = []
+
+    def __call__(self, t: torch.Tensor, write: bool = False):
+        if not t.is_contiguous():
+            raise ValueError("MPI buffers must be contiguous tensors")
+        if t.dtype in _LOW_PRECISION:  # 16-bit floats move as raw 16-bit words
+            t = t.view(torch.int16)
+        if t.is_cuda or _stand_in_active():
+            from . import gpu
+
+            buf, finish = gpu.mpi_buffer(t, write)
+            if finish is not None:
+                self._finish.append(finish)
+            return buf
+        return t.detach().numpy()
+
+    def done(self) -> None:
+        for fn in self._finish:
+            fn()
+        self._finish.clear()
+
+
+def _stand_in_active() -> bool:
+    gpu = sys.modules.get("hpctrain.gpu")  # never import CUDA code on CPU-only runs
+    return gpu is not None and gpu.BACKEND.name == "stand-in"
 
 
 def _buffer(t: torch.Tensor):
-    """Zero-copy MPI buffer of a contiguous tensor (16-bit floats as raw int16 words)."""
-    if not t.is_contiguous():
-        raise ValueError("MPI buffers must be contiguous tensors")
-    if t.dtype in _LOW_PRECISION:
-        t = t.view(torch.int16)
-    if t.is_cuda:
-        return _gpu_buffer(t)
-    return t.detach().numpy()
+    """Zero-copy MPI buffer of a contiguous host tensor (read-only uses)."""
+    return _Buffers()(t)
 
 
 class Handle:
@@ -176,19 +195,27 @@ class Group:
             self.allreduce_(staged, op)
             t.copy_(staged)
             return t
-        buf = _buffer(t)
+        bufs = _Buffers()
+        buf = bufs(t, write=True)
         self._run("allreduce", t.nbytes, lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _OPS[op]))
+        bufs.done()
         return t
 
     def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Handle:
         """Nonblocking in-place all-reduce; the tensor is valid after ``wait()``."""
         rec = RECORDER.post("iallreduce", self.axis, -1, t.nbytes)
+        bufs = _Buffers()
         if t.dtype in _LOW_PRECISION:
             staged = t.float()
-            req = self.mpi.Iallreduce(MPI.IN_PLACE, _buffer(staged), _OPS[op])
-            return Handle(req, rec, finalise=lambda: t.copy_(staged), keep=staged)
-        req = self.mpi.Iallreduce(MPI.IN_PLACE, _buffer(t), _OPS[op])
-        return Handle(req, rec, keep=t)
+            req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(staged, write=True), _OPS[op])
+
+            def finalise():
+                bufs.done()
+                t.copy_(staged)
+
+            return Handle(req, rec, finalise=finalise, keep=staged)
+        req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(t, write=True), _OPS[op])
+        return Handle(req, rec, finalise=bufs.done, keep=t)
 
     def allreduce(self, value: float, op: str = "sum") -> float:
         """All-reduce of one Python number (float64)."""
@@ -213,9 +240,11 @@ class Group:
             out32 = torch.empty_like(t_out, dtype=torch.float32)
             self.reduce_scatter(t_in.float(), out32)
             return t_out.copy_(out32)
-        sb, rb = _buffer(t_in), _buffer(t_out)
+        bufs = _Buffers()
+        sb, rb = bufs(t_in), bufs(t_out, write=True)
         self._run("reduce_scatter", t_in.nbytes,
                   lambda: self.mpi.Reduce_scatter_block(sb, rb, MPI.SUM))
+        bufs.done()
         return t_out
 
     def ireduce_scatter(self, t_in: torch.Tensor, t_out: torch.Tensor) -> Handle:
@@ -225,11 +254,17 @@ class Group:
         src = t_in.float() if t_in.dtype in _LOW_PRECISION else t_in
         dst = t_out.float() if t_out.dtype in _LOW_PRECISION or src.dtype != t_out.dtype \
             else t_out
-        finalise = (lambda: t_out.copy_(dst)) if dst is not t_out else None
+        bufs = _Buffers()
+
+        def finalise():
+            bufs.done()
+            if dst is not t_out:
+                t_out.copy_(dst)
+
         if self.size == 1:
             dst.copy_(src)
             return Handle(_DoneRequest(), rec, finalise=finalise)
-        req = self.mpi.Ireduce_scatter_block(_buffer(src), _buffer(dst), MPI.SUM)
+        req = self.mpi.Ireduce_scatter_block(bufs(src), bufs(dst, write=True), MPI.SUM)
         return Handle(req, rec, finalise=finalise, keep=(src, dst))
 
     # -- data movement -----------------------------------------------------------------
@@ -237,14 +272,18 @@ class Group:
         """Concatenate every rank's ``t_in`` along dim 0 into ``t_out`` (rank order)."""
         if self.size == 1:
             return t_out.copy_(t_in)
-        sb, rb = _buffer(t_in), _buffer(t_out)
+        bufs = _Buffers()
+        sb, rb = bufs(t_in), bufs(t_out, write=True)
         self._run("allgather", t_out.nbytes, lambda: self.mpi.Allgather(sb, rb))
+        bufs.done()
         return t_out
 
     def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         if self.size > 1:
-            buf = _buffer(t)
+            bufs = _Buffers()
+            buf = bufs(t, write=True)
             self._run("bcast", t.nbytes, lambda: self.mpi.Bcast(buf, root=root))
+            bufs.done()
         return t
 
     def bcast_obj(self, obj, root: int = 0):
@@ -264,34 +303,42 @@ class Group:
         self._run("alltoall", counts.nbytes, lambda: self.mpi.Alltoall(counts, recv))
         return recv
 
-    def _alltoallv_args(self, send, send_counts, recv, recv_counts):
+    def _alltoallv_args(self, bufs, send, send_counts, recv, recv_counts):
         row = int(np.prod(send.shape[1:])) if send.dim() > 1 else 1
         sc = np.asarray(send_counts, dtype=np.int64) * row
         rc = np.asarray(recv_counts, dtype=np.int64) * row
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
         rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
-        return [_buffer(send), (sc, sd)], [_buffer(recv), (rc, rd)]
+        return [bufs(send), (sc, sd)], [bufs(recv, write=True), (rc, rd)]
 
     def alltoallv(self, send, send_counts, recv, recv_counts) -> torch.Tensor:
         """Rows ``send[off_j : off_j + send_counts[j]]`` go to rank j; rows from rank j land
         at ``recv[off_j : ...]``. Counts are in rows (dim 0)."""
-        s, r = self._alltoallv_args(send, send_counts, recv, recv_counts)
+        bufs = _Buffers()
+        s, r = self._alltoallv_args(bufs, send, send_counts, recv, recv_counts)
         self._run("alltoallv", send.nbytes, lambda: self.mpi.Alltoallv(s, r))
+        bufs.done()
         return recv
 
     def ialltoallv(self, send, send_counts, recv, recv_counts) -> Handle:
         """Nonblocking :meth:`alltoallv`; ``recv`` is valid after ``wait()``."""
-        s, r = self._alltoallv_args(send, send_counts, recv, recv_counts)
+        bufs = _Buffers()
+        s, r = self._alltoallv_args(bufs, send, send_counts, recv, recv_counts)
         rec = RECORDER.post("ialltoallv", self.axis, -1, send.nbytes)
-        return Handle(self.mpi.Ialltoallv(s, r), rec, keep=(send, recv, s, r))
+        return Handle(self.mpi.Ialltoallv(s, r), rec, finalise=bufs.done,
+                      keep=(send, recv, s, r))
 
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Handle:
         rec = RECORDER.post("isend", self.axis, dest, t.nbytes)
-        return Handle(self.mpi.Isend(_buffer(t), dest=dest, tag=tag), rec, keep=t)
+        buf = _Buffers()(t)
+        return Handle(self.mpi.Isend(buf, dest=dest, tag=tag), rec, keep=(t, buf))
 
     def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Handle:
         rec = RECORDER.post("irecv", self.axis, source, t.nbytes)
-        return Handle(self.mpi.Irecv(_buffer(t), source=source, tag=tag), rec, keep=t)
+        bufs = _Buffers()
+        buf = bufs(t, write=True)
+        return Handle(self.mpi.Irecv(buf, source=source, tag=tag), rec, finalise=bufs.done,
+                      keep=(t, buf))
 
     def barrier(self) -> None:
         self._run("barrier", 0, self.mpi.Barrier)

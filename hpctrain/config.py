@@ -42,7 +42,7 @@ class ModelConfig:
     n_heads: int = 4
     d_ff: int = 0  # 0: 4 * d_model
     vocab_size: int = 256
-    dtype: str = "float32"  # float32, float64, bfloat16
+    dtype: str = "float32"  # float32, float64, bfloat16, float16 (dynamic loss scaling)
     device: str = "cpu"  # cpu or cuda
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
@@ -72,9 +72,12 @@ class TrainConfig:
     seq_len: int = 64
     seed: int = 1234
     log_every: int = 1
-    eval_every: int = 0
-    eval_batches: int = 2
+    eval_every: int = 0  # evaluate on the validation split every N steps (0: never)
+    eval_batches: int = 2  # global batches per evaluation
     max_wall_s: float = 0.0  # 0: no wall-time budget
+    target_val_loss: float = 0.0  # stop when reached (0: off)
+    patience: int = 0  # stop after N evaluations without improvement (0: off)
+    slurm_margin_s: float = 60.0  # stop this long (+2 steps) before the SLURM job's end
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class OptimConfig:
     zero: int = 0  # 0, 1 or 2
     bucket_mb: float = 4.0  # gradient bucket size for the data-parallel reduction
     overlap: bool = False  # post bucket reductions during the last backward
+    loss_scale: float = 65536.0  # float16: initial dynamic loss scale
 
 
 @dataclass(frozen=True)
@@ -98,12 +102,14 @@ class DataConfig:
     path: str = ""  # HDF5 from `hpctrain prepare`; "" = the embedded corpus
     corpus_mb: float = 2.0  # size of the embedded corpus (Python's own sources)
     val_fraction: float = 0.05
+    allow_changed: bool = False  # resume on data whose content hash differs (recorded)
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
     kind: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1
     virtual_stages: int = 1
+    moe_overlap: bool = False  # expert all-to-alls as D/C actions overlapped with compute
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,10 @@ class TelemetryConfig:
     trace_steps: str = "1-3"  # step window kept in trace.json
     watchdog_s: float = 0.0  # 0: off
     peak_flops: float = 0.0  # per rank; 0 = measure at start
+    max_skips: int = 3  # consecutive non-finite/spiking steps before on_skips; 0: never
+    on_skips: str = "rollback"  # "rollback" to the last checkpoint, or "stop"
+    loss_spike: float = 0.0  # a loss > this x the recent mean is a bad step; 0: off
+    faults: str = ""  # tests only: e.g. "kill@1:3;stall@0:2:60" (see hpctrain/faults.py)
 
 
 @dataclass(frozen=True)
@@ -278,8 +288,8 @@ def validate(cfg: Config, world_size: int) -> None:
     need(top.dp_reduction in ("flat", "hierarchical"),
          "topology.dp_reduction must be flat or hierarchical")
     # Model shapes.
-    need(m.dtype in ("float32", "float64", "bfloat16"),
-         f"model.dtype={m.dtype!r}; valid: float32, float64, bfloat16")
+    need(m.dtype in ("float32", "float64", "bfloat16", "float16"),
+         f"model.dtype={m.dtype!r}; valid: float32, float64, bfloat16, float16")
     need(m.device in ("cpu", "cuda"), f"model.device={m.device!r}; valid: cpu, cuda")
     need(m.n_layers >= 1 and m.d_model >= 1 and m.n_heads >= 1 and m.vocab_size >= 2,
          "model.n_layers, d_model, n_heads must be >= 1 and vocab_size >= 2")
@@ -315,17 +325,32 @@ def validate(cfg: Config, world_size: int) -> None:
         f"dp*micro_batch_size = {top.dp}*{t.micro_batch_size} = {per_step}",
     )
     need(t.steps >= 0, "train.steps must be >= 0")
+    need(t.eval_every >= 0 and t.patience >= 0, "train.eval_every and patience must be >= 0")
+    need(t.eval_batches >= 1 or not t.eval_every, "train.eval_batches must be >= 1")
+    need(not (t.patience or t.target_val_loss) or t.eval_every,
+         "train.patience / target_val_loss need train.eval_every > 0 (they act on evaluations)")
     # Pipeline arithmetic.
     need(s.kind in ("gpipe", "1f1b", "interleaved", "zb-h1"),
          f"schedule.kind={s.kind!r}; valid: gpipe, 1f1b, interleaved, zb-h1")
     v = s.virtual_stages if s.kind == "interleaved" else 1
     need(s.virtual_stages >= 1, "schedule.virtual_stages must be >= 1")
+    need(not (s.moe_overlap and m.recompute), "schedule.moe_overlap cannot be combined with "
+         "model.recompute (the forward is cut into segments at the expert all-to-alls)")
     need(m.n_layers >= top.pp * v,
          f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "
          "stage needs at least one layer")
+    if not errors and per_step > 0 and t.global_batch_size % per_step == 0:
+        from .schedule.actions import check_fits  # does the microbatch count fit the schedule
+
+        try:
+            check_fits(s.kind, top.pp, microbatches(cfg), v)
+        except ValueError as e:
+            errors.append(str(e))
     # Optimizer.
     need(o.zero in (0, 1, 2), "optim.zero must be 0, 1 or 2")
     need(o.bucket_mb > 0, "optim.bucket_mb must be > 0")
     need(0 <= cfg.data.val_fraction < 1, "data.val_fraction must be in [0, 1)")
+    need(cfg.telemetry.on_skips in ("rollback", "stop"),
+         "telemetry.on_skips must be rollback or stop")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

@@ -149,13 +149,14 @@ class Sampler:
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_size: int, dp_rank: int, seed: int):
+                 dp_size: int, dp_rank: int, seed: int, device=None):
         if len(tokens) < seq_len + 2:
             raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2 = "
                              f"{seq_len + 2}")
         self.tokens, self.T, self.G = tokens, seq_len, global_batch
         self.mbs, self.dp, self.r, self.seed = micro_batch, dp_size, dp_rank, seed
         self.microbatches = global_batch // (dp_size * micro_batch)
+        self.device = device  # batches are moved there (the GPU of this rank)
 
     def starts(self, step: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, step])
@@ -164,6 +165,8 @@ class Sampler:
     def _rows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         idx = starts[:, None] + np.arange(self.T + 1)[None, :]
         seq = torch.from_numpy(self.tokens[idx].astype(np.int64))
+        if self.device is not None:
+            seq = seq.to(self.device)
         return seq[:, :-1], seq[:, 1:]
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,7 +45,9 @@ def counted_here(meta, topo, grads_sharded_over_dp: bool = False) -> bool:
 def global_grad_norm(named_params, topo, grads_sharded_over_dp: bool = False) -> float:
     """L2 norm of the whole model's gradient, each parameter counted once. Collective over
     the world communicator."""
-    local = torch.zeros((), dtype=torch.float64)
+    named_params = list(named_params)
+    device = named_params[0][1].device if named_params else "cpu"
+    local = torch.zeros((), dtype=torch.float64, device=device)
     for _, p in named_params:
         if p.grad is not None and counted_here(p.hp, topo, grads_sharded_over_dp):
             local += p.grad.detach().double().pow(2).sum()
@@ -64,14 +66,42 @@ def clip_(named_params, max_norm: float, norm: float) -> float:
     return scale
 
 
+class LossScaler:
+    """Dynamic loss scaling for float16: the loss is multiplied by ``scale`` before backward;
+    a step whose gradient is not finite is skipped and the scale halved; after
+    ``growth_interval`` good steps in a row it doubles. Disabled: scale 1, never skips."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 100):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.good_steps, self.skipped = 0, 0
+
+    def update(self, finite: bool) -> bool:
+        """Record a step's outcome; True when the step should be applied."""
+        if not self.enabled:
+            return True
+        if not finite:
+            self.scale, self.good_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
+            return False
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2
+        return True
+
+    def metrics(self) -> dict:
+        return {"loss_scale": self.scale, "skipped_steps": self.skipped} if self.enabled else {}
+
+
 class AdamW:
     """Decoupled weight decay on matrices (ndim >= 2); norms are not decayed.
 
     ``state[name] = {"exp_avg", "exp_avg_sq"[, "master"]}``; ``step_count`` is global.
     """
 
-    def __init__(self, named_params, ocfg: OptimConfig):
-        self.cfg = ocfg
+    def __init__(self, named_params, ocfg: OptimConfig, topo=None, scaler=None):
+        self.cfg, self.topo = ocfg, topo
+        self.scaler = scaler or LossScaler(enabled=False)
         self.params = list(named_params)
         self.step_count = 0
         self.state: dict[str, dict[str, torch.Tensor]] = {}
@@ -82,6 +112,31 @@ class AdamW:
             if p.dtype not in (torch.float32, torch.float64):
                 st["master"] = p.detach().to(torch.float32).clone()
             self.state[name] = st
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Unscale the gradients (float16), then their global norm. Collective (world)."""
+        if self.scaler.enabled:
+            for _, p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / self.scaler.scale)
+        return global_grad_norm(self.params, self.topo)
+
+    def scaler_admits(self, norm: float) -> bool:
+        """float16: False for a non-finite gradient (the step is skipped, the loss scale
+        halved: expected, not a fault). Always True otherwise."""
+        return self.scaler.update(math.isfinite(norm))
+
+    def clip_and_step(self, lr: float, norm: float) -> None:
+        clip_(self.params, self.cfg.grad_clip, norm)
+        self.step(lr)
+
+    def metrics(self) -> dict:
+        return self.scaler.metrics()
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,15 +19,21 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt_mod
-from . import comm
+from . import comm, gpu, lineage, memory, slurm
 from .config import Config, dumps_toml, validate
+from .config import microbatches as microbatches_per_rank
 from .data import Sampler, load_tokens
-from .optim import AdamW, clip_, global_grad_norm, lr_at
+from .evaluate import Evaluator, StopRules
+from .faults import Faults
+from .guard import NumericGuard
+from .optim import lr_at
 from .parallel import build_model, named_parameters
 from .parallel.data import GradBuffers
-from .schedule.runner import run_step
-from .telemetry import RunLog, Timers
+from .parallel.expert import set_loss_scale, step_metrics
+from .schedule.runner import pipeline_metrics, run_step
+from .telemetry import RunLog, Telemetry
 from .topology import Topology
+from .zero import build_optimizer
 
 
 @dataclass
@@ -45,21 +52,6 @@ def setup_run_dir(cfg: Config, run_dir: Path, topo) -> Path:
     return run_dir
 
 
-def resume_from(cfg: Config, ckpt_dir: Path) -> Path | None:
-    """The checkpoint to start from: none, the latest (``auto``) or an explicit path."""
-    how = cfg.checkpoint.resume
-    if not how:
-        return None
-    if how == "auto":
-        return ckpt_mod.latest(ckpt_dir)
-    path = Path(how)
-    if path.is_dir():
-        path = ckpt_mod.latest(path)
-    if path is None or not path.is_file():
-        raise FileNotFoundError(f"checkpoint.resume={how!r}: no checkpoint there")
-    return path
-
-
 def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     world = world if world is not None else comm.world()
     validate(cfg, world.size)  # before any collective: every rank fails alike
@@ -69,68 +61,99 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     topo = Topology(cfg.topology, world)
     run_dir = setup_run_dir(cfg, Path(run_dir), topo)
     log = RunLog(run_dir, topo, cfg.train.steps, cfg.train.log_every)
+    job = slurm.attach(world, log.info)  # log the SLURM job; SIGUSR1/SIGTERM set a flag
     chunks = build_model(cfg, topo)
     params = named_parameters(chunks)
-    grads = GradBuffers(params, topo, cfg.optim.bucket_mb)
-    optimizer = AdamW(params, cfg.optim)
+    grads = GradBuffers(params, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero,
+                        overlap=cfg.optim.overlap,
+                        microbatches=microbatches_per_rank(cfg))
+    optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)  # ZeRO 0/1/2
+    meter = memory.Meter(params, grads, optimizer)  # measured bytes per rank: metrics mem_*
     tokens = load_tokens(cfg.data.path, "train", cfg.data.corpus_mb, cfg.data.val_fraction)
     t = cfg.train
     sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
-                      topo.dp_size, topo.dp_rank, t.seed)
+                      topo.dp_size, topo.dp_rank, t.seed, device=params[0][1].device)
     global_tokens = t.global_batch_size * t.seq_len
+    set_loss_scale(chunks, 1.0 / global_tokens)  # MoE auxiliary losses, same scale
     log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, tp) = {topo.dims}, "
              f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "
              f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "
              f"data: {tokens.lineage.get('source')} ({len(tokens.tokens):,} tokens)")
+    if cfg.model.device == "cuda":
+        log.info(f"device {params[0][1].device}; {gpu.describe()}")
 
     # 5 (restore). Continue from a checkpoint if asked; the data stream follows the step.
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    saver = ckpt_mod.Checkpointer(cfg.checkpoint, topo, ckpt_dir)
+    saver = ckpt_mod.Checkpointer(cfg.checkpoint, topo, ckpt_dir, warn=log.warn)
     start, last_saved = 0, None
-    source = resume_from(cfg, ckpt_dir)
-    if source is not None:
-        start = int(saver.load(source, params, optimizer)["step"])
-        log.info(f"resumed from {source} at step {start}")
+    resumed = saver.restore(cfg.checkpoint.resume, params, optimizer)  # falls back if damaged
+    if resumed is not None:
+        start = int(resumed["step"])
+        log.info(f"resumed from {resumed['path']} at step {start}")
+    run_lineage = lineage.start(run_dir, cfg, topo, tokens.lineage, resumed, log.info)
     ckpt_attrs = {"config": dumps_toml(cfg), "topology": str(topo.dims),
-                  "data_hash": tokens.lineage.get("content_hash", "")}
+                  "lineage": json.dumps(run_lineage),
+                  "data_hash": tokens.lineage.get("content_hash", ""),
+                  "data_seed": t.seed, "global_batch_size": t.global_batch_size}
 
-    timers = Timers()
+    tel = Telemetry(cfg, topo, run_dir, log)  # timers, MFU, stragglers, trace, watchdog
+    timers, faults = tel.timers, Faults(cfg.telemetry.faults, world.rank)
+    guard = NumericGuard(cfg.telemetry, lambda: (saver.restore("auto", params, optimizer)
+                                                 or {}).get("path"))
+    evaluator = Evaluator(cfg, topo, chunks, params[0][1].device) if t.eval_every else None
+    stops = StopRules.from_config(t, world, job.end_time)
     losses = []
     for step in range(start, t.steps):
         t0 = time.perf_counter()
+        tel.begin_step(step + 1)
         with timers("data"):
             microbatches = sampler.local(step)
 
         # 2. Compute: forward and backward of every microbatch (the schedule).
         grads.zero()
-        with timers("compute"):
-            loss_sum = run_step(chunks, microbatches, topo, cfg, 1.0 / global_tokens, timers)
+        with timers("compute"), meter.activations():
+            loss_sum = run_step(chunks, microbatches, topo, cfg,
+                                optimizer.loss_scale / global_tokens, timers)
+        faults.inject(step + 1, params, timers)  # tests only: kill, stall, poison, slow
 
         # 3. Communicate: sum gradients over the data-parallel groups, bucketed.
         with timers("grad_sync"):
             grads.reduce()
 
-        # 4. Update: one global norm, clip, AdamW at this step's learning rate.
-        with timers("optimizer"):
-            grad_norm = global_grad_norm(params, topo)
-            clip_(params, cfg.optim.grad_clip, grad_norm)
-            lr = lr_at(step, cfg.optim, t.steps)
-            optimizer.step(lr)
+        # 4. Update: one global norm, clip, AdamW at this step's learning rate; a non-finite
+        #    or spiking step skips the update (NumericGuard), repeated ones roll back.
         owner = topo.is_last_stage and topo.tp_rank == 0
         loss = world.allreduce(loss_sum if owner else 0.0) / global_tokens
         losses.append(loss)
+        with timers("optimizer"):
+            grad_norm = optimizer.grad_norm()  # float16: unscaled first
+            lr = lr_at(step, cfg.optim, t.steps)
+            if optimizer.scaler_admits(grad_norm) and guard.admit(loss, grad_norm, step + 1):
+                optimizer.clip_and_step(lr, grad_norm)
 
-        # 5. Checkpoint every ``checkpoint.every`` steps and at the end.
+        # Held-out loss every ``train.eval_every`` steps; a stop rule ends the run early.
         done = step + 1
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or (
+        val_loss = evaluator.run() if evaluator and (done % t.eval_every == 0
+                                                     or done == t.steps) else None
+        stop = stops.check(world, val_loss, time.perf_counter() - t0) \
+            or job.stop_reason(world, done, t.steps)  # SIGUSR1/SIGTERM on any rank
+
+        # 5. Checkpoint every ``checkpoint.every`` steps, at the end and when stopping.
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
                 done == t.steps and cfg.checkpoint.save_final):
             with timers("checkpoint"):
                 last_saved = saver.save(done, params, optimizer, ckpt_attrs)
 
         step_time = time.perf_counter() - t0
-        comm_s, comm_bytes = comm.RECORDER.take()
-        log.step({"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": global_tokens / step_time, "step_time_s": step_time,
-                  "time_s": timers.take(), "comm_s": comm_s, "comm_bytes": comm_bytes})
+        tel.end_step({"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                      "step_time_s": step_time, **guard.metrics(),
+                      **({"val_loss": val_loss} if val_loss is not None else {}),
+                      **step_metrics(chunks, topo), **pipeline_metrics(topo, cfg),
+                      **saver.take_metrics(), **meter.take(), **optimizer.metrics()})
+        if stop:
+            log.info(f"stopping at step {done}: {stop}; checkpoint {last_saved}")
+            break
+    tel.close()
     log.close()
+    job.exit_if_stopped()  # preempted: exit 75, the job script requeues (slurm.py)
     return Result(losses, t.steps, str(last_saved) if last_saved else None)

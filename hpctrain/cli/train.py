@@ -13,10 +13,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .. import comm
+    from .. import comm, slurm
     from ..config import ConfigError, load, validate
 
     world = comm.world()
+    if (wrong_launch := slurm.launch_error(world.size)) is not None:
+        print(f"hpctrain train: {wrong_launch}", file=sys.stderr, flush=True)
+        return 2
     try:
         cfg = load(args.config, args.overrides)
         validate(cfg, world.size)
@@ -25,7 +28,13 @@ def run(args) -> int:
         if world.rank == 0:
             print(f"hpctrain train: {e}", file=sys.stderr)
         return 2
+    from ..lineage import LineageError
     from ..train import train
 
-    train(cfg, args.run_dir, world)
+    try:
+        train(cfg, args.run_dir, world)
+    except LineageError as e:  # raised alike on every rank (the checkpoint's attributes)
+        if world.rank == 0:
+            print(f"hpctrain train: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0

@@ -24,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,10 @@ class LocalOps:
         """Sum of token cross-entropies; ``logits`` (N, V_local) hold columns
         [vocab_start, vocab_start + V_local) of a vocabulary of ``vocab_size`` (columns past
         it are padding and must not count)."""
-        return F.cross_entropy(logits[:, :vocab_size].float(), targets, reduction="sum")
+        logits = logits[:, :vocab_size]
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()  # float64 stays float64 (exact comparisons with tp)
+        return F.cross_entropy(logits, targets, reduction="sum")
 
 
 def _param(shape, meta: ParamMeta, dtype) -> nn.Parameter:
@@ -93,8 +97,10 @@ class RMSNorm(nn.Module):
                              dtype)
 
     def forward(self, x):
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * self.weight
+        # 16-bit inputs are normalised in float32: rsqrt's gradient overflows float16.
+        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        var = xf.pow(2).mean(-1, keepdim=True)
+        return (xf * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
@@ -197,6 +203,15 @@ class GPTStage(nn.Module):
         return self.ops.cross_entropy_sum(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
             self.vocab_start, self.cfg.vocab_size)
+
+    @torch.no_grad()
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T, V_local) next-token logits of a whole model on one rank (generation)."""
+        x = self.embed_tokens(idx)
+        for block in self.blocks.values():
+            x = block(x)
+        w = self.embed if self.cfg.tie_embeddings else self.head
+        return F.linear(self.ops.enter_tp(self.norm_f(x)), w)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         if self.first:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .. import gpu
 from ..config import Config
 from ..model import GPTStage, LocalOps, init_parameters
 from .pipeline import chunks_of_rank, partition
@@ -39,7 +40,8 @@ def build_model(cfg: Config, topo) -> list[GPTStage]:
     ]
     init_parameters(chunks, cfg.train.seed, topo.tp_size, topo.tp_rank, topo.ep_size,
                     topo.ep_rank)
-    return chunks
+    device = gpu.device_for(cfg.model.device, topo.local_rank)
+    return [c.to(device) for c in chunks]  # Module.to keeps the Parameter objects (p.hp)
 
 
 def named_parameters(chunks) -> list:

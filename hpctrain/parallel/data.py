@@ -8,11 +8,26 @@ reverse parameter order (the order backward produces gradients) at ``bucket_mb``
 
 The loss is scaled by 1/(global tokens) before backward, so the *sum* over ranks is exactly the
 gradient of the global mean loss (no division after the reduction).
+
+Modes (``optim.zero``, ``optim.overlap``):
+
+- zero 0: each bucket is all-reduced in place.
+- zero 1: each bucket (padded to a multiple of the group size) is reduce-scattered into this
+  rank's fp32 gradient shard ``bucket.shard`` (float64 for float64 models); the flat buffer
+  stays, the reduced full gradient never exists.
+- zero 2: no persistent flat buffer. A post-accumulate hook moves each microbatch's gradient
+  into a per-bucket staging buffer and frees ``p.grad``; a bucket is reduce-scattered into its
+  shard (and its staging freed) as soon as all its parameters have this microbatch's gradient.
+- overlap (zero 0/1): the same hooks post a bucket's nonblocking reduction as soon as all its
+  gradients of the LAST microbatch are final; :meth:`reduce` waits for all of them.
+
+Posts follow one fixed sequence on every rank, (microbatch, bucket) in order, whatever the
+order in which hooks fire, so nonblocking collectives always match across the group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,15 +37,37 @@ from .. import comm
 @dataclass
 class Bucket:
     group: comm.Group
-    flat: torch.Tensor  # a contiguous slice of a flat gradient buffer
+    flat: torch.Tensor | None  # contiguous slice of a flat gradient buffer (None: zero 2)
     names: list[str]
+    params: list = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # element offset of each param in bucket
+    numel: int = 0  # padded length, a multiple of the group size when sharded
+    dtype: torch.dtype = torch.float32
+    shard: torch.Tensor | None = None  # (numel / group.size,) reduced gradient, zero 1/2
+    staging: torch.Tensor | None = None  # zero 2: (numel,) this microbatch's gradients
+    posted: int = 0  # reductions posted this step
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """[lo, hi) of this rank's shard within the bucket."""
+        n = self.numel // self.group.size
+        return self.group.rank * n, (self.group.rank + 1) * n
+
+
+def shard_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Reduced gradients, master weights and Adam states: float64 stays, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class GradBuffers:
     """Flat gradient storage and the bucketed reduction over the data-parallel groups."""
 
-    def __init__(self, named_params, topo, bucket_mb: float, hierarchical=None):
-        self.topo = topo
+    def __init__(self, named_params, topo, bucket_mb: float, hierarchical=None, *,
+                 zero: int = 0, overlap: bool = False, microbatches: int = 1):
+        if zero and hierarchical is not None:
+            raise ValueError("optim.zero > 0 needs topology.dp_reduction = flat")
+        self.topo, self.zero_level, self.microbatches = topo, zero, microbatches
+        self.overlap = overlap or zero == 2
         self.named = list(named_params)
         self.hierarchical = hierarchical  # optional callable(flat) for multi-node dp
         by_group: dict[str, list] = {"dp": [], "edp": []}
@@ -45,49 +82,167 @@ class GradBuffers:
                 continue
             self._build(items, groups[key], limit)
         self.sp_params = [p for _, p in self.named if p.hp.sp_partial and topo.tp_size > 1]
+        self._where = {id(p): (b, off) for b in self.buckets
+                       for p, off in zip(b.params, b.offsets)}
+        self._count = {id(p): 0 for _, p in self.named}  # gradients accumulated this step
+        self._pending: list = []  # (handle, bucket, recv or None)
+        self.posted_early = 0  # reductions posted from hooks, i.e. during backward
+        if self.overlap:
+            for _, p in self.named:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _build(self, items, group: comm.Group, limit: int) -> None:
         dtype = items[0][1].dtype
         if any(p.dtype != dtype for _, p in items):
             raise ValueError("all parameters of one reduction group must share a dtype")
-        total = sum(p.numel() for _, p in items)
-        flat = torch.zeros(total, dtype=dtype, device=items[0][1].device)
-        self.flats.append(flat)
         # Reverse order: the last layers' gradients are final first during backward.
-        offset, bucket_start, names, nbytes = total, total, [], 0
+        cut, cur, nbytes = [], [], 0
         for name, p in reversed(items):
-            n = p.numel()
-            offset -= n
-            p.grad = flat[offset:offset + n].view_as(p)
-            names.append(name)
-            nbytes += n * flat.element_size()
+            cur.append((name, p))
+            nbytes += p.numel() * p.element_size()
             if nbytes >= limit:
-                self.buckets.append(Bucket(group, flat[offset:bucket_start], names))
-                bucket_start, names, nbytes = offset, [], 0
-        if names:
-            self.buckets.append(Bucket(group, flat[offset:bucket_start], names))
+                cut, cur, nbytes = cut + [cur], [], 0
+        if cur:
+            cut.append(cur)
+        pad = group.size if self.zero_level else 1
+        buckets = []
+        for members in cut:
+            offsets, n = [], 0
+            for _, p in members:
+                offsets.append(n)
+                n += p.numel()
+            buckets.append(Bucket(group, None, [m for m, _ in members], [p for _, p in members],
+                                  offsets, -(-n // pad) * pad, dtype))
+        if self.zero_level < 2:  # one flat buffer; every .grad a view into it
+            flat = torch.zeros(sum(b.numel for b in buckets), dtype=dtype,
+                               device=items[0][1].device)
+            self.flats.append(flat)
+            start = 0
+            for b in buckets:
+                b.flat = flat[start:start + b.numel]
+                for p, off in zip(b.params, b.offsets):
+                    p.grad = b.flat[off:off + p.numel()].view_as(p)
+                start += b.numel
+        if self.zero_level:
+            for b in buckets:
+                b.shard = torch.zeros(b.numel // group.size, dtype=shard_dtype(dtype),
+                                      device=items[0][1].device)
+        self.buckets += buckets
 
+    # -- per step ----------------------------------------------------------------------
     def zero(self) -> None:
+        """Clear gradients before a step (flat buffers, shards, hook counters)."""
         for flat in self.flats:
             flat.zero_()
+        for b in self.buckets:
+            if b.shard is not None:
+                b.shard.zero_()
+            b.staging, b.posted = None, 0
+        self.posted_early = 0
+        for k in self._count:
+            self._count[k] = 0
+        if self.zero_level == 2:
+            for _, p in self.named:
+                p.grad = None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate hook: count the gradient, stage it (zero 2), post what is ready."""
+        self._count[id(p)] += 1
+        if self.zero_level == 2:
+            b, off = self._where[id(p)]
+            if b.staging is None:
+                b.staging = torch.zeros(b.numel, dtype=b.dtype, device=p.device)
+            b.staging[off:off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
+        self._post_ready()
+
+    def _targets(self) -> list[int]:
+        """The microbatch counts at which buckets are reduced, in posting order."""
+        if self.zero_level == 2:
+            return list(range(1, self.microbatches + 1))
+        return [self.microbatches]
+
+    def _post_ready(self, flush: bool = False) -> None:
+        """Post reductions in the fixed (microbatch, bucket) order while they are ready."""
+        targets, n = self._targets(), len(self.buckets)
+        while True:
+            done = sum(b.posted for b in self.buckets)
+            if done == len(targets) * n:
+                return
+            k, b = targets[done // n], self.buckets[done % n]
+            if not flush and min(self._count[id(p)] for p in b.params) < k:
+                return
+            self.posted_early += not flush
+            self._post(b)
+
+    def _post(self, b: Bucket) -> None:
+        b.posted += 1
+        if self.zero_level == 0:
+            if b.group.size > 1:
+                self._pending.append((b.group.iallreduce_(b.flat), b, None))
+            return
+        send = b.flat
+        if self.zero_level == 2:
+            send = b.staging if b.staging is not None else torch.zeros(b.numel, dtype=b.dtype)
+            b.staging = None  # freed when the reduction completes
+        recv = torch.empty_like(b.shard)
+        self._pending.append((b.group.ireduce_scatter(send, recv), b, recv))
+
+    def _wait_all(self) -> None:
+        for handle, b, recv in self._pending:
+            handle.wait()
+            if recv is not None:
+                b.shard.add_(recv)
+        self._pending = []
 
     def reduce(self) -> None:
-        """Sum gradients over tp where sequence parallelism left them partial, then over
-        each bucket's data-parallel group (nonblocking, all posted before the first wait).
-        Collective over tp_comm, dp_comm and edp_comm."""
-        for p in self.sp_params:
-            self.topo.tp_comm.allreduce_(p.grad)
+        """Finish the step's reduction: post what the hooks have not, wait for everything,
+        then sum sequence-parallel partial gradients over tp (sums over dp and tp commute).
+        Collective over dp_comm, edp_comm and tp_comm."""
         if self.hierarchical is not None:
             for b in self.buckets:
                 self.hierarchical(b)
-            return
-        handles = [b.group.iallreduce_(b.flat) for b in self.buckets if b.group.size > 1]
-        comm.wait_all(handles)
+        elif self.overlap:
+            self._post_ready(flush=True)
+        else:
+            for b in self.buckets:
+                self._post(b)
+        self._wait_all()
+        if self.zero_level:
+            for b in self.buckets:
+                for lo, hi in self.sp_ranges(b):
+                    self.topo.tp_comm.allreduce_(b.shard[lo:hi])
+        else:
+            for p in self.sp_params:
+                self.topo.tp_comm.allreduce_(p.grad)
+
+    # -- shard geometry (ZeRO) -----------------------------------------------------------
+    def segments(self, b: Bucket):
+        """(param, lo, hi, plo, phi) for each parameter overlapping this rank's shard: shard
+        elements [lo, hi) hold flattened parameter elements [plo, phi)."""
+        s0, s1 = b.shard_range
+        for p, off in zip(b.params, b.offsets):
+            a, e = max(off, s0), min(off + p.numel(), s1)
+            if a < e:
+                yield p, a - s0, e - s0, a - off, e - off
+
+    def sp_ranges(self, b: Bucket):
+        if self.topo.tp_size == 1:
+            return []
+        return [(lo, hi) for p, lo, hi, _, _ in self.segments(b) if p.hp.sp_partial]
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds now (flat buffers, staging, shards)."""
+        n = sum(f.numel() * f.element_size() for f in self.flats)
+        for b in self.buckets:
+            for t in (b.shard, b.staging):
+                n += 0 if t is None else t.numel() * t.element_size()
+        return n
 
     def reduce_per_parameter(self) -> None:
         """The naive baseline: one blocking all-reduce per parameter (benchmarks only)."""
         for p in self.sp_params:
             self.topo.tp_comm.allreduce_(p.grad)
-        for name, p in self.named:
+        for _, p in self.named:
             group = self.topo.edp_comm if p.hp.expert_dim is not None else self.topo.dp_comm
             group.allreduce_(p.grad)

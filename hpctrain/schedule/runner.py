@@ -1,21 +1,219 @@
 """Execute one rank's schedule for one optimizer step.
 
-With one pipeline stage the schedule is forward then backward of each microbatch in turn.
+The schedule (``schedule.actions``) is a list of actions; :data:`HANDLERS` maps each action
+kind to the function that runs it, so a new kind (e.g. expert dispatch ``D``) is one more
+entry. Transfers go over ``topo.pp_comm`` with nonblocking ``isend``/``irecv``: a receive
+(``RF``/``RB``) only *posts* the request into a fresh buffer, the compute that needs the tensor
+waits for it; sends are posted right after the compute and completed at the end of the step.
+Stage inputs are received buffers turned into autograd leaves (``requires_grad``), so each
+stage's graph ends at its boundary; a microbatch's tensors are dropped after its last backward
+action, so only in-flight microbatches hold activations.
+
+Evidence: every action is a ``timers.action`` span (the tracer sees ``F3``, ``SB2``...);
+this rank's compute seconds per action kind, idle (bubble) seconds and step seconds of the
+last step are kept in :data:`LAST_STEP` (a per-process record like ``comm.RECORDER``; the
+waits themselves are exposed ``pp`` communication there), and :func:`pipeline_metrics` turns
+them into the measured bubble next to the simulator's value.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import time
+from collections import Counter
+
+import torch
+
+from ..config import microbatches as microbatch_count
+from ..model.gpt import DTYPES
+from . import experts
+from .actions import Action, Schedule, build, link
+from .simulate import simulate
+
+LAST_STEP: dict[str, float] = {}  # this process's last executed step (see execute)
+
+
+@functools.lru_cache(maxsize=16)
+def _schedule(kind: str, pp: int, m: int, v: int) -> Schedule:
+    return build(kind, pp, m, v)
+
+
+def schedule_for(cfg, m: int) -> Schedule:
+    """The (cached) schedule of this config for ``m`` microbatches per step."""
+    s = cfg.schedule
+    v = s.virtual_stages if s.kind == "interleaved" else 1
+    return _schedule(s.kind, cfg.topology.pp, m, v)
+
+
+class StepState:
+    """Everything one step's handlers share on this rank."""
+
+    def __init__(self, chunks, microbatches, topo, cfg, loss_scale: float, sched: Schedule):
+        self.chunks, self.microbatches, self.topo = chunks, microbatches, topo
+        self.loss_scale, self.sched = loss_scale, sched
+        self.rank = topo.pp_rank
+        self.split = any(a.kind == "W" for a in sched.ranks[self.rank])
+        mbs, T = cfg.train.micro_batch_size, cfg.train.seq_len
+        if cfg.topology.sequence_parallel and topo.tp_size > 1:
+            T //= topo.tp_size  # activations between stages are this rank's sequence slice
+        self.boundary = (mbs, T, cfg.model.d_model)  # (B, T[/tp], C)
+        self.dtype = DTYPES[cfg.model.dtype]
+        self.device = torch.device(cfg.model.device)
+        self.inputs: dict = {}  # (mb, chunk) -> stage input (leaf, requires_grad)
+        self.outputs: dict = {}  # (mb, chunk) -> stage output, or scaled loss on the last
+        self.grad_out: dict = {}  # (mb, chunk) -> gradient of the output (split backward)
+        self.grad_in: dict = {}  # (mb, chunk) -> gradient of the input, to send
+        self.recvs: dict = {}  # (kind, mb, chunk) -> (Handle, buffer)
+        self.sends: list = []
+        self.loss_sum = 0.0
+        self.waited = 0.0
+        self.peak_inflight = 0
+
+    def stage(self, a: Action) -> int:
+        return self.sched.stage(self.rank, a)
+
+    def is_last(self, a: Action) -> bool:
+        return self.stage(a) == self.sched.stages - 1
+
+    def take(self, kind: str, a: Action) -> torch.Tensor:
+        """Wait for the receive posted by the ``kind`` action of ``a``'s microbatch."""
+        handle, buf = self.recvs.pop((kind, a.microbatch, a.c))
+        t0 = time.perf_counter()
+        handle.wait()
+        self.waited += time.perf_counter() - t0
+        return buf
+
+    def drop(self, key) -> None:
+        for d in (self.inputs, self.outputs, self.grad_out):
+            d.pop(key, None)
+
+
+# -- handlers: one per action kind -------------------------------------------------------
+def _forward(st: StepState, a: Action) -> None:
+    key = (a.microbatch, a.c)
+    x, y = st.microbatches[a.microbatch]  # token ids (B, T), targets (B, T)
+    if st.stage(a) > 0:
+        x = st.take("RF", a).requires_grad_(True)  # (B, T[/tp], C), a leaf: graph ends here
+        st.inputs[key] = x
+    out = st.chunks[a.c](x, y if st.is_last(a) else None)
+    if st.is_last(a):
+        st.loss_sum += float(out.detach())
+        out = out * st.loss_scale
+    st.outputs[key] = out
+    st.peak_inflight = max(st.peak_inflight, len(st.outputs))
+
+
+def _backward(st: StepState, a: Action) -> None:
+    """Input gradient; with a split schedule the weight gradient waits for ``W``."""
+    key = (a.microbatch, a.c)
+    grad = None if st.is_last(a) else st.take("RB", a)
+    out, x = st.outputs[key], st.inputs.get(key)
+    if st.split:
+        st.grad_out[key] = grad
+        if x is not None:  # the first stage has no input gradient
+            (st.grad_in[key],) = torch.autograd.grad(out, x, grad, retain_graph=True)
+        return
+    torch.autograd.backward(out, grad)
+    if x is not None:
+        st.grad_in[key] = x.grad
+    st.drop(key)
+
+
+def _weight(st: StepState, a: Action) -> None:
+    """Weight gradient of a split backward: accumulates into the chunk's ``.grad``."""
+    key = (a.microbatch, a.c)
+    params = [p for p in st.chunks[a.c].parameters() if p.requires_grad]
+    torch.autograd.backward(st.outputs[key], st.grad_out[key], inputs=params)
+    st.drop(key)
+
+
+def _post_recv(st: StepState, a: Action) -> None:
+    peer, tag = link(a, st.stage(a), st.sched.pp)
+    buf = torch.empty(st.boundary, dtype=st.dtype, device=st.device)
+    st.recvs[(a.kind, a.microbatch, a.c)] = (st.topo.pp_comm.irecv(buf, peer, tag), buf)
+
+
+def _post_send(st: StepState, a: Action) -> None:
+    key = (a.microbatch, a.c)
+    t = st.outputs[key].detach() if a.kind == "SF" else st.grad_in.pop(key)
+    peer, tag = link(a, st.stage(a), st.sched.pp)
+    st.sends.append(st.topo.pp_comm.isend(t.contiguous(), peer, tag))
+
+
+@contextlib.contextmanager
+def _no_span(name: str):
+    yield
+
+
+HANDLERS = {"F": _forward, "B": _backward, "W": _weight,
+            "RF": _post_recv, "RB": _post_recv, "SF": _post_send, "SB": _post_send}
+COMPUTE_KINDS = ("F", "B", "W")
+
+
+def execute(st: StepState, timers=None) -> dict[str, float]:
+    """Run this rank's list; returns compute seconds per kind (waits excluded), the idle
+    seconds and the wall seconds of the step. Not collective; the p2p partners are the pp
+    neighbours (peers of ``link``)."""
+    busy: Counter = Counter()
+    span = timers.action if timers is not None else _no_span
+    t_start = time.perf_counter()
+    for a in st.sched.ranks[st.rank]:
+        handler = getattr(st, "handlers", HANDLERS).get(a.kind)
+        if handler is None:
+            raise ValueError(f"rank {st.rank}: no handler for action {a} (kind {a.kind!r})")
+        t0, w0 = time.perf_counter(), st.waited
+        with span(str(a)):
+            handler(st, a)
+        if a.kind in COMPUTE_KINDS:
+            busy[a.kind] += time.perf_counter() - t0 - (st.waited - w0)
+    t0 = time.perf_counter()
+    for h in st.sends:
+        h.wait()
+    st.waited += time.perf_counter() - t0
+    wall = time.perf_counter() - t_start
+    if st.outputs or st.recvs:
+        raise RuntimeError(f"rank {st.rank}: schedule left {len(st.outputs)} activations and "
+                           f"{len(st.recvs)} receives behind")
+    return {**{f"pp_{k}": busy[k] for k in COMPUTE_KINDS}, "pp_step": wall,
+            "pp_idle": wall - sum(busy.values()), "pp_peak_inflight": st.peak_inflight}
+
 
 def run_step(chunks, microbatches, topo, cfg, loss_scale: float, timers=None) -> float:
-    """Forward and backward of every microbatch on this rank; gradients accumulate in the
-    parameters' ``.grad``. Returns the sum of token losses this rank computed (non-zero only
-    on the last stage). ``loss_scale`` = 1 / tokens in the global batch."""
-    if topo.pp_size != 1 or len(chunks) != 1:
-        raise NotImplementedError("pipeline parallelism is not available in this build")
-    (stage,) = chunks
-    total = 0.0
-    for x, y in microbatches:
-        loss = stage(x, y)
-        (loss * loss_scale).backward()
-        total += float(loss.detach())
-    return total
+    """Forward and backward of every microbatch by this rank's schedule; gradients accumulate
+    in the parameters' ``.grad``. Returns the sum of token losses this rank computed (non-zero
+    only on the last stage). ``loss_scale`` = 1 / tokens in the global batch. Point-to-point
+    over ``topo.pp_comm`` only (no collective of its own; tp/ep ops inside the model are)."""
+    sched = schedule_for(cfg, len(microbatches))
+    sched, moe_handlers = experts.overlapped(cfg, sched)  # MoE: D/E/C/G actions (issue 5)
+    st = StepState(chunks, microbatches, topo, cfg, loss_scale, sched)
+    st.handlers = {**HANDLERS, **moe_handlers}
+    LAST_STEP.clear()
+    LAST_STEP.update(execute(st, timers))
+    return st.loss_sum
+
+
+def pipeline_metrics(topo, cfg) -> dict:
+    """Measured bubble next to the simulator's, for metrics.jsonl. Collective over
+    ``topo.pp_comm``; {} when pp == 1 (every rank agrees).
+
+    ``pp_bubble``: mean over pp ranks of (longest rank's step - own compute) / longest step;
+    ``pp_bubble_sim``: the simulator's bubble for this schedule with each rank's measured
+    mean cost per action kind; ``pp_bubble_ranks``/``pp_idle_s``: per pp rank."""
+    if topo.pp_size == 1:
+        return {}
+    keys = ("pp_F", "pp_B", "pp_W", "pp_step", "pp_peak_inflight")
+    mine = [float(LAST_STEP.get(k, 0.0)) for k in keys]
+    rows = topo.pp_comm.allgather_obj(mine)
+    sched = schedule_for(cfg, microbatch_count(cfg))
+    span = max(r[3] for r in rows)
+    busy = [r[0] + r[1] + r[2] for r in rows]
+    measured = [(span - b) / span for b in busy]
+    per_action = []
+    for rank, r in enumerate(rows):
+        n = Counter(a.kind for a in sched.ranks[rank])
+        per_action.append({k: r[i] / n[k] if n[k] else 0.0 for i, k in enumerate("FBW")})
+    sim = simulate(sched, costs=lambda rank, a: per_action[rank].get(a.kind, 0.0))
+    return {"pp_bubble": sum(measured) / len(measured), "pp_bubble_sim": sim.bubble,
+            "pp_bubble_ranks": measured, "pp_idle_s": [span - b for b in busy],
+            "pp_peak_inflight": [int(r[4]) for r in rows]}

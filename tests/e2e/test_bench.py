@@ -3,6 +3,7 @@ mpirun, writes bench.json and bench.md of the documented shape, and both sides o
 comparison computed the same thing (no timing is asserted: the machine is shared)."""
 
 import json
+import math
 
 import pytest
 from launch import hpctrain
@@ -49,7 +50,9 @@ def test_comparison_shape_and_same_result(bench, name):
         assert [row["variant"] for row in r["rows"]] == list(variants)
         for row in r["rows"]:
             assert row["median"] > 0 and len(row["samples"]) >= 1
-        assert r["ratios"] and all(q["value"] > 0 and q["target"] for q in r["ratios"])
+        # Overhead may be negative (hpctrain faster); every ratio must be a number.
+        assert r["ratios"] and all(math.isfinite(q["value"]) and q["target"]
+                                   for q in r["ratios"])
         check = r["check"]
         assert check["ok"], (name, r["ranks"], check)
         if name != "gradsync":  # training: both sides' per-step losses, same and finite

@@ -39,7 +39,9 @@ def test_resume_is_bitwise_and_serial_files_read_both_ways(tmp_path):
     b = train_cli(tmp_path / "b", 2, "topology.dp=2", *SIX, "checkpoint.every=2",
                   f"checkpoint.resume={ckpt(a, 3)}", extra_env={"HPCTRAIN_CKPT_SERIAL": 1})
     # C: restart from B's serially written step 4 with parallel HDF5.
-    c = train_cli(tmp_path / "c", 2, "topology.dp=2", *SIX, f"checkpoint.resume={ckpt(b, 4)}")
+    # (C also passes alignment and MPI-IO hints through [checkpoint].)
+    c = train_cli(tmp_path / "c", 2, "topology.dp=2", *SIX, f"checkpoint.resume={ckpt(b, 4)}",
+                  "checkpoint.alignment=65536", 'checkpoint.mpi_hints={cb_nodes = "1"}')
     same_bits(b.losses, a.losses[3:], "serial resume from a parallel file")
     same_bits(c.losses, a.losses[4:], "parallel resume from a serial file")
     same_bits(b.grad_norms, a.grad_norms[3:], "grad norms")
@@ -51,6 +53,9 @@ def test_resume_is_bitwise_and_serial_files_read_both_ways(tmp_path):
             for key in ("config", "versions", "topology", "rng_layout", "data_hash"):
                 assert f.attrs[key], key
             assert f["rng/torch"].shape[0] == 2
+    with h5py.File(ckpt(c, 6), "r") as f:
+        assert json.loads(f.attrs["layout"])["mpi_hints"] == {"cb_nodes": "1"}
+        assert f["model/embed"].nbytes >= 65536 and f["model/embed"].id.get_offset() % 65536 == 0
     assert_same_state(Path(ckpt(a, 6)), Path(ckpt(b, 6)))
     assert_same_state(Path(ckpt(a, 6)), Path(ckpt(c, 6)))
     # Metrics: save and load time and bandwidth.

@@ -8,11 +8,11 @@ import json
 import math
 
 import pytest
-from launch import assert_same, baseline, mpirun, read_run, rel_err, train_cli
+from launch import assert_same, baseline, mpirun, read_params, read_run, rel_err, train_cli
 
 pytestmark = pytest.mark.e2e
 
-WATCHDOG_S = 5
+WATCHDOG_S = 8
 MARGIN_S = 60  # start-up of 2 ranks on a loaded machine, grace periods, abort
 
 
@@ -78,18 +78,28 @@ def test_stalled_rank_is_named_by_the_watchdog(tmp_path):
     assert "faults.py" in stack and "inject" in stack
 
 
-def test_poisoned_gradient_skips_the_step_and_training_continues(tmp_path, session_dir):
-    run = train_cli(tmp_path / "poison", 2, "topology.dp=2", 'telemetry.faults="poison@0:2"')
+def test_poisoned_gradients_skip_then_roll_back(tmp_path, session_dir):
+    # Step 2 poisoned once: skipped, training goes on. Steps 4 and 5 poisoned: the second
+    # consecutive skip (max_skips=2) rolls back to the last checkpoint (step 4).
+    run = train_cli(tmp_path / "poison", 2, "topology.dp=2", "checkpoint.every=2",
+                    "telemetry.max_skips=2", 'telemetry.faults="poison@0:2;poison@0:4;poison@0:5"')
     by_step = {m["step"]: m for m in run.metrics}
     assert by_step[2]["skipped"] and "gradient norm is nan" in by_step[2]["skip_reason"]
     assert not math.isfinite(by_step[2]["grad_norm"])
-    assert [by_step[s]["skips_total"] for s in range(1, 6)] == [0, 1, 1, 1, 1]
-    assert not any(by_step[s]["skipped"] for s in (1, 3, 4, 5))
+    assert [by_step[s]["skipped"] for s in range(1, 6)] == [False, True, False, True, True]
+    assert [by_step[s]["skips_total"] for s in range(1, 6)] == [0, 1, 1, 2, 3]
+    assert [by_step[s]["rollbacks"] for s in range(1, 6)] == [0, 0, 0, 0, 1]
+    assert "rolled back to" in by_step[5]["skip_reason"]
+    assert by_step[5]["skip_reason"].endswith("step_00000004.h5")
     assert all(math.isfinite(m["loss"]) for m in run.metrics)
     # Steps 1 and 2 saw the same weights as the clean run; step 3 did not get step 2's update.
     ref = baseline(session_dir)
     assert rel_err(run.losses[:2], ref.losses[:2]) <= 1e-9
     assert rel_err(run.losses[2:3], ref.losses[2:3]) > 1e-9
+    # After the roll-back the weights are the step-4 checkpoint's, saved again at step 5.
+    ckpts = run.run_dir / "checkpoints"
+    at4 = read_params(ckpts / "step_00000004.h5")
+    assert at4 and all((run.params[k] == v).all() for k, v in at4.items())
 
 
 def test_exception_on_one_rank_aborts_all(tmp_path):

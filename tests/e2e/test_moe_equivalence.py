@@ -44,8 +44,11 @@ def check_moe_metrics(run, ref_run):
         assert math.isclose(a["moe_z_loss"], b["moe_z_loss"], rel_tol=1e-9)
 
 
+OVERLAP = "schedule.moe_overlap=true"  # all-to-alls as D/C schedule actions (phase 2)
+
+
 @pytest.mark.parametrize("n,layout,k", [
-    (2, ("topology.dp=2", "topology.ep=2"), ()),
+    (2, ("topology.dp=2", "topology.ep=2", OVERLAP), ()),
     (4, ("topology.dp=4", "topology.ep=4"), K2),
     (4, ("topology.dp=4", "topology.ep=2"), ()),
     (4, ("topology.dp=2", "topology.ep=2", "topology.tp=2"), K2),
@@ -58,10 +61,12 @@ def test_ep_dropless_equals_one_rank(tmp_path, session_dir, n, layout, k):
     check_moe_metrics(run, reference)
     assert run.metrics[0]["moe_dropped_total"] == 0
     assert run.losses[-1] < run.losses[0]
+    m = run.metrics[-1]
+    assert m["moe_a2a_s"] > 0 and m["moe_a2a_s"] >= m["moe_a2a_exposed_s"] >= 0
 
 
 @pytest.mark.parametrize("n,layout", [
-    (4, ("topology.dp=2", "topology.ep=2", "topology.pp=2", "schedule.kind=\"1f1b\"")),
+    (4, ("topology.dp=2", "topology.ep=2", "topology.pp=2", "schedule.kind=\"1f1b\"", OVERLAP)),
     (8, ("topology.dp=2", "topology.ep=2", "topology.pp=2", "topology.tp=2")),
 ])
 def test_ep_with_pipeline_equals_one_rank(tmp_path, session_dir, n, layout):

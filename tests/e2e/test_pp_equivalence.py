@@ -5,7 +5,7 @@ final parameters in global shape; float64, relative error <= 1e-9)."""
 from pathlib import Path
 
 import pytest
-from launch import assert_same, baseline, train_cli
+from launch import TINY, assert_same, baseline, train_cli
 
 from hpctrain.config import load, microbatches
 from hpctrain.schedule.actions import from_config
@@ -46,7 +46,7 @@ def _check(tmp_path, session_dir, name, n, overrides):
     # simulator's (values are timings: only their presence and range are checked).
     # Only in-flight microbatches keep activations: the runner's peak equals the simulator's
     # (1F1B: pp - rank on pp rank `rank`).
-    cfg = load(run.run_dir / "config.toml")
+    cfg = load(TINY, overrides)
     peak = simulate(from_config(cfg, microbatches(cfg))).peak_inflight
     for m in run.metrics:
         assert m["comm_bytes"].get("pp", 0) > 0, m

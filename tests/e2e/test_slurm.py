@@ -108,6 +108,8 @@ def submitted(slurm, tmp_path_factory):
     if (ROOT / "hpctrain/cli/plan.py").is_file():
         jobs["plan"] = (d / "plan", "jobs/dry-run.sbatch", ["--ntasks-per-node=4"],
                         dict(CONFIG=TINY, LAYOUT="topology.tp=2 topology.dp=2"))
+    jobs["singletons"] = (d / "singletons", str(_singletons_script(d / "singletons")),
+                          ["--ntasks=2"], {})
     out = {}
     for name, (jd, script, args, variables) in jobs.items():
         variables.setdefault("RUN_DIR", str(jd / "run"))
@@ -115,17 +117,6 @@ def submitted(slurm, tmp_path_factory):
             variables["RUN_ROOT"] = str(jd / "run")
         out[name] = (sbatch(jd, script, *args, **variables), jd)
     return out
-
-
-def test_single_node_trains(submitted):
-    job_id, d = submitted["single"]
-    assert_completed(wait_for(job_id), d)
-    run = read_run(d / "run")
-    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
-    assert all(math.isfinite(x) for x in run.losses)
-    assert run.losses[-1] < run.losses[0] - 0.5, run.losses  # it learns
-    log = (d / "run/train.log").read_text()
-    assert f"SLURM job {job_id}: 2 tasks on 1 node(s), restart count 0" in log
 
 
 def _poll_steps(run_dir: Path, n: int, job_id: str, timeout: float = 180) -> None:
@@ -165,12 +156,13 @@ def test_preemption_requeues_and_resumes_exactly(submitted, tmp_path):
     assert records[0]["Restarts"] == "1"
 
     log = (run_dir / "train.log").read_text()
-    stopped = re.search(r"stop requested by signal at step (\d+)/", log)
+    stopped = re.search(r"stopping at step (\d+): signal SIGUSR1", log)
     assert stopped, log
     k = int(stopped.group(1))
     assert 2 <= k < STEPS, f"stopped at step {k}: not mid-run"
     assert re.search(rf"resumed from \S+step_{k:08d}.h5 at step {k}\b", log), log
     assert "restart count 1" in log
+    assert "exiting with 75" in output_of(tmp_path, job_id)
     run = read_run(run_dir)
     assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1)), "a step lost/redone"
 
@@ -179,27 +171,43 @@ def test_preemption_requeues_and_resumes_exactly(submitted, tmp_path):
     assert_same(run, read_run(ref_dir / "run"), 1e-9, "preempted + requeued vs uninterrupted")
 
 
-def test_singletons_refused(slurm, tmp_path):
-    """Two `python -m hpctrain train` in a 2-task batch script (no srun): each is an MPI
-    singleton of size 1 != SLURM_NTASKS; both must stop before training, saying how to launch."""
-    script = tmp_path / "singletons.sh"
-    cmd = (f"{PY} -m mpi4py -m hpctrain train {TINY} --run-dir {tmp_path}/run "
-           f"--set topology.dp=2")
+def test_single_node_trains(submitted):
+    job_id, d = submitted["single"]
+    assert_completed(wait_for(job_id), d)
+    run = read_run(d / "run")
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(x) for x in run.losses)
+    assert run.losses[-1] < run.losses[0] - 0.5, run.losses  # it learns
+    log = (d / "run/train.log").read_text()
+    assert f"SLURM job {job_id}: 2 tasks on 1 node(s), restart count 0" in log
+
+
+def _singletons_script(d: Path) -> Path:
+    """A batch script that starts two `python -m hpctrain train` without srun: two MPI
+    singletons (world size 1) in a 2-task allocation, the classic launch mistake."""
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = f"{PY} -m mpi4py -m hpctrain train {TINY} --run-dir {d}/run --set topology.dp=2"
+    script = d / "singletons.sh"
     script.write_text("#!/bin/bash\n"
-                      f"{cmd} > {tmp_path}/r0.txt 2>&1 & p0=$!\n"
-                      f"{cmd} > {tmp_path}/r1.txt 2>&1 & p1=$!\n"
+                      f"{cmd} > {d}/r0.txt 2>&1 & p0=$!\n"
+                      f"{cmd} > {d}/r1.txt 2>&1 & p1=$!\n"
                       "wait $p0; r0=$?; wait $p1; r1=$?\n"
                       'echo "exit codes $r0 $r1"\n')
-    job_id = sbatch(tmp_path, str(script), "--ntasks=2")
+    return script
+
+
+def test_singletons_refused(submitted):
+    """Both singletons (size 1 != SLURM_NTASKS=2) stop before training, saying how to launch."""
+    job_id, d = submitted["singletons"]
     wait_for(job_id, timeout=120)
-    out = output_of(tmp_path, job_id)
+    out = output_of(d, job_id)
     codes = re.search(r"exit codes (\d+) (\d+)", out)
     assert codes and codes.group(1) != "0" and codes.group(2) != "0", out
     for r in ("r0", "r1"):
-        text = (tmp_path / f"{r}.txt").read_text()
+        text = (d / f"{r}.txt").read_text()
         assert "SLURM allocated 2 tasks (SLURM_NTASKS) but this MPI world has 1 rank" in text, text
         assert "srun --mpi=pmix" in text, text
-    assert not (tmp_path / "run/metrics.jsonl").exists(), "singletons started training"
+    assert not (d / "run/metrics.jsonl").exists(), "singletons started training"
 
 
 def test_multi_node_template_runs(submitted):

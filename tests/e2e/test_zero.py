@@ -46,6 +46,9 @@ def test_zero_equals_one_rank(tmp_path, session_dir, zero, dp, overlap):
     here = run.metrics[-1]["mem_optimizer"]
     expect = base / dp if zero else base
     assert abs(here - expect) <= _bucket_bytes(run), (what, here, expect)
+    # Overlap: buckets were posted from the gradient hooks, while backward still ran.
+    early = [m["grad_buckets_posted_in_backward"] for m in run.metrics]
+    assert all(e > 0 for e in early) if (overlap or zero == 2) else all(e == 0 for e in early)
     if zero == 2:  # no full gradient buffer survives the step: only the shard
         assert run.metrics[-1]["mem_grads"] <= ref.metrics[-1]["mem_grads"] / dp + \
             _bucket_bytes(run)

@@ -53,16 +53,16 @@ def test_zero_flat_shards_round_trip_onto_another_layout(tmp_path, tp_dim, shape
     path = tmp_path / "z.h5"
     with h5py.File(path, "w") as f:
         dset = f.create_dataset("optim/p/exp_avg", shape=shape, dtype="f8")
-        for (tp, dp) in [save]:
-            for r in range(tp):
-                local = _local(full, meta, tp, r)
-                n = local.numel()
-                for d in range(dp):
-                    a, b = d * -(-n // dp), min(n, (d + 1) * -(-n // dp))
-                    shard = local.reshape(-1)[a:b].clone()
-                    piece = flat_piece(dset.name, shard, meta, local.shape, a, b,
-                                       _topo(tp, r, d), writes=True)
-                    transfer(dset, piece, write=True, collective=False)
+        tp, dp = save
+        for r in range(tp):
+            local = _local(full, meta, tp, r)
+            n = local.numel()
+            for d in range(dp):
+                a, b = d * -(-n // dp), min(n, (d + 1) * -(-n // dp))
+                shard = local.reshape(-1)[a:b].clone()
+                piece = flat_piece(dset.name, shard, meta, local.shape, a, b, _topo(tp, r, d),
+                                   writes=True)
+                transfer(dset, piece, write=True, collective=False)
         assert torch.equal(torch.from_numpy(dset[...]), full)
         tp, dp = load
         for r in range(tp):

@@ -60,14 +60,20 @@ class _World:
 def test_signal_only_sets_the_flag(no_slurm):
     job = slurm.Job.from_env()
     old = {s: signal.getsignal(s) for s in slurm.SIGNALS}
+    job.stopped = True  # exit_if_stopped must not exit: requeue is off outside SLURM
+    job.install_handlers()
+    job.exit_if_stopped()
+    assert {s: signal.getsignal(s) for s in slurm.SIGNALS} == old  # restored
+    job.stopped = False
     try:
         job.install_handlers()
-        assert not job.stop_requested(_World())
+        assert job.stop_reason(_World(), 1, 10) is None and not job.stopped
         os.kill(os.getpid(), signal.SIGUSR1)  # handled: the process survives
-        assert job.stop_requested(_World())
+        assert job.stop_reason(_World(), 10, 10) is None  # the last step: nothing to stop
+        assert "SIGUSR1" in job.stop_reason(_World(), 1, 10) and job.stopped
         job._flag = 0
         os.kill(os.getpid(), signal.SIGTERM)
-        assert job.stop_requested(_World())
+        assert "SIGTERM" in job.stop_reason(_World(), 1, 10)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -107,11 +107,30 @@ def test_peer_coordinates_per_axis():
 def test_watchdog_message_names_the_stuck_and_the_missing():
     def rec(rank, phase, ops):
         return {"rank": rank, "coords": f"(c{rank})", "host": "n0", "step": 4,
-                "phase": phase, "step_age_s": 12.0, "ops": ops}
+                "phase": phase, "step_age_s": 12.0, "idle_s": 11.0, "ops": ops}
     waiting = [{"op": "iallreduce", "axis": "dp", "peer_coords": "all of dp", "bytes": 64,
                 "state": "in-flight", "age_s": 11.5}]
     msg = summarise({0: rec(0, "grad_sync", waiting), 1: rec(1, "compute", [])}, 3, 10.0)
     head = msg.splitlines()[0]
-    assert "rank 1 (c1) on n0: step 4, in 'compute' for 12.0 s" in head
+    assert "rank 1 (c1) on n0: step 4, in 'compute' without progress for 11.0 s" in head
     assert "rank 2: no flight record" in head
     assert "rank 0 (c0) on n0: step 4, waiting in iallreduce on dp" in msg
+
+
+def test_faults_come_from_config_and_environment(monkeypatch):
+    from hpctrain.faults import ENV, Faults
+
+    monkeypatch.setenv(ENV, "stall@1:2:5;kill@0:4")
+    f = Faults("poison@1:3", world_rank=1)
+    assert f.mine == [Fault("poison", 1, 3), Fault("stall", 1, 2, 5.0)]
+    monkeypatch.delenv(ENV)
+    assert not Faults("", world_rank=0)
+
+
+def test_timers_synchronise_the_device_around_categories_only():
+    calls = []
+    timers = Timers(sync=lambda: calls.append(timers.current))
+    with timers("compute"):
+        with timers.action("F0"):
+            pass
+    assert calls == ["-", "compute"]  # before entering, before leaving; none for actions

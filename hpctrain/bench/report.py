@@ -1,0 +1,105 @@
+"""``bench.json`` and the Markdown table: medians, ratios against targets, and whether both
+sides of each comparison computed the same thing. No MPI."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+
+def meta() -> dict:
+    """Date and machine of this run (what the README's table must state)."""
+    import os
+
+    import mpi4py
+    import torch
+
+    try:
+        from mpi4py import MPI
+
+        mpi = MPI.Get_library_version().strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 - the library string is informative only
+        mpi = "unknown"
+    return {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "host": platform.node(),
+            "cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "mpi4py": mpi4py.__version__, "mpi": mpi}
+
+
+def _fmt(x: float, unit: str) -> str:
+    if unit.startswith("s"):
+        return f"{x * 1e3:.2f} ms" + unit[1:]
+    return f"{x:.3g} {unit}"
+
+
+def _check(res: dict) -> str:
+    c = res.get("check")
+    if not c:
+        return "-"
+    return ("same" if c["ok"] else "DIFFER") + f" (rel {c['rel_err']:.1e})"
+
+
+def main_table(results: list[dict]) -> list[str]:
+    out = ["| benchmark | ranks | variant | median | ratio | target | met | same result |",
+           "|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        if "error" in res:
+            out.append(f"| {res['bench']} | {res.get('ranks', '?')} | FAILED: "
+                       f"{res['error'][:80]} | | | | | |")
+            continue
+        ratios = list(res.get("ratios", []))
+        for i, r in enumerate(res.get("rows", [])):
+            q = ratios[i] if i < len(ratios) else None
+            cells = [res["bench"] if i == 0 else "", str(res["ranks"]) if i == 0 else "",
+                     r["variant"], _fmt(r["median"], r["unit"]),
+                     f"{q['name']} = {q['value']:.3g}" if q else "",
+                     q["target"] if q else "", ("yes" if q["met"] else "**no**") if q else "",
+                     _check(res) if i == 0 else ""]
+            out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def collectives_table(res: dict) -> list[str]:
+    """OSU-style: one row per (axis, size), latency in us (bandwidth MB/s) per operation."""
+    rows = res.get("table") or []
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    out = ["| axis (ranks) | bytes | " + " | ".join(f"{o} us (MB/s)" for o in ops) + " |",
+           "|---|---|" + "---|" * len(ops)]
+    keys = list(dict.fromkeys((r["axis"], r["ranks"], r["bytes"]) for r in rows))
+    for axis, ranks, nbytes in keys:
+        cells = []
+        for o in ops:
+            r = next(x for x in rows if (x["axis"], x["bytes"], x["op"]) == (axis, nbytes, o))
+            cells.append(f"{r['latency_us']:.0f} ({r['bw_MBps']:.3g})")
+        out.append(f"| {axis} ({ranks}) | {nbytes} | " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown(doc: dict) -> str:
+    m = doc["meta"]
+    lines = [f"Measured {m['date']} on {m['host']} ({m['cpus']} CPUs, {m['platform']}), "
+             f"torch {m['torch']}, {m['mpi']}; size `{doc['size']}`, {doc['repeats']} "
+             "repeats, medians; ratios taken within one run.", ""]
+    results = doc["results"]
+    lines += main_table([r for r in results if r.get("bench") != "collectives"])
+    for r in results:
+        if r.get("what"):
+            lines.append(f"\n- {r['bench']} ({r['ranks']} ranks): {r['what']}")
+        for n in r.get("notes", []):
+            lines.append(f"  - {n}")
+    for r in results:
+        if r.get("bench") == "collectives" and "error" not in r:
+            lines += ["", f"Collectives through comm.py ({r['what']}):", ""]
+            lines += collectives_table(r)
+    return "\n".join(lines) + "\n"
+
+
+def write(out_dir: Path, results: list[dict], size: str, repeats: int) -> dict:
+    """Write ``bench.json`` and ``bench.md`` into ``out_dir``; returns the document."""
+    doc = {"meta": meta(), "size": size, "repeats": repeats, "results": results}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(doc, indent=1))
+    (out_dir / "bench.md").write_text(markdown(doc))
+    return doc

@@ -1,0 +1,75 @@
+"""``hpctrain inspect CKPT [--verify] [--json]``: tensors, shapes, dtypes and lineage of a
+checkpoint (a file, or a checkpoint directory: its ``latest``). ``--verify`` recomputes every
+dataset's CRC-32 and exits 1 when any differs or the file is damaged. One process, no MPI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LINEAGE = ("format", "step", "optim_step", "data_next_step", "data_samples_seen", "data_hash",
+           "topology", "world_size", "writer", "created", "git_commit", "versions",
+           "checksum", "layout")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", help="checkpoint file, or a directory holding `latest`")
+    p.add_argument("--verify", action="store_true",
+                   help="recompute every dataset's checksum (exit 1 if any differs)")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p.add_argument("--config", action="store_true", help="print the resolved config (TOML)")
+
+
+def resolve(path: str) -> Path:
+    """A checkpoint file from a file or directory argument (clear error otherwise)."""
+    from ..checkpoint import latest
+
+    p = Path(path)
+    if p.is_dir():
+        found = latest(p)
+        if found is None:
+            raise SystemExit(f"hpctrain: {p} has no `latest` checkpoint")
+        return found
+    if not p.is_file():
+        raise SystemExit(f"hpctrain: {p} does not exist")
+    return p
+
+
+def run(args) -> int:
+    from .. import ckpt_verify as cv
+
+    path = resolve(args.checkpoint)
+    problems = cv.verify(path) if args.verify else []
+    try:
+        info = cv.describe(path)
+    except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways
+        info = {"path": str(path), "attrs": {}, "tensors": []}
+        problems = problems or [f"{path}: cannot open ({e})"]
+    if args.json:
+        print(json.dumps({**info, "problems": problems if args.verify else None}, indent=1))
+    elif info["tensors"]:
+        _print(info, args.config)
+    if problems and not args.json:
+        print(f"{'VERIFY FAILED' if args.verify else 'UNREADABLE'}: {path}")
+        for line in problems:
+            print(f"  {line}")
+    elif args.verify and not args.json:
+        print(f"verify ok: {len(info['tensors'])} datasets match their checksums")
+    return 1 if problems else 0
+
+
+def _print(info: dict, with_config: bool) -> None:
+    attrs = info["attrs"]
+    print(f"checkpoint {info['path']}")
+    for key in LINEAGE:
+        if key in attrs:
+            print(f"  {key:18s} {attrs[key]}")
+    total = 0
+    print(f"  {'tensor':44s} {'shape':>16s} {'dtype':8s} crc32")
+    for t in info["tensors"]:
+        total += t["nbytes"]
+        shape = "x".join(map(str, t["shape"]))
+        print(f"  {t['name']:44s} {shape:>16s} {t['dtype']:8s} {t['crc32']}")
+    print(f"  {len(info['tensors'])} datasets, about {total / 2**20:.2f} MiB")
+    if with_config:
+        print(attrs.get("config", ""))

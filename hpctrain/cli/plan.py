@@ -1,0 +1,106 @@
+"""``hpctrain plan CONFIG --world-size N [--set section.key=value ...]``
+
+Prints, without MPI and without building the model: the layout, the pipeline partition,
+every pp rank's schedule (actions as in DESIGN.md), the simulated makespan and bubble
+fraction, and the peak number of in-flight microbatches per rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", help="TOML preset, e.g. share/configs/demo.toml")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks to plan for")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+    p.add_argument("--costs", default="F=1,B=1,W=1", metavar="F=1,B=1,W=1",
+                   help="relative cost of a stage's forward, input-gradient and weight-"
+                        "gradient pass for the simulation (an unsplit backward costs B+W)")
+    p.add_argument("--memory-per-rank", default="", metavar="BYTES",
+                   help="memory available per rank, e.g. 80GiB: warn when the estimate "
+                        "does not fit")
+    p.add_argument("--width", type=int, default=100,
+                   help="wrap each rank's action list at this many columns (0: no wrap)")
+
+
+def _costs(text: str) -> dict[str, float]:
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in ("F", "B", "W") or not value:
+            raise ValueError(f"--costs {text!r}: expected e.g. F=1,B=1,W=1")
+        out[key.strip()] = float(value)
+    return out
+
+
+def _wrap(text: str, width: int, indent: str) -> list[str]:
+    if width <= 0:
+        return [indent + text]
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(indent) + len(line) + 1 + len(word) > width:
+            lines.append(indent + line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return lines + [indent + line]
+
+
+def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
+    """The pipeline part of the plan: partition, per-rank actions, simulated bubble."""
+    from ..config import microbatches
+    from ..parallel.pipeline import partition
+    from ..schedule.actions import from_config
+    from ..schedule.simulate import simulate
+
+    top, s = cfg.topology, cfg.schedule
+    m = microbatches(cfg)
+    sched = from_config(cfg, m)
+    result = simulate(sched, costs)
+    ranges = partition(cfg.model.n_layers, sched.stages)
+    lines = [f"schedule {s.kind}: pp={top.pp}, {sched.virtual} virtual stage(s) per rank, "
+             f"{m} microbatches per step (global_batch_size {cfg.train.global_batch_size} / "
+             f"(dp {top.dp} x micro_batch_size {cfg.train.micro_batch_size}))"]
+    for r in range(sched.pp):
+        stages = list(range(r, sched.stages, sched.pp))
+        layers = ", ".join(f"{ranges[x].start}-{ranges[x].stop - 1}" for x in stages)
+        extra = (" + embedding" if r == 0 else "") + (" + head, loss" if r == sched.pp - 1
+                                                      else "")
+        lines.append(f"pp rank {r}: stage(s) {stages}, layers {layers}{extra}; "
+                     f"bubble {result.bubble_per_rank[r]:.3f}, "
+                     f"peak in-flight microbatches {result.peak_inflight[r]}")
+        lines += _wrap(sched.text(r), width, "    ")
+    p = sched.pp
+    lines.append(f"simulated (costs {costs or 'F=B=W=1'}): makespan {result.makespan:g}, "
+                 f"bubble fraction {result.bubble:.4f} "
+                 f"(1F1B reference (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})")
+    return lines
+
+
+def memory_section(cfg, memory_per_rank: str = "") -> list[str]:
+    """Per-rank bytes (parameters, gradients, optimizer state, in-flight activations),
+    communication per axis and a fit warning: :func:`hpctrain.memory.report`."""
+    from ..memory import parse_bytes, report
+
+    return report(cfg, parse_bytes(memory_per_rank) if memory_per_rank else 0).splitlines()
+
+
+def run(args) -> int:
+    from ..config import ConfigError, load, validate
+
+    try:
+        cfg = load(args.config, args.overrides)
+        validate(cfg, args.world_size)
+        costs = _costs(args.costs)
+        t = cfg.topology
+        lines = [f"{args.world_size} ranks: dp={t.dp} (ep={t.ep}) x tp={t.tp} x pp={t.pp}"
+                 f"{' + sequence parallel' if t.sequence_parallel else ''}"]
+        lines += schedule_section(cfg, args.width, costs)
+        lines += memory_section(cfg, args.memory_per_rank)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"hpctrain plan: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,163 @@
+"""Held-out evaluation under any layout, and the rules that stop a run.
+
+Evaluation is forward-only on the validation split: every layout evaluates the same global
+batches (a fixed stream, seeded apart from training) with the same microbatch split, each dp
+rank its slice; pipeline stages pass activations forward with ``isend``/``irecv`` on
+``topo.pp_comm`` (a forward-only schedule: microbatch by microbatch, chunk by chunk, which
+cannot deadlock); the loss sums are reduced over the world once. The result equals the
+one-rank value (invariant 1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .data import Sampler, load_tokens
+
+EVAL_SEED_OFFSET = 7919  # the validation stream is independent of the training stream
+
+
+class Evaluator:
+    """Validation loss of this rank's model pieces; ``run()`` is collective over the world."""
+
+    def __init__(self, cfg, topo, chunks, device):
+        t = cfg.train
+        val = load_tokens(cfg.data.path, "val", cfg.data.corpus_mb, cfg.data.val_fraction)
+        if len(val.tokens) < t.seq_len + 2:
+            raise ValueError(f"the validation split has {len(val.tokens)} tokens, fewer than "
+                             f"seq_len+2 = {t.seq_len + 2}: raise data.val_fraction or "
+                             "data.corpus_mb, or set train.eval_every = 0")
+        self.cfg, self.topo, self.chunks = cfg, topo, chunks
+        self.sampler = Sampler(val.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
+                               topo.dp_size, topo.dp_rank, t.seed + EVAL_SEED_OFFSET,
+                               device=device)
+        self.tokens = t.eval_batches * t.global_batch_size * t.seq_len
+
+    @torch.no_grad()
+    def run(self) -> float:
+        topo = self.topo
+        total = 0.0
+        for b in range(self.cfg.train.eval_batches):
+            total += forward_only(self.chunks, self.sampler.local(b), topo, self.cfg)
+        owner = topo.is_last_stage and topo.tp_rank == 0
+        return topo.world.allreduce(total if owner else 0.0) / self.tokens
+
+
+def activation_shape(cfg, topo) -> tuple[int, int, int]:
+    """(mbs, T or T/tp under sequence parallelism, C): what crosses a stage boundary."""
+    t = cfg.train
+    T = t.seq_len // topo.tp_size if cfg.topology.sequence_parallel else t.seq_len
+    return (t.micro_batch_size, T, cfg.model.d_model)
+
+
+def forward_only(chunks, microbatches, topo, cfg) -> float:
+    """Sum of token losses of ``microbatches`` (non-zero on the last stage only). Chunk k of
+    this rank is virtual stage ``pp_rank + k*pp``; its input comes from pp rank
+    ``(pp_rank - 1) % pp`` and its output goes to ``(pp_rank + 1) % pp``."""
+    pp, r = topo.pp_size, topo.pp_rank
+    prev, nxt = (r - 1) % pp, (r + 1) % pp
+    shape = activation_shape(cfg, topo)
+    sends, total = [], 0.0
+    for j, (x, y) in enumerate(microbatches):
+        for k, chunk in enumerate(chunks):
+            stage = r + k * pp
+            if chunk.first:
+                h = x
+            else:
+                h = torch.empty(shape, dtype=next(chunk.parameters()).dtype, device=x.device)
+                topo.pp_comm.irecv(h, prev, tag=_tag(j, stage)).wait()
+            out = chunk(h, y if chunk.last else None)
+            if chunk.last:
+                total += float(out)
+            else:
+                out = out.contiguous()
+                sends.append(topo.pp_comm.isend(out, nxt, tag=_tag(j, stage + 1)))
+    for s in sends:
+        s.wait()
+    return total
+
+
+def _tag(microbatch: int, stage: int) -> int:
+    return 1_000_000 + microbatch * 1024 + stage
+
+
+@dataclass
+class StopRules:
+    """When to end a run early, each with a reason: a target validation loss, no
+    improvement for ``patience`` evaluations, or a wall-time budget (``train.max_wall_s``, and
+    the SLURM job's end time less a margin of two mean steps and ``margin_s``)."""
+
+    target_val_loss: float = 0.0
+    patience: int = 0
+    max_wall_s: float = 0.0
+    job_end_epoch: float | None = None
+    margin_s: float = 60.0
+
+    def __post_init__(self):
+        self.started = time.time()
+        self.best = math.inf
+        self.bad_evals = 0
+        self.steps, self.step_s = 0, 0.0
+
+    @classmethod
+    def from_config(cls, tcfg, world, job_end_time=None) -> StopRules:
+        """Collective: rank 0's view of the job's end time is shared, so every rank applies
+        the same rules."""
+        end = world.bcast_obj(parse_end_time(job_end_time))
+        return cls(tcfg.target_val_loss, tcfg.patience, tcfg.max_wall_s, end,
+                   tcfg.slurm_margin_s)
+
+    def check(self, world, val_loss: float | None, step_s: float) -> str | None:
+        """After each step: the reason to stop, or None. Collective over the world when a
+        wall-time rule is active (every rank gets the same answer)."""
+        self.steps += 1
+        self.step_s += step_s
+        reason = self.after_eval(val_loss) if val_loss is not None else None
+        if reason is None and (self.max_wall_s or self.job_end_epoch):
+            reason = self.wall_time(world, self.step_s / self.steps)
+        return reason
+
+    def after_eval(self, val_loss: float) -> str | None:
+        """Identical on every rank (the loss is already reduced)."""
+        if self.target_val_loss and val_loss <= self.target_val_loss:
+            return f"target validation loss {self.target_val_loss} reached ({val_loss:.4f})"
+        if val_loss < self.best:
+            self.best, self.bad_evals = val_loss, 0
+        else:
+            self.bad_evals += 1
+        if self.patience and self.bad_evals >= self.patience:
+            return (f"no improvement of the validation loss for {self.bad_evals} evaluations "
+                    f"(best {self.best:.4f})")
+        return None
+
+    def wall_time(self, world, mean_step_s: float) -> str | None:
+        """Collective over the world: ranks agree (clocks differ) with one max-reduction."""
+        now = time.time()
+        code = 0.0
+        if self.max_wall_s and now - self.started + mean_step_s > self.max_wall_s:
+            code = 1.0
+        if self.job_end_epoch and self.job_end_epoch - now < self.margin_s + 2 * mean_step_s:
+            code = 2.0
+        code = world.allreduce(code, "max")
+        if code == 1.0:
+            return f"wall-time budget train.max_wall_s={self.max_wall_s:g} s reached"
+        if code == 2.0:
+            return "the SLURM job's time limit is near; stopping cleanly before it"
+        return None
+
+
+def parse_end_time(value) -> float | None:
+    """SLURM end time as epoch seconds ('1764460800' or '2026-11-30T01:00:00')."""
+    if not value:
+        return None
+    text = str(value).strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None

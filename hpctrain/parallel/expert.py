@@ -1,0 +1,214 @@
+"""Expert parallelism: the communicating ``exchange`` of :class:`hpctrain.model.moe.MoE`.
+
+Experts are split over ``topo.ep_comm`` (rank ``r`` holds experts ``[r*E/ep, (r+1)*E/ep)``);
+expert gradients are summed over ``topo.edp_comm`` and dense ones over ``topo.dp_comm`` by
+``parallel.data.GradBuffers`` (``ParamMeta.expert_dim``).
+
+One MoE layer's forward on a rank, all collectives in this order on every rank:
+
+1. ``gather_counts``: all-gather of the (k, E) routing counts over tp_comm, then dp_comm
+   (the global microbatch's statistics and each rank's place in the global token order);
+2. dispatch: ``alltoall_counts`` of rows per (peer, local expert), then ``Alltoallv`` of the
+   token vectors over ep_comm;
+3. combine: the inverse ``Alltoallv``.
+
+Backward: the gradient of dispatch is the combine-shaped exchange and vice versa
+(:class:`_AllToAll`). With pp, ranks of one ep_comm share a pipeline stage and run the same
+schedule, so they post these collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .. import comm
+from ..model.gpt import DTYPES
+from ..model.moe import MoE, is_moe_layer
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows grouped by destination -> rows grouped by source over ``group``; the backward is
+    the inverse exchange. Collective over ``group`` (ep_comm) in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, send_rows, recv_rows):
+        ctx.group, ctx.send_rows, ctx.recv_rows = group, send_rows, recv_rows
+        return _exchange(group, x, send_rows, recv_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(ctx.group, grad, ctx.recv_rows, ctx.send_rows), None, None, None
+
+
+# All-to-all time of this step on this rank (seconds): ``busy`` = posted until complete
+# (blocking calls: their duration), ``exposed`` = spent waiting. busy - exposed was hidden.
+A2A = {"busy": 0.0, "exposed": 0.0, "calls": 0}
+PENDING: list = []  # [Handle, t_posted, t_completed or 0.0] of nonblocking exchanges
+
+
+def progress() -> None:
+    """Drive MPI progress of the posted expert exchanges (``Handle.test``); not collective."""
+    for entry in PENDING:
+        if not entry[2] and entry[0].test():
+            entry[2] = time.perf_counter()
+
+
+def wait_exchange(handle) -> None:
+    """Complete a posted exchange, accounting its busy and exposed seconds."""
+    entry = next(e for e in PENDING if e[0] is handle)
+    PENDING.remove(entry)
+    t0 = time.perf_counter()
+    handle.wait()
+    t1 = time.perf_counter()
+    A2A["exposed"] += t1 - t0
+    A2A["busy"] += (entry[2] or t1) - entry[1]
+    A2A["calls"] += 1
+
+
+def _exchange(group: comm.Group, x: torch.Tensor, send_rows, recv_rows) -> torch.Tensor:
+    """``send_rows[j]`` rows of ``x`` (m, C) to peer j -> (sum recv_rows, C). Blocking."""
+    if group.size == 1:
+        return x.clone()
+    progress()
+    out = x.new_empty((int(np.sum(recv_rows)), *x.shape[1:]))
+    t0 = time.perf_counter()
+    group.alltoallv(x.contiguous(), send_rows, out, recv_rows)
+    dt = time.perf_counter() - t0
+    A2A["busy"] += dt  # blocking: all of it exposed
+    A2A["exposed"] += dt
+    A2A["calls"] += 1
+    return out
+
+
+class _Received(torch.autograd.Function):
+    """Joins rows that a nonblocking exchange delivered (``buf``, already complete) to the
+    graph of the rows sent (``x``); the backward is the blocking inverse exchange.
+    Collective over ``group`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, buf, group, send_rows, recv_rows):
+        ctx.group, ctx.send_rows, ctx.recv_rows = group, send_rows, recv_rows
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = _exchange(ctx.group, grad, ctx.recv_rows, ctx.send_rows)
+        return back, None, None, None, None
+
+
+def post_exchange(exchange, rows, send_rows, recv_rows):
+    """Post the exchange of ``rows`` nonblocking over ep_comm: (Handle or None, finish) where
+    ``finish()`` (after the handle completed) returns the received rows joined to the graph."""
+    group = exchange.topo.ep_comm
+    if group.size == 1:
+        return None, lambda: rows.clone()
+    send = rows.detach().contiguous()
+    buf = rows.new_empty((int(np.sum(recv_rows)), *rows.shape[1:]))
+    handle = group.ialltoallv(send, send_rows, buf, recv_rows)
+    PENDING.append([handle, time.perf_counter(), 0.0])
+    return handle, lambda: _Received.apply(rows, buf, group, send_rows, recv_rows)
+
+
+class ExpertExchange:
+    """The MPI version of ``model.moe.LocalExchange`` (same contract).
+
+    Collective groups: ``gather_counts`` over tp_comm then dp_comm; the others over ep_comm.
+    """
+
+    def __init__(self, topo):
+        self.topo = topo
+        self.ep_size, self.ep_rank = topo.ep_size, topo.ep_rank
+        # Global token order: dp rank (data.Sampler's order), then the tp slice.
+        self.position = topo.dp_rank * topo.tp_size + topo.tp_rank
+
+    def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """(k, E) int64 -> (dp*tp, k, E) in global token order."""
+        t = self.topo
+        k, E = counts.shape
+        tp_all = counts.new_empty((t.tp_size * k, E))
+        t.tp_comm.allgather(counts.contiguous(), tp_all)  # (tp*k, E)
+        out = counts.new_empty((t.dp_size * t.tp_size * k, E))
+        t.dp_comm.allgather(tp_all, out)
+        return out.view(t.dp_size * t.tp_size, k, E)
+
+    def exchange_counts(self, send: np.ndarray) -> np.ndarray:
+        """(ep, E_local) rows for each peer's experts -> rows each peer sends here."""
+        flat = np.ascontiguousarray(send, dtype=np.int64).reshape(-1)
+        return self.topo.ep_comm.alltoall_counts(flat).reshape(send.shape)
+
+    def dispatch(self, x, send_rows, recv_rows):
+        return _AllToAll.apply(x, self.topo.ep_comm, send_rows, recv_rows)
+
+    def combine(self, y, send_rows, recv_rows):
+        return _AllToAll.apply(y, self.topo.ep_comm, send_rows, recv_rows)
+
+
+def ffn_factory(model_cfg, topo, ops):
+    """``layer -> MoE`` for expert layers (every ``moe_every``-th), ``None`` (dense MLP)
+    otherwise. Called by ``parallel.build_model`` when ``model.num_experts > 0``."""
+    exchange = ExpertExchange(topo)
+    dtype = DTYPES[model_cfg.dtype]
+    resid_std = model_cfg.init_std / (2 * model_cfg.n_layers) ** 0.5
+
+    def make(layer: int):
+        if not is_moe_layer(model_cfg, layer):
+            return None
+        return MoE(model_cfg, ops, exchange, dtype, resid_std)
+
+    return make
+
+
+def moe_layers(chunks) -> dict[int, MoE]:
+    """{global layer index: MoE module} on this rank."""
+    out = {}
+    for chunk in chunks:
+        for name, block in getattr(chunk, "blocks", {}).items():
+            if isinstance(block.mlp, MoE):
+                out[int(name)] = block.mlp
+    return out
+
+
+def set_loss_scale(chunks, loss_scale: float) -> None:
+    """The factor train.py applies to the loss (1 / global tokens); the MoE layers inject
+    their auxiliary-loss gradients with it. Not collective."""
+    for layer in moe_layers(chunks).values():
+        layer.loss_scale = loss_scale
+
+
+def step_metrics(chunks, topo) -> dict:
+    """This step's MoE statistics for metrics.jsonl, then reset. Collective over the world
+    and pp_comm; returns {} on dense models (every rank agrees).
+
+    ``moe_load`` / ``moe_dropped``: {layer: per-expert assignments routed / dropped, summed
+    over the step's global microbatches}; ``moe_aux_loss`` / ``moe_z_loss``: sum over layers
+    of the mean over microbatches (the terms the coefficients multiply); ``moe_a2a_s`` /
+    ``_exposed_s`` / ``_hidden_s``: token all-to-all seconds per rank (mean over ranks): in
+    flight, waited for, and hidden behind other microbatches' compute (schedule overlap)."""
+    layers = moe_layers(chunks)
+    if not layers and topo.pp_size == 1:
+        return {}
+    mine = {}
+    local = np.zeros(2)
+    for i, layer in sorted(layers.items()):
+        st = layer.stats
+        mine[i] = (st.load.tolist(), st.dropped.tolist())
+        local += [st.aux / max(st.microbatches, 1), st.z / max(st.microbatches, 1)]
+        st.reset()
+    merged = {}
+    for part in topo.pp_comm.allgather_obj(mine):
+        merged.update(part)
+    if not merged:
+        return {}
+    # aux/z: tokens are split over dp x tp and layers over pp: the world sum counts each once.
+    aux, z = topo.world.allreduce_array(local)
+    a2a = topo.world.allreduce_array(np.array([A2A["busy"], A2A["exposed"]])) / topo.world_size
+    A2A.update(busy=0.0, exposed=0.0, calls=0)
+    return {"moe_a2a_s": float(a2a[0]), "moe_a2a_exposed_s": float(a2a[1]),
+            "moe_a2a_hidden_s": float(a2a[0] - a2a[1]),
+            "moe_load": {str(i): v[0] for i, v in sorted(merged.items())},
+            "moe_dropped": {str(i): v[1] for i, v in sorted(merged.items())},
+            "moe_dropped_total": int(sum(sum(v[1]) for v in merged.values())),
+            "moe_aux_loss": float(aux), "moe_z_loss": float(z)}

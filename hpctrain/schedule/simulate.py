@@ -1,0 +1,197 @@
+"""Run every pp rank's action list in one process (no MPI): prove a schedule sound, time it.
+
+:func:`simulate` checks that
+  * every receive is met by a send on the same link (peer, tag) in posting order, with the
+    same microbatch, and every send by a receive;
+  * each (microbatch, chunk) runs F once, then B once, then W once if the rank splits its
+    backward; a send comes after the compute that produced its tensor and a compute that
+    needs a received tensor comes after the receive was posted;
+  * nothing deadlocks (a compute waits only for a send some rank can still reach);
+and returns the makespan and bubble (idle) fraction for given per-action costs. Sends never
+block (they are nonblocking in the runner); a compute starts when its rank is free and its
+received tensor has arrived (the send time plus ``latency``). Errors raise
+:class:`ScheduleError` naming the rank, the action and its position in the rank's list.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .actions import COMPUTE, Action, Schedule, link
+
+DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # unsplit B costs B + W
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run; the message names rank, action and position."""
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]  # per rank, compute seconds (or cost units)
+    peak_inflight: list[int]  # per rank, most microbatches between F and their last B/W
+
+    @property
+    def bubble_per_rank(self) -> list[float]:
+        return [(self.makespan - b) / self.makespan if self.makespan else 0.0 for b in self.busy]
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of all ranks over the makespan (mean over ranks)."""
+        return sum(self.bubble_per_rank) / len(self.busy)
+
+
+def _where(rank: int, i: int, a: Action) -> str:
+    return f"rank {rank} action #{i} {a}"
+
+
+def _needs(sched: Schedule, rank: int, a: Action) -> str | None:
+    """The receive kind a compute action waits for, if any."""
+    s = sched.stage(rank, a)
+    if a.kind == "F" and s > 0:
+        return "RF"
+    if a.kind == "B" and s < sched.stages - 1:
+        return "RB"
+    return None
+
+
+def match(sched: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
+    """Pair receives with sends: {(rank, index of receive): (rank, index of send)}.
+
+    On each link (sender, receiver, tag) the i-th send meets the i-th receive."""
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for r, actions in enumerate(sched.ranks):
+        for i, a in enumerate(actions):
+            if a.kind in ("SF", "SB"):
+                peer, tag = link(a, sched.stage(r, a), sched.pp)
+                sends[(r, peer, tag)].append(i)
+            elif a.kind in ("RF", "RB"):
+                peer, tag = link(a, sched.stage(r, a), sched.pp)
+                recvs[(peer, r, tag)].append(i)
+    pairs = {}
+    for key in sends.keys() | recvs.keys():
+        src, dst, tag = key
+        s_list, r_list = sends.get(key, []), recvs.get(key, [])
+        for j in range(max(len(s_list), len(r_list))):
+            if j >= len(r_list):
+                a = sched.ranks[src][s_list[j]]
+                raise ScheduleError(f"{_where(src, s_list[j], a)}: no receive on rank {dst} "
+                                    f"matches it (rank {dst} posts {len(r_list)} on this link)")
+            if j >= len(s_list):
+                a = sched.ranks[dst][r_list[j]]
+                raise ScheduleError(f"{_where(dst, r_list[j], a)}: no send from rank {src} "
+                                    f"matches it (rank {src} sends {len(s_list)} on this link)")
+            sa, ra = sched.ranks[src][s_list[j]], sched.ranks[dst][r_list[j]]
+            if sa.microbatch != ra.microbatch:
+                raise ScheduleError(
+                    f"{_where(dst, r_list[j], ra)} is met by {_where(src, s_list[j], sa)}: "
+                    "sends and receives on a link must be posted in the same microbatch order")
+            pairs[(dst, r_list[j])] = (src, s_list[j])
+    return pairs
+
+
+def _check_order(sched: Schedule) -> None:
+    """F before B before W per (microbatch, chunk); transfers after/before their compute."""
+    for r, actions in enumerate(sched.ranks):
+        split = any(a.kind == "W" for a in actions)
+        seen: dict[tuple[str, int, int], int] = {}
+        for i, a in enumerate(actions):
+            key = (a.kind, a.microbatch, a.c)
+            if a.kind in COMPUTE or a.kind in ("RF", "RB", "SF", "SB"):
+                if key in seen:
+                    raise ScheduleError(f"{_where(r, i, a)}: repeated (first at #{seen[key]})")
+                seen[key] = i
+            before = {"B": "F", "W": "B", "SF": "F", "SB": "B"}.get(a.kind)
+            if before and (before, a.microbatch, a.c) not in seen:
+                raise ScheduleError(f"{_where(r, i, a)}: comes before "
+                                    f"{Action(before, a.microbatch, a.chunk)}")
+            need = _needs(sched, r, a) if a.kind in ("F", "B") else None
+            if need and (need, a.microbatch, a.c) not in seen:
+                raise ScheduleError(f"{_where(r, i, a)}: its input is never received before "
+                                    f"it (no {Action(need, a.microbatch, a.chunk)} earlier)")
+        for mb in range(sched.microbatches):
+            for c in range(sched.virtual):
+                chunk = c if sched.virtual > 1 else None
+                for kind in ("F", "B") + (("W",) if split else ()):
+                    if (kind, mb, c) not in seen:
+                        raise ScheduleError(f"rank {r}: {Action(kind, mb, chunk)} is missing")
+
+
+def _peak_inflight(actions) -> int:
+    last = "W" if any(a.kind == "W" for a in actions) else "B"
+    live, peak = 0, 0
+    for a in actions:
+        if a.kind == "F":
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == last:
+            live -= 1
+    return peak
+
+
+def _cost_fn(costs, sched: Schedule):
+    if callable(costs):
+        return costs
+    table = dict(DEFAULT_COSTS, **(costs or {}))
+
+    def cost(rank: int, a: Action) -> float:
+        split = sched.virtual >= 1 and any(x.kind == "W" for x in sched.ranks[rank])
+        if a.kind == "B" and not split:
+            return (table["B"] + table["W"]) / sched.virtual
+        return table.get(a.kind, 0.0) / sched.virtual
+
+    return cost
+
+
+def simulate(sched: Schedule, costs=None, latency: float = 0.0) -> SimResult:
+    """Check ``sched`` and time it. ``costs``: {"F","B","W": cost of a whole stage's pass}
+    (divided by the chunks per rank; an unsplit B costs B + W), or ``callable(rank, action)``
+    returning the cost of that action. Transfers cost nothing but ``latency``."""
+    _check_order(sched)
+    pairs = match(sched)
+    cost = _cost_fn(costs, sched)
+    n = sched.pp
+    clock, busy, pos = [0.0] * n, [0.0] * n, [0] * n
+    sent: dict[tuple[int, int], float] = {}  # (rank, index of send) -> time posted
+    posted: dict[tuple[int, str, int, int], int] = {}  # (rank, kind, mb, chunk) -> index
+    while True:
+        progress = False
+        for r in range(n):
+            actions = sched.ranks[r]
+            while pos[r] < len(actions):
+                i, a = pos[r], actions[pos[r]]
+                start = clock[r]
+                need = _needs(sched, r, a) if a.kind in ("F", "B") else None
+                if need:
+                    send = pairs[(r, posted[(r, need, a.microbatch, a.c)])]
+                    if send not in sent:
+                        break  # blocked until the peer reaches its send
+                    start = max(start, sent[send] + latency)
+                if a.kind in ("RF", "RB"):
+                    posted[(r, a.kind, a.microbatch, a.c)] = i
+                elif a.kind in ("SF", "SB"):
+                    sent[(r, i)] = clock[r]
+                else:
+                    dt = cost(r, a)
+                    clock[r] = start + dt
+                    busy[r] += dt
+                pos[r] += 1
+                progress = True
+        if all(pos[r] == len(sched.ranks[r]) for r in range(n)):
+            break
+        if not progress:
+            stuck = [f"{_where(r, pos[r], sched.ranks[r][pos[r]])} waits for "
+                     f"{_waits_for(sched, pairs, posted, r, pos[r])}"
+                     for r in range(n) if pos[r] < len(sched.ranks[r])]
+            raise ScheduleError("deadlock: " + "; ".join(stuck))
+    peaks = [_peak_inflight(actions) for actions in sched.ranks]
+    return SimResult(max(clock), busy, peaks)
+
+
+def _waits_for(sched, pairs, posted, r, i) -> str:
+    a = sched.ranks[r][i]
+    need = _needs(sched, r, a)
+    src, j = pairs[(r, posted[(r, need, a.microbatch, a.c)])]
+    return f"{sched.ranks[src][j]} (#{j}) of rank {src}"

@@ -1,0 +1,78 @@
+# jobs/env.sh -- sourced by every jobs/*.sbatch: the ONE place for site modules and the MPI
+# environment. Edit section 1 for your site; section 2 is shared plumbing.
+#
+# Variables (set them in the environment of `sbatch`, which exports it to the job):
+#   HPCTRAIN_ROOT  the hpctrain checkout (default: the directory sbatch was called from)
+#   PYTHON         interpreter with hpctrain, mpi4py and h5py (default $HPCTRAIN_ROOT/.venv)
+#   SRUN_MPI       srun's PMI plugin (default pmix; `srun --mpi=list` shows the site's)
+#   CPU_BIND       srun --cpu-bind value (default cores: each rank pinned to the cores of
+#                  its --cpus-per-task); empty: leave binding to the site (and to clusters
+#                  without a task/affinity plugin, where srun would warn)
+#   DEVICE         cpu or cuda (default cpu; cuda: one rank per GPU, see README)
+
+# -- 1. Site: modules and MPI ----------------------------------------------------------
+# Load the MPI that mpi4py and h5py were built against (README: "Running on a
+# supercomputer"). Examples; names differ between sites:
+#   module load openmpi/4.1 hdf5/1.14-parallel python/3.11
+#   module load cuda/12.4            # GPU partitions
+if command -v module >/dev/null 2>&1 && [ -n "${HPCTRAIN_MODULES:-}" ]; then
+  # shellcheck disable=SC2086
+  module load $HPCTRAIN_MODULES
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}  # Lustre/GPFS: no flock
+# Open MPI over srun needs nothing else; Intel MPI / MPICH under srun want the PMI library:
+#   export I_MPI_PMI_LIBRARY=/usr/lib64/libpmi2.so ; SRUN_MPI=pmi2
+
+# -- 2. Shared plumbing (templates call these; sites need not edit) ---------------------
+HPCTRAIN_ROOT=${HPCTRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+PYTHON=${PYTHON:-$HPCTRAIN_ROOT/.venv/bin/python}
+SRUN_MPI=${SRUN_MPI:-pmix}
+CPU_BIND=${CPU_BIND-cores}
+DEVICE=${DEVICE:-cpu}
+HPCTRAIN_EXIT_REQUEUE=75  # hpctrain/slurm.py EXIT_REQUEUE: checkpointed, run me again
+cd "$HPCTRAIN_ROOT"
+
+hpctrain_log() { echo "[job ${SLURM_JOB_ID:-?}] $*"; }
+
+# hpctrain_srun ARGS...: one rank per task, every task runs `python -m mpi4py -m hpctrain ARGS`
+# (-m mpi4py: an exception on one rank aborts the job instead of hanging it).
+# --kill-on-bad-exit: one failed rank ends the step (invariant: never hang silently).
+HPCTRAIN_SRUN=(srun --mpi="$SRUN_MPI" --kill-on-bad-exit=1 ${CPU_BIND:+--cpu-bind="$CPU_BIND"})
+hpctrain_srun() {
+  "${HPCTRAIN_SRUN[@]}" "$PYTHON" -m mpi4py -m hpctrain "$@"
+}
+
+# hpctrain_srun_forwarding ARGS...: hpctrain_srun in the background with SIGUSR1/SIGTERM sent
+# to the batch shell (--signal=B:USR1@SECS, scancel --batch) forwarded to srun, which hands
+# them to every rank. Sets HPCTRAIN_RC to srun's exit status.
+hpctrain_forward() {  # SIGNAL: pass it on to srun (trap handler)
+  hpctrain_log "SIG$1: forwarded to the ranks"
+  [ -n "${HPCTRAIN_SRUN_PID:-}" ] && kill -"$1" "$HPCTRAIN_SRUN_PID" 2>/dev/null || true
+}
+hpctrain_srun_forwarding() {
+  HPCTRAIN_SRUN_PID=
+  trap 'hpctrain_forward USR1' USR1
+  trap 'hpctrain_forward TERM' TERM
+  # srun itself in the background (not a subshell: that would die of the signal).
+  "${HPCTRAIN_SRUN[@]}" "$PYTHON" -m mpi4py -m hpctrain "$@" &
+  HPCTRAIN_SRUN_PID=$!
+  # wait returns early (status > 128) when a trapped signal arrives: wait again while srun
+  # runs; bash keeps the exit status of a finished child, so the last wait reads it.
+  while kill -0 "$HPCTRAIN_SRUN_PID" 2>/dev/null; do wait "$HPCTRAIN_SRUN_PID" || true; done
+  wait "$HPCTRAIN_SRUN_PID" && HPCTRAIN_RC=0 || HPCTRAIN_RC=$?
+  trap - USR1 TERM
+}
+
+# hpctrain_requeue_or_exit: turn the trainer's exit status into the job's fate.
+hpctrain_requeue_or_exit() {
+  if [ "$HPCTRAIN_RC" = "$HPCTRAIN_EXIT_REQUEUE" ]; then
+    hpctrain_log "checkpoint written; requeueing (restart count ${SLURM_RESTART_COUNT:-0})"
+    if ! scontrol requeue "$SLURM_JOB_ID"; then
+      hpctrain_log "scontrol requeue failed (submitted without --requeue?); resubmit by hand"
+      exit "$HPCTRAIN_EXIT_REQUEUE"
+    fi
+    exit 0
+  fi
+  exit "$HPCTRAIN_RC"
+}

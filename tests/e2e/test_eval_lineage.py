@@ -1,0 +1,108 @@
+"""Held-out loss on any layout, lineage, stop rules and generation (issue: evaluation)."""
+
+import json
+from pathlib import Path
+
+import pytest
+from launch import TINY, baseline, hpctrain, rel_err, train_cli
+
+pytestmark = pytest.mark.e2e
+
+EVAL = ("train.eval_every=5", "data.val_fraction=0.2")
+
+
+def val_losses(run):
+    return [m["val_loss"] for m in run.metrics if "val_loss" in m]
+
+
+def have(module: str) -> bool:
+    return (Path(__file__).resolve().parents[2] / "hpctrain" / module).exists()
+
+
+LAYOUTS = [
+    ("dp2", 2, ["topology.dp=2"], None),
+    ("tp2_pp2_sp", 4, ["topology.tp=2", "topology.pp=2", "topology.sequence_parallel=true"],
+     "schedule/actions.py"),
+    ("pp2_interleaved", 2, ["topology.pp=2", "schedule.kind=\"interleaved\"",
+                            "schedule.virtual_stages=2"], "schedule/actions.py"),
+]
+
+
+@pytest.mark.parametrize("name,n,layout,needs", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_validation_loss_equals_one_rank(tmp_path, session_dir, name, n, layout, needs):
+    if needs and not have(needs):
+        pytest.skip(f"needs hpctrain/{needs}")
+    ref = baseline(session_dir, *EVAL)
+    run = train_cli(tmp_path / name, n, *layout, *EVAL)
+    assert len(val_losses(ref)) == 1 and val_losses(run)
+    assert rel_err(val_losses(run), val_losses(ref)) <= 1e-9, (val_losses(run), val_losses(ref))
+    # generate from this multi-rank checkpoint, on one process
+    out = hpctrain(["generate", str(tmp_path / name / "checkpoints"), "--prompt", "def ",
+                    "--tokens", "20", "--temperature", "0"])
+    assert out.stdout.startswith("def ") and len(out.stdout) > 10
+
+
+def test_validation_loss_with_experts(tmp_path, session_dir):
+    if not have("model/moe.py"):
+        pytest.skip("needs hpctrain/model/moe.py")
+    moe = ("model.num_experts=4", "model.top_k=2")
+    ref = baseline(session_dir, *EVAL, *moe)
+    run = train_cli(tmp_path / "ep2", 2, "topology.dp=2", "topology.ep=2", *EVAL, *moe)
+    assert rel_err(val_losses(run), val_losses(ref)) <= 1e-9
+
+
+def test_resume_on_changed_data_is_refused_unless_forced(tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["train", TINY, "--run-dir", str(run_dir), "--set", "train.steps=2"]
+    hpctrain(common)
+    again = common + ["--set", "train.steps=3", "--set", "checkpoint.resume=\"auto\"",
+                      "--set", "data.corpus_mb=0.4"]  # a different corpus: another hash
+    refused = hpctrain(again, check=False)
+    assert refused.returncode == 2
+    assert "refusing to resume" in refused.stderr and "data.allow_changed" in refused.stderr
+    forced = hpctrain(again + ["--set", "data.allow_changed=true"])
+    assert "resuming on different data (forced)" in forced.stdout
+    lineage = json.loads((run_dir / "lineage.json").read_text())
+    assert lineage["forced_data_change"]["from"] != lineage["forced_data_change"]["to"]
+    assert lineage["data"]["content_hash"] == lineage["forced_data_change"]["to"]
+    assert lineage["versions"]["torch"] and "commit" in lineage
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize("rule,overrides,reason", [
+    ("target", ["train.eval_every=1", "train.target_val_loss=100.0"],
+     "target validation loss 100.0 reached"),
+    ("patience", ["train.eval_every=1", "train.patience=1", "optim.lr=0.0", "optim.min_lr=0.0"],
+     "no improvement of the validation loss for 1 evaluations"),
+    ("wall", ["train.max_wall_s=0.001"], "wall-time budget train.max_wall_s=0.001 s reached"),
+])
+def test_stop_rules_end_with_reason_and_checkpoint(tmp_path, rule, overrides, reason):
+    run_dir = tmp_path / rule
+    args = ["train", TINY, "--run-dir", str(run_dir), "--set", "data.val_fraction=0.2"]
+    for o in overrides:
+        args += ["--set", o]
+    out = hpctrain(args)
+    stop_lines = [x for x in out.stdout.splitlines() if "stopping at step" in x]
+    assert len(stop_lines) == 1 and reason in stop_lines[0], out.stdout
+    step = int(stop_lines[0].split("stopping at step ")[1].split(":")[0])
+    assert step < 5
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{step:08d}.h5"
+    # and it loads: resume from it runs the remaining steps
+    hpctrain(["train", TINY, "--run-dir", str(run_dir), "--set", "data.val_fraction=0.2",
+              "--set", "checkpoint.resume=\"auto\""])
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 5
+
+
+def test_prepare_split_is_stable(tmp_path):
+    out1, out2 = tmp_path / "a.h5", tmp_path / "b.h5"
+    hpctrain(["prepare", "--out", str(out1), "--corpus-mb", "0.3", "--val-fraction", "0.2"])
+    hpctrain(["prepare", "--out", str(out2), "--corpus-mb", "0.3", "--val-fraction", "0.2"])
+    import h5py
+
+    with h5py.File(out1) as a, h5py.File(out2) as b:
+        assert a.attrs["content_hash"] == b.attrs["content_hash"]
+        assert (a["val/tokens"][...] == b["val/tokens"][...]).all()
+        assert a["val/tokens"].shape[0] > 0 and a.attrs["tokenizer"] == "bytes"

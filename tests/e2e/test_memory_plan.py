@@ -1,0 +1,44 @@
+"""The plan's memory estimate against the measured peak of a real run, at two layouts.
+
+Measured peak (metrics ``mem_peak``, rank 0): parameters + gradient storage + optimizer state
++ the maximum over the step of autograd's saved activations (see hpctrain/memory.py).
+"""
+
+import inspect
+
+import pytest
+from launch import TINY, train_cli
+
+from hpctrain import memory
+from hpctrain.config import load
+
+pytestmark = pytest.mark.e2e
+
+
+def _pp_available() -> bool:
+    from hpctrain.schedule import runner
+
+    return "pipeline parallelism is not available" not in inspect.getsource(runner)
+
+
+LAYOUTS = [
+    pytest.param(2, ("topology.dp=2", "optim.zero=1", 'model.dtype="bfloat16"',
+                     "train.micro_batch_size=2"), id="dp2-zero1-bf16"),
+    pytest.param(4, ("topology.dp=2", "topology.pp=2", "optim.zero=2", "schedule.kind=1f1b",
+                     'model.dtype="float32"'), id="dp2-pp2-zero2-1f1b",
+                 marks=pytest.mark.skipif(not _pp_available(), reason="pipeline absent")),
+]
+
+
+@pytest.mark.parametrize("n,layout", LAYOUTS)
+def test_plan_estimate_within_20_percent_of_measured(tmp_path, n, layout):
+    overrides = (*layout, "train.steps=2", "checkpoint.save_final=false")
+    run = train_cli(tmp_path / "run", n, *overrides)
+    est = memory.estimate(load(TINY, list(overrides)))
+    measured = run.metrics[-1]
+    assert abs(est.total - measured["mem_peak"]) <= 0.2 * measured["mem_peak"], (
+        est, measured)
+    # and per component (activations are the part the schedule multiplies)
+    for key in ("params", "grads", "optimizer", "activations"):
+        got, want = getattr(est, key), measured[f"mem_{key}"]
+        assert abs(got - want) <= 0.2 * want, (key, got, want)

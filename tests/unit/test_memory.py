@@ -1,0 +1,48 @@
+"""The plan's memory arithmetic (no MPI): ZeRO divides state by dp, the fit warning."""
+
+import subprocess
+import sys
+
+import pytest
+
+from hpctrain import memory
+from hpctrain.config import load
+
+TINY = "share/configs/tiny.toml"
+
+
+def test_zero_divides_optimizer_state_and_gradients():
+    est = {z: memory.estimate(load(TINY, ["topology.dp=4", f"optim.zero={z}"]))
+           for z in (0, 1, 2)}
+    assert est[1].optimizer * 4 == est[0].optimizer
+    assert est[1].grads > est[0].grads > est[2].grads  # z1 adds a shard, z2 keeps only it
+    assert est[0].params == est[1].params == est[2].params
+    assert est[0].comm["dp"] == est[1].comm["dp"]  # reduce-scatter + all-gather = all-reduce
+
+
+def test_gpipe_holds_all_microbatches_1f1b_at_most_pp():
+    base = ["topology.pp=2", "train.global_batch_size=16"]
+    g = load(TINY, [*base, "schedule.kind=gpipe"])
+    f = load(TINY, [*base, "schedule.kind=1f1b"])
+    assert memory.in_flight(g) == 16 and memory.in_flight(f) == 2
+    assert memory.estimate(g).activations > 4 * memory.estimate(f).activations
+
+
+@pytest.mark.parametrize("text,value", [("80GiB", 80 * 2**30), ("512MB", 512 * 2**20),
+                                        ("1e9", 10**9), ("4k", 4096)])
+def test_parse_bytes(text, value):
+    assert memory.parse_bytes(text) == value
+
+
+def test_plan_cli_prints_memory_and_warns():
+    cmd = [sys.executable, "-m", "hpctrain", "plan", TINY, "--world-size", "2",
+           "--set", "topology.dp=2", "--set", "optim.zero=2"]
+    ok = subprocess.run([*cmd, "--memory-per-rank", "1GiB"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "memory per rank" in ok.stdout and "fits:" in ok.stdout
+    assert "communication per rank per step: dp" in ok.stdout
+    tight = subprocess.run([*cmd, "--memory-per-rank", "100KiB"], capture_output=True,
+                           text=True)
+    assert "WARNING: needs" in tight.stdout
+    bad = subprocess.run([*cmd, "--memory-per-rank", "lots"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "memory size 'lots'" in bad.stderr
