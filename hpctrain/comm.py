@@ -372,8 +372,16 @@ def shift(cart: Group, direction: int) -> tuple[int, int]:
     return prev, nxt
 
 
-def node_local(cart: Group) -> Group:
-    return Group(cart.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=cart.rank), "node")
+def node_local(cart: Group, axis: str = "node") -> Group:
+    """The ranks of ``cart`` (any group) that share memory with this one, in its rank order.
+    Collective over ``cart``."""
+    return Group(cart.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=cart.rank), axis)
+
+
+def split(group: Group, color: int, key: int, axis: str) -> Group:
+    """Ranks of ``group`` with the same ``color`` form one new group, ordered by ``key``.
+    Collective over ``group``."""
+    return Group(group.mpi.Split(color, key), axis)
 
 
 def processor_name() -> str:

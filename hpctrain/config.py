@@ -109,6 +109,7 @@ class DataConfig:
 class ScheduleConfig:
     kind: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1
     virtual_stages: int = 1
+    boundaries: str = ""  # "3,6": first layer of (virtual) stages 1..S-1; "" balanced
     moe_overlap: bool = False  # expert all-to-alls as D/C actions overlapped with compute
 
 
@@ -340,10 +341,15 @@ def validate(cfg: Config, world_size: int) -> None:
          f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "
          "stage needs at least one layer")
     if not errors and per_step > 0 and t.global_batch_size % per_step == 0:
+        from .parallel.pipeline import layer_ranges
         from .schedule.actions import check_fits  # does the microbatch count fit the schedule
 
         try:
             check_fits(s.kind, top.pp, microbatches(cfg), v)
+            layer_ranges(cfg)
+            if s.boundaries and s.moe_overlap:
+                raise ValueError("schedule.boundaries cannot be combined with "
+                                 "schedule.moe_overlap (it assumes balanced stages)")
         except ValueError as e:
             errors.append(str(e))
     # Optimizer.

@@ -24,7 +24,7 @@ EVAL_SEED_OFFSET = 7919  # the validation stream is independent of the training 
 class Evaluator:
     """Validation loss of this rank's model pieces; ``run()`` is collective over the world."""
 
-    def __init__(self, cfg, topo, chunks, device):
+    def __init__(self, cfg, topo, chunks, device, info=None):
         t = cfg.train
         val = load_tokens(cfg.data.path, "val", cfg.data.corpus_mb, cfg.data.val_fraction)
         if len(val.tokens) < t.seq_len + 2:
@@ -36,6 +36,7 @@ class Evaluator:
                                topo.dp_size, topo.dp_rank, t.seed + EVAL_SEED_OFFSET,
                                device=device)
         self.tokens = t.eval_batches * t.global_batch_size * t.seq_len
+        self.info = info or (lambda msg: None)
 
     @torch.no_grad()
     def run(self) -> float:
@@ -44,7 +45,9 @@ class Evaluator:
         for b in range(self.cfg.train.eval_batches):
             total += forward_only(self.chunks, self.sampler.local(b), topo, self.cfg)
         owner = topo.is_last_stage and topo.tp_rank == 0
-        return topo.world.allreduce(total if owner else 0.0) / self.tokens
+        loss = topo.world.allreduce(total if owner else 0.0) / self.tokens
+        self.info(f"validation loss {loss:.4f} ({self.tokens:,} held-out tokens)")
+        return loss
 
 
 def activation_shape(cfg, topo) -> tuple[int, int, int]:

@@ -90,9 +90,13 @@ class Topology:
         n = self.dims[0] * self.dims[1] * self.dims[2] * self.dims[3]
         if n != self.world.size:
             raise ValueError(f"grid {self.dims} has {n} ranks, world has {self.world.size}")
-        key = None
+        from . import placement
+
+        # naive: tp strided across nodes (comparisons); auto: ranks packed by node first.
         if tcfg.placement == "naive":
             key = naive_order(n, self.dims)[self.world.rank]
+        else:
+            key = placement.packed_key(self.world)
         self.cart = comm.cartesian(self.world, self.dims, key)
         self.rank = self.cart.rank
         self.coords = rank_to_coords(self.rank, self.dims)
@@ -103,6 +107,8 @@ class Topology:
         self.tp_comm = comm.sub(self.cart, (False, False, False, True), "tp")
         self.pp_prev, self.pp_next = comm.shift(self.cart, 0)
         self.node_comm = comm.node_local(self.cart)
+        self.within_node = placement.check(self)  # axis -> every group inside one node
+        self.dp_levels = placement.dp_levels(self)  # hierarchical dp reduction, or None
         self.hostname = comm.processor_name()
 
     # Sizes and ranks per axis, in the vocabulary of DESIGN.md.

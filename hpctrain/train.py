@@ -100,7 +100,8 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     timers, faults = tel.timers, Faults(cfg.telemetry.faults, world.rank)
     guard = NumericGuard(cfg.telemetry, lambda: (saver.restore("auto", params, optimizer)
                                                  or {}).get("path"))
-    evaluator = Evaluator(cfg, topo, chunks, params[0][1].device) if t.eval_every else None
+    evaluator = (Evaluator(cfg, topo, chunks, params[0][1].device, log.info)
+                 if t.eval_every else None)
     stops = StopRules.from_config(t, world, job.end_time)
     losses = []
     for step in range(start, t.steps):

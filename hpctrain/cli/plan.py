@@ -51,7 +51,7 @@ def _wrap(text: str, width: int, indent: str) -> list[str]:
 def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
     """The pipeline part of the plan: partition, per-rank actions, simulated bubble."""
     from ..config import microbatches
-    from ..parallel.pipeline import partition
+    from ..parallel.pipeline import layer_ranges
     from ..schedule.actions import from_config
     from ..schedule.simulate import simulate
 
@@ -59,7 +59,7 @@ def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
     m = microbatches(cfg)
     sched = from_config(cfg, m)
     result = simulate(sched, costs)
-    ranges = partition(cfg.model.n_layers, sched.stages)
+    ranges = layer_ranges(cfg)
     lines = [f"schedule {s.kind}: pp={top.pp}, {sched.virtual} virtual stage(s) per rank, "
              f"{m} microbatches per step (global_batch_size {cfg.train.global_batch_size} / "
              f"(dp {top.dp} x micro_batch_size {cfg.train.micro_batch_size}))"]

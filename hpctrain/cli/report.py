@@ -10,7 +10,8 @@ writes to ``RUN_DIR/report/`` (or ``--out``):
                       straggler is the rank with the most busy time
   ``timeline.png``    one step of the trace: per rank, phases / schedule actions and
                       communications on a common clock
-  ``summary.md``      the numbers, with the pictures linked
+  ``summary.md``      the numbers (breakdown, per rank, skipped updates, the watchdog's
+                      message if it fired), with the pictures linked
 
 matplotlib is an optional extra (``pip install 'hpctrain[report]'``); without it only the
 Markdown summary is written and the command exits 1 with a message saying so.
@@ -95,6 +96,13 @@ def summary_md(run_dir: Path, metrics: list[dict], pngs: list[str]) -> str:
         lines += ["", "## Per rank (mean over logged intervals after the first step)", "",
                   "| rank | step s | busy s |", "|---:|---:|---:|"]
         lines += [f"| {r} | {a:.4f} | {b:.4f} |" for r, (a, b) in enumerate(zip(step, busy))]
+    skipped = [m for m in metrics if m.get("skipped")]
+    if skipped:
+        lines += ["", "## Skipped updates (numeric guard)", ""]
+        lines += [f"- step {m['step']}: {m.get('skip_reason', '?')}" for m in skipped]
+    watchdog = run_dir / "watchdog" / "summary.txt"
+    if watchdog.is_file():
+        lines += ["", "## Watchdog", "", "```", watchdog.read_text().rstrip(), "```"]
     if pngs:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"

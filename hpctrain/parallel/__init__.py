@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import gpu
 from ..config import Config
 from ..model import GPTStage, LocalOps, init_parameters
-from .pipeline import chunks_of_rank, partition
+from .pipeline import chunks_of_rank, layer_ranges
 
 
 def virtual_stages(cfg: Config) -> int:
@@ -26,7 +26,7 @@ def build_model(cfg: Config, topo) -> list[GPTStage]:
     to the same parameters of a one-rank model."""
     v = virtual_stages(cfg)
     S = topo.pp_size * v
-    ranges = partition(cfg.model.n_layers, S)
+    ranges = layer_ranges(cfg)  # balanced, or at schedule.boundaries
     ops = tp_ops(cfg, topo)
     ffn_factory = None
     if cfg.model.num_experts:

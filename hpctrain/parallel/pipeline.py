@@ -32,3 +32,20 @@ def partition(n_layers: int, stages: int, boundaries: list[int] | None = None) -
 def chunks_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
     """Virtual stage indices held by one pp rank, in model order."""
     return [pp_rank + k * pp for k in range(virtual)]
+
+
+def layer_ranges(cfg) -> list[range]:
+    """The layers of each of the ``pp * v`` virtual stages of a config: balanced, or cut at
+    ``schedule.boundaries`` ("3,6": the first layer of stages 1, 2)."""
+    s = cfg.schedule
+    v = s.virtual_stages if s.kind == "interleaved" else 1
+    text = s.boundaries.strip()
+    try:
+        cuts = [int(x) for x in text.split(",")] if text else None
+    except ValueError:
+        raise ValueError(f"schedule.boundaries={text!r}: expected layer numbers like "
+                         "\"3,6\"") from None
+    try:
+        return partition(cfg.model.n_layers, cfg.topology.pp * v, cuts)
+    except ValueError as e:
+        raise ValueError(f"schedule.boundaries={text!r}: {e}") from None

@@ -46,7 +46,9 @@ def test_validation_loss_with_experts(tmp_path, session_dir):
     if not have("model/moe.py"):
         pytest.skip("needs hpctrain/model/moe.py")
     moe = ("model.num_experts=4", "model.top_k=2")
-    ref = baseline(session_dir, *EVAL, *moe)
+    # MoE balance statistics are per global microbatch: one rank takes the dp ranks'
+    # microbatches together (micro_batch_size = dp * 1) to see the same groups.
+    ref = baseline(session_dir, *EVAL, *moe, "train.micro_batch_size=2")
     run = train_cli(tmp_path / "ep2", 2, "topology.dp=2", "topology.ep=2", *EVAL, *moe)
     assert rel_err(val_losses(run), val_losses(ref)) <= 1e-9
 

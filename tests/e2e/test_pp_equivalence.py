@@ -27,7 +27,7 @@ SCHEDULES = [
     (f"{k}-pp{pp}", pp, [f"topology.pp={pp}", kind(k)]
      + (["schedule.virtual_stages=2"] if k == "interleaved" else []))
     for pp in (2, 4) for k in ("gpipe", "1f1b", "interleaved", "zb-h1")
-]
+] + [("1f1b-pp2-boundaries", 2, ["topology.pp=2", 'schedule.boundaries="3"'])]  # 3 + 5 layers
 COMPOSED = [
     ("dp2xpp2-zb", 4, ["topology.dp=2", "topology.pp=2", kind("zb-h1")]),
     ("tp2xpp2", 4, ["topology.tp=2", "topology.pp=2", kind("1f1b")]),

@@ -2,6 +2,8 @@
 layouts train the same model as one rank (losses, grad norms, final parameters in global
 shape read back from the checkpoint each layout wrote)."""
 
+import os
+
 import pytest
 from launch import assert_same, baseline, train_cli
 
@@ -20,6 +22,16 @@ LAYOUTS = [
     ("dp2xtp2-sp", 4, ["topology.dp=2", "topology.tp=2", SP]),
     ("dp4xtp2", 8, ["topology.dp=4", "topology.tp=2"]),
 ]
+# The other half of the matrix (each layout in the other mode): HPCTRAIN_TP_FULL=1 runs it
+# too, where the machine has the cores for 4 more launches.
+FULL = [
+    ("tp2-sp", 2, ["topology.tp=2", SP]),
+    ("tp4", 4, ["topology.tp=4"]),
+    ("dp2xtp2", 4, ["topology.dp=2", "topology.tp=2"]),
+    ("dp4xtp2-sp", 8, ["topology.dp=4", "topology.tp=2", SP]),
+]
+if os.environ.get("HPCTRAIN_TP_FULL") == "1":
+    LAYOUTS += FULL
 
 
 @pytest.mark.parametrize("name,n,overrides", LAYOUTS, ids=[c[0] for c in LAYOUTS])

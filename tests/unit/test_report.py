@@ -26,6 +26,8 @@ def fake_run(d):
               for r in (0, 1) for n, c, ts in (("F0", "action", 0.0), ("B0", "action", 150.0),
                                                ("iallreduce", "comm", 260.0))]
     (d / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (d / "watchdog").mkdir()
+    (d / "watchdog" / "summary.txt").write_text("hpctrain watchdog: no progress for 5 s\n")
     return d
 
 
@@ -37,6 +39,7 @@ def test_report_writes_every_png_and_the_summary(tmp_path, capsys):
     md = (run / "report" / "summary.md").read_text()
     assert "skipped updates 1" in md and "rank 1 (pp=0, dp=1, ep=0, tp=0)" in md
     assert "| compute | 0.3000 | 60.0% |" in md
+    assert "- step 2: ?" in md and "hpctrain watchdog: no progress for 5 s" in md
     assert main(["report", str(run), "--step", "7"]) == 2
     assert "step 7 is not in the trace" in capsys.readouterr().err
 

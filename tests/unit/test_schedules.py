@@ -1,5 +1,7 @@
 """Schedules as data, checked by the simulator (no MPI)."""
 
+from pathlib import Path
+
 import pytest
 
 from hpctrain.schedule.actions import KINDS, Action, Schedule, build, parse
@@ -116,3 +118,24 @@ def test_action_strings_round_trip_and_bad_input():
         build("1f1b", 2, 4, virtual=2)
     with pytest.raises(ValueError, match="valid: gpipe, 1f1b, interleaved, zb-h1"):
         build("pipedream", 2, 4)
+
+
+def test_plan_command_prints_schedule_bubble_and_inflight(capsys):
+    from hpctrain.__main__ import main
+
+    tiny = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
+    args = ["plan", tiny, "--world-size", "4", "--set", "topology.pp=4",
+            "--set", "train.global_batch_size=8", "--set", 'schedule.boundaries="1,4,6"']
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "pp rank 0: stage(s) [0], layers 0-0 + embedding" in out
+    assert "pp rank 3: stage(s) [3], layers 6-7 + head, loss" in out
+    assert "peak in-flight microbatches 4" in out and "peak in-flight microbatches 1" in out
+    assert "bubble fraction 0.2727" in out  # 1F1B, p=4, m=8: 3/11
+    assert build("1f1b", 4, 8).text(3) in out.replace("\n    ", " ")
+    bad = ["plan", tiny, "--world-size", "2", "--set", "topology.pp=2", "--set",
+           'schedule.kind="interleaved"', "--set", "schedule.virtual_stages=2",
+           "--set", "train.global_batch_size=5"]
+    assert main(bad) == 2
+    assert "use a multiple of 2" in capsys.readouterr().err
+

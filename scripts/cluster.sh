@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# A small cluster of "nodes" on one machine, for multi-node tests and benchmarks.
+#
+#   scripts/cluster.sh up NAME NODES [SLOTS [RATE]]  make it: SLOTS ranks per node (default 2)
+#                                             fill a node before the next; RATE e.g. 1gbit
+#   scripts/cluster.sh shape NAME RATE|off    shape (or unshape) every node's link
+#   scripts/cluster.sh mpirun NAME ARGS...    mpirun over the nodes (hostfile, agent, TCP)
+#   scripts/cluster.sh down NAME              remove everything `up` made (alias: cleanup)
+#   scripts/cluster.sh check                  exit 0 when namespaces can be made here
+#
+# Each node is a network namespace hpct-NAME-nI with one interface eth0 (10.213.0.I+1/24)
+# whose peer sits on a bridge br0 inside a hub namespace hpct-NAME-hub (10.213.0.254).
+# Nothing is created in the caller's namespace: every address and link lives inside the
+# namespaces made here, so no traffic can leave them. mpirun runs in the hub namespace and
+# starts one orted per node through scripts/cluster_agent.sh, which enters the node's
+# namespace and a fresh UTS namespace whose hostname is the node's name (so Open MPI sees
+# distinct nodes: shared memory within a node, TCP between nodes). A link is shaped with a
+# token bucket (tc tbf) on both of its ends; the kernel here has no netem, so no delay.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+NET=10.213.0
+
+usage() { sed -n '3,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+valid_name() { [[ "$1" =~ ^[a-z0-9]{1,8}$ ]] || die "NAME must be 1-8 of [a-z0-9], got '$1'"; }
+state() { echo "/tmp/hpct-cluster-$1"; }
+nodes_of() { ip netns list | awk '{print $1}' | grep -E "^hpct-$1-n[0-9]+$" | sort -V || true; }
+
+check() {
+  command -v ip >/dev/null || die "iproute2 (ip) is missing: apt-get install iproute2"
+  command -v tc >/dev/null || die "tc is missing: apt-get install iproute2"
+  command -v unshare >/dev/null || die "unshare is missing (util-linux)"
+  local probe="hpct-probe-$$"
+  ip netns add "$probe" 2>/dev/null || die "cannot create network namespaces (needs root)"
+  ip -n "$probe" link add br0 type bridge 2>/dev/null || { ip netns del "$probe"; \
+    die "cannot create a bridge inside a namespace"; }
+  unshare --uts true 2>/dev/null || { ip netns del "$probe"; die "cannot unshare UTS"; }
+  ip netns del "$probe"
+}
+
+shape() {  # shape NAME RATE|off: token bucket on both ends of every node link
+  local name=$1 rate=$2 i=0
+  for ns in $(nodes_of "$name"); do
+    for dev in "$ns eth0" "hpct-$name-hub v$i"; do
+      set -- $dev
+      if [[ "$rate" == off ]]; then
+        ip -n "$1" link set "$2" up
+        tc -n "$1" qdisc del dev "$2" root 2>/dev/null || true
+      else  # burst above the 64 KiB GSO segments of a veth, else tbf drops them all
+        tc -n "$1" qdisc replace dev "$2" root tbf rate "$rate" burst 256kb latency 100ms
+      fi
+    done
+    i=$((i + 1))
+  done
+}
+
+up() {
+  local name=$1 n=$2 slots=${3:-2} rate=${4:-off}
+  valid_name "$name"
+  [[ "$n" =~ ^[0-9]+$ && "$n" -ge 1 && "$n" -le 16 ]] || die "NODES must be 1..16"
+  [[ "$slots" =~ ^[0-9]+$ && "$slots" -ge 1 ]] || die "SLOTS must be >= 1"
+  [[ -z "$(nodes_of "$name")" ]] || die "cluster $name exists: cluster.sh down $name first"
+  check
+  local hub="hpct-$name-hub" dir
+  dir=$(state "$name")
+  mkdir -p "$dir"
+  ip netns add "$hub"
+  ip -n "$hub" link set lo up
+  ip -n "$hub" link add br0 type bridge
+  ip -n "$hub" addr add "$NET.254/24" dev br0
+  ip -n "$hub" link set br0 up
+  : > "$dir/hostfile"
+  for ((i = 0; i < n; i++)); do
+    local ns="hpct-$name-n$i"
+    ip netns add "$ns"
+    ip -n "$ns" link set lo up
+    ip -n "$hub" link add "v$i" type veth peer name eth0 netns "$ns"
+    ip -n "$hub" link set "v$i" master br0 up
+    ip -n "$ns" addr add "$NET.$((i + 1))/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    echo "$ns slots=$slots" >> "$dir/hostfile"
+  done
+  shape "$name" "$rate"
+  echo "$dir"
+}
+
+down() {
+  local name=$1
+  valid_name "$name"
+  for ns in $(nodes_of "$name"); do ip netns del "$ns" 2>/dev/null || true; done
+  ip netns del "hpct-$name-hub" 2>/dev/null || true  # its veth ends and bridge go with it
+  rm -rf "$(state "$name")"
+}
+
+run_mpirun() {  # mpirun NAME ARGS...: in the hub namespace, over the nodes' hostfile
+  local name=$1
+  shift
+  valid_name "$name"
+  local dir
+  dir=$(state "$name")
+  [[ -f "$dir/hostfile" ]] || die "no cluster $name: cluster.sh up $name N first"
+  exec ip netns exec "hpct-$name-hub" mpirun --hostfile "$dir/hostfile" \
+    --mca plm_rsh_agent "$HERE/cluster_agent.sh" --mca plm_rsh_no_tree_spawn 1 \
+    --mca btl tcp,vader,self --mca btl_tcp_if_include "$NET.0/24" \
+    --mca oob_tcp_if_include "$NET.0/24" "$@"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  up) [[ $# -ge 2 ]] || usage; up "$@" ;;
+  down | cleanup) [[ $# -eq 1 ]] || usage; down "$1" ;;
+  shape) [[ $# -eq 2 ]] || usage; valid_name "$1"; shape "$1" "$2" ;;
+  mpirun) [[ $# -ge 1 ]] || usage; run_mpirun "$@" ;;
+  check) check ;;
+  *) usage ;;
+esac
