@@ -116,6 +116,7 @@ class Checkpointer:
             why = f"{SERIAL_ENV} is set" if forced else "h5py was built without MPI"
             self.warn(f"checkpoints use the serial fallback ({why}): ranks write in turn")
         self.metrics: dict[str, float] = {}
+        self._info = comm.mpi_info(ccfg.mpi_hints) if self.mpio else None  # MPI-IO hints
 
     def take_metrics(self) -> dict[str, float]:
         """Save/load seconds, bytes and GB/s since the last call (for metrics.jsonl)."""
@@ -129,8 +130,7 @@ class Checkpointer:
         if self.cfg.alignment > 0:
             kw.update(alignment_threshold=ALIGN_MIN_BYTES, alignment_interval=self.cfg.alignment)
         if self.mpio:
-            kw.update(driver="mpio", comm=self.topo.world.mpi,
-                      info=comm.mpi_info(self.cfg.mpi_hints))
+            kw.update(driver="mpio", comm=self.topo.world.mpi, info=self._info)
         return h5py.File(path, mode, **kw)
 
     def _rng_piece(self, rows: int, state: torch.Tensor) -> Piece:
@@ -194,8 +194,8 @@ class Checkpointer:
 
     @staticmethod
     def _create(f, specs, meta: dict) -> None:
-        for path, shape, dt in specs:
-            f.create_dataset(path, shape=shape, dtype=np.dtype(dt))
+        for path, shape, dt in specs:  # no fill: every element is written once, by its owner
+            f.create_dataset(path, shape=shape, dtype=np.dtype(dt), fill_time="never")
         f.attrs.update(meta)
 
     def _fill(self, f, specs, pieces: dict, step: int, collective: bool) -> int:

@@ -84,7 +84,7 @@ class Piece:
         if not self.parts:
             return np.empty((0,), dtype=self.dtype)
         views = [view(self.tensor).reshape(-1) for view, _ in self.parts]
-        flat = torch.cat(views).detach().to("cpu")
+        flat = (views[0] if len(views) == 1 else torch.cat(views)).detach().to("cpu")
         if flat.dtype in (torch.bfloat16, torch.float16):
             flat = flat.float()
         return np.ascontiguousarray(flat.numpy(), dtype=self.dtype)

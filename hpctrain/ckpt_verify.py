@@ -41,8 +41,8 @@ def crc32_dataset(dset) -> int:
     row_bytes = max(1, dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64)))
     step = max(1, BLOCK_BYTES // row_bytes)
     for r in range(0, rows, step):
-        block = np.ascontiguousarray(dset[r:r + step])
-        crc = zlib.crc32(block.astype(block.dtype.newbyteorder("<"), copy=False).tobytes(), crc)
+        block = np.ascontiguousarray(dset[r:r + step], dtype=dset.dtype.newbyteorder("<"))
+        crc = zlib.crc32(block.reshape(-1).view(np.uint8), crc)  # no copy of the bytes
     return crc
 
 

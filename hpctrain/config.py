@@ -288,6 +288,8 @@ def validate(cfg: Config, world_size: int) -> None:
     need(top.placement in ("auto", "naive"), "topology.placement must be auto or naive")
     need(top.dp_reduction in ("flat", "hierarchical"),
          "topology.dp_reduction must be flat or hierarchical")
+    need(top.dp_reduction == "flat" or (o.zero == 0 and not o.overlap),
+         "topology.dp_reduction=hierarchical needs optim.zero=0 and optim.overlap=false")
     # Model shapes.
     need(m.dtype in ("float32", "float64", "bfloat16", "float16"),
          f"model.dtype={m.dtype!r}; valid: float32, float64, bfloat16, float16")

@@ -30,6 +30,7 @@ from .optim import lr_at
 from .parallel import build_model, named_parameters
 from .parallel.data import GradBuffers
 from .parallel.expert import set_loss_scale, step_metrics
+from .placement import hierarchical_hook
 from .schedule.runner import pipeline_metrics, run_step
 from .telemetry import RunLog, Telemetry
 from .topology import Topology
@@ -65,7 +66,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     chunks = build_model(cfg, topo)
     params = named_parameters(chunks)
     grads = GradBuffers(params, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero,
-                        overlap=cfg.optim.overlap,
+                        overlap=cfg.optim.overlap, hierarchical=hierarchical_hook(topo),
                         microbatches=microbatches_per_rank(cfg))
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)  # ZeRO 0/1/2
     meter = memory.Meter(params, grads, optimizer)  # measured bytes per rank: metrics mem_*

@@ -51,11 +51,11 @@ class ZeroAdamW:
 
     def _init_shard(self, b) -> dict[str, torch.Tensor]:
         lo, hi = b.shard_range
-        dt = shard_dtype(b.dtype)
-        st = {"exp_avg": torch.zeros(hi - lo, dtype=dt), "exp_avg_sq": torch.zeros(hi - lo,
-                                                                                    dtype=dt)}
-        decay = torch.zeros(hi - lo, dtype=dt)
-        counted = torch.zeros(hi - lo, dtype=torch.bool)
+        dt, dev = shard_dtype(b.dtype), b.shard.device
+        st = {"exp_avg": torch.zeros(hi - lo, dtype=dt, device=dev),
+              "exp_avg_sq": torch.zeros(hi - lo, dtype=dt, device=dev)}
+        decay = torch.zeros(hi - lo, dtype=dt, device=dev)
+        counted = torch.zeros(hi - lo, dtype=torch.bool, device=dev)
         for p, a, e, _, _ in self.grads.segments(b):
             decay[a:e] = 1.0 if p.dim() >= 2 else 0.0
             counted[a:e] = counted_here(p.hp, self.topo, grads_sharded_over_dp=True)
@@ -67,7 +67,7 @@ class ZeroAdamW:
     def _gather_params(self, b, dt) -> torch.Tensor:
         """This rank's shard of the bucket's current parameter values, as ``dt``."""
         lo, hi = b.shard_range
-        w = torch.zeros(hi - lo, dtype=dt)
+        w = torch.zeros(hi - lo, dtype=dt, device=b.shard.device)
         for p, a, e, plo, phi in self.grads.segments(b):
             w[a:e] = p.detach().reshape(-1)[plo:phi].to(dt)
         return w
@@ -122,7 +122,7 @@ class ZeroAdamW:
         """Every rank's updated shard -> the full bucket -> the parameters (one bucket of
         temporary memory). Collective over ``b.group``."""
         w = st.pop("_w")
-        full = torch.empty(b.numel, dtype=b.dtype)
+        full = torch.empty(b.numel, dtype=b.dtype, device=w.device)
         b.group.allgather(w.to(b.dtype), full)
         for p, off in zip(b.params, b.offsets):
             p.copy_(full[off:off + p.numel()].view_as(p))
@@ -136,7 +136,7 @@ class ZeroAdamW:
         out: dict[str, dict[str, torch.Tensor]] = {}
         for b, st in zip(self.grads.buckets, self.shards):
             for key, shard in st.items():
-                full = torch.empty(b.numel, dtype=shard.dtype)
+                full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
                 b.group.allgather(shard, full)
                 for name, p, off in zip(b.names, b.params, b.offsets):
                     out.setdefault(name, {})[key] = full[off:off + p.numel()].view_as(p)
@@ -149,7 +149,7 @@ class ZeroAdamW:
         for b, st in zip(self.grads.buckets, self.shards):
             lo, hi = b.shard_range
             for key, shard in st.items():
-                full = torch.zeros(b.numel, dtype=shard.dtype)
+                full = torch.zeros(b.numel, dtype=shard.dtype, device=shard.device)
                 for name, p, off in zip(b.names, b.params, b.offsets):
                     full[off:off + p.numel()] = self._full[name][key].reshape(-1)
                 shard.copy_(full[lo:hi])

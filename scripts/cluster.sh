@@ -7,6 +7,7 @@
 #   scripts/cluster.sh mpirun NAME ARGS...    mpirun over the nodes (hostfile, agent, TCP)
 #   scripts/cluster.sh down NAME              remove everything `up` made (alias: cleanup)
 #   scripts/cluster.sh check                  exit 0 when namespaces can be made here
+#   scripts/cluster.sh with NAME NODES SLOTS RATE -- CMD...   up, run CMD, down (always)
 #
 # Each node is a network namespace hpct-NAME-nI with one interface eth0 (10.213.0.I+1/24)
 # whose peer sits on a bridge br0 inside a hub namespace hpct-NAME-hub (10.213.0.254).
@@ -16,12 +17,12 @@
 # namespace and a fresh UTS namespace whose hostname is the node's name (so Open MPI sees
 # distinct nodes: shared memory within a node, TCP between nodes). A link is shaped with a
 # token bucket (tc tbf) on both of its ends; the kernel here has no netem, so no delay.
-set -euo pipefail
+set -Eeuo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NET=10.213.0
 
-usage() { sed -n '3,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 valid_name() { [[ "$1" =~ ^[a-z0-9]{1,8}$ ]] || die "NAME must be 1-8 of [a-z0-9], got '$1'"; }
 state() { echo "/tmp/hpct-cluster-$1"; }
@@ -62,6 +63,7 @@ up() {
   [[ "$slots" =~ ^[0-9]+$ && "$slots" -ge 1 ]] || die "SLOTS must be >= 1"
   [[ -z "$(nodes_of "$name")" ]] || die "cluster $name exists: cluster.sh down $name first"
   check
+  trap "echo 'cluster.sh: up failed, removing cluster $name' >&2; down $name" ERR
   local hub="hpct-$name-hub" dir
   dir=$(state "$name")
   mkdir -p "$dir"
@@ -82,7 +84,17 @@ up() {
     echo "$ns slots=$slots" >> "$dir/hostfile"
   done
   shape "$name" "$rate"
+  trap - ERR
   echo "$dir"
+}
+
+with_cluster() {  # with NAME NODES SLOTS RATE -- CMD...: up, run CMD, always down
+  local name=$1 n=$2 slots=$3 rate=$4
+  shift 4
+  [[ "${1:-}" == -- ]] && shift
+  up "$name" "$n" "$slots" "$rate" >/dev/null
+  trap "down $name" EXIT INT TERM  # NAME is [a-z0-9] only
+  "$@"
 }
 
 down() {
@@ -113,6 +125,7 @@ case "$cmd" in
   down | cleanup) [[ $# -eq 1 ]] || usage; down "$1" ;;
   shape) [[ $# -eq 2 ]] || usage; valid_name "$1"; shape "$1" "$2" ;;
   mpirun) [[ $# -ge 1 ]] || usage; run_mpirun "$@" ;;
+  with) [[ $# -ge 6 ]] || usage; with_cluster "$@" ;;
   check) check ;;
   *) usage ;;
 esac

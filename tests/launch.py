@@ -36,9 +36,11 @@ def env(**extra) -> dict:
 
 
 def mpirun(n: int, args: list[str], timeout: float = 300, check: bool = True,
-           extra_env: dict | None = None, mpirun_args: tuple = ()):
-    """Run ``python -m mpi4py ARGS`` on n ranks; returns the CompletedProcess."""
-    cmd = ["mpirun", "-n", str(n), "--oversubscribe", *mpirun_args, PY, "-m", "mpi4py", *args]
+           extra_env: dict | None = None, mpirun_args: tuple = (), launcher: tuple = ()):
+    """Run ``python -m mpi4py ARGS`` on n ranks; returns the CompletedProcess. ``launcher``
+    replaces ``mpirun`` (e.g. ``scripts/cluster.sh mpirun NAME``: ranks on simulated nodes)."""
+    cmd = [*(launcher or ["mpirun"]), "-n", str(n), "--oversubscribe", *mpirun_args, PY, "-m",
+           "mpi4py", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -92,11 +94,11 @@ def read_run(run_dir: Path, stdout: str = "") -> Run:
 
 
 def train_cli(run_dir: Path, n: int, *overrides: str, config: str = TINY, timeout=300,
-              extra_env: dict | None = None) -> Run:
+              extra_env: dict | None = None, launcher: tuple = ()) -> Run:
     args = ["-m", "hpctrain", "train", config, "--run-dir", str(run_dir)]
     for o in overrides:
         args += ["--set", o]
-    proc = mpirun(n, args, timeout=timeout, extra_env=extra_env)
+    proc = mpirun(n, args, timeout=timeout, extra_env=extra_env, launcher=launcher)
     return read_run(Path(run_dir), proc.stdout)
 
 

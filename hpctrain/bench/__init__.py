@@ -28,5 +28,6 @@ BENCHES = {
     "collectives": (4,),
     "checkpoint": (2, 4),  # save/load bandwidth vs per-rank torch.save (checkpoint issue)
     "memory": (1, 2, 4),  # ZeRO 0/1/2 peak memory and step time (ZeRO issue)
+    "cluster": (1,),  # 2 simulated nodes: placement, hierarchical dp, overlap, scaling
 }
 SIZES = ("tiny", "small")

@@ -21,6 +21,10 @@ def add_arguments(p) -> None:
     p.add_argument("--memory-per-rank", default="", metavar="BYTES",
                    help="memory available per rank, e.g. 80GiB: warn when the estimate "
                         "does not fit")
+    p.add_argument("--nodes", type=int, default=0,
+                   help="nodes the ranks are packed on: show which axes cross the link")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="ranks per node (default: world size / --nodes)")
     p.add_argument("--width", type=int, default=100,
                    help="wrap each rank's action list at this many columns (0: no wrap)")
 
@@ -73,7 +77,8 @@ def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
                      f"peak in-flight microbatches {result.peak_inflight[r]}")
         lines += _wrap(sched.text(r), width, "    ")
     p = sched.pp
-    lines.append(f"simulated (costs {costs or 'F=B=W=1'}): makespan {result.makespan:g}, "
+    shown = " ".join(f"{k}={v:g}" for k, v in (costs or {"F": 1, "B": 1, "W": 1}).items())
+    lines.append(f"simulated (costs {shown}): makespan {result.makespan:g}, "
                  f"bubble fraction {result.bubble:.4f} "
                  f"(1F1B reference (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})")
     return lines
@@ -99,6 +104,11 @@ def run(args) -> int:
                  f"{' + sequence parallel' if t.sequence_parallel else ''}"]
         lines += schedule_section(cfg, args.width, costs)
         lines += memory_section(cfg, args.memory_per_rank)
+        if args.nodes:
+            from ..placement import plan_section
+
+            lines += plan_section(cfg, args.nodes,
+                                  args.ranks_per_node or args.world_size // args.nodes)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"hpctrain plan: {e}", file=sys.stderr)
         return 2

@@ -183,7 +183,8 @@ class GradBuffers:
             return
         send = b.flat
         if self.zero_level == 2:
-            send = b.staging if b.staging is not None else torch.zeros(b.numel, dtype=b.dtype)
+            send = b.staging if b.staging is not None else torch.zeros(
+                b.numel, dtype=b.dtype, device=b.shard.device)
             b.staging = None  # freed when the reduction completes
         recv = torch.empty_like(b.shard)
         self._pending.append((b.group.ireduce_scatter(send, recv), b, recv))

@@ -99,16 +99,22 @@ class _Received(torch.autograd.Function):
         return back, None, None, None, None
 
 
-def post_exchange(exchange, rows, send_rows, recv_rows):
+def post_exchange(exchange, rows, send_rows, recv_rows, leaf: bool = False):
     """Post the exchange of ``rows`` nonblocking over ep_comm: (Handle or None, finish) where
-    ``finish()`` (after the handle completed) returns the received rows joined to the graph."""
+    ``finish()`` (after the handle completed) returns the received rows, joined to the graph
+    of ``rows`` (backward: the blocking inverse exchange) or, with ``leaf``, as a new leaf
+    (the schedule then runs the backward exchange itself)."""
     group = exchange.topo.ep_comm
     if group.size == 1:
+        if leaf:
+            return None, lambda: rows.detach().clone().requires_grad_(rows.requires_grad)
         return None, lambda: rows.clone()
     send = rows.detach().contiguous()
     buf = rows.new_empty((int(np.sum(recv_rows)), *rows.shape[1:]))
     handle = group.ialltoallv(send, send_rows, buf, recv_rows)
     PENDING.append([handle, time.perf_counter(), 0.0])
+    if leaf:
+        return handle, lambda: buf.requires_grad_(rows.requires_grad)
     return handle, lambda: _Received.apply(rows, buf, group, send_rows, recv_rows)
 
 

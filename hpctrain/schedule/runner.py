@@ -27,7 +27,7 @@ import torch
 
 from ..config import microbatches as microbatch_count
 from ..model.gpt import DTYPES
-from . import experts
+from . import experts, split
 from .actions import Action, Schedule, build, link
 from .simulate import simulate
 
@@ -62,7 +62,7 @@ class StepState:
         self.device = torch.device(cfg.model.device)
         self.inputs: dict = {}  # (mb, chunk) -> stage input (leaf, requires_grad)
         self.outputs: dict = {}  # (mb, chunk) -> stage output, or scaled loss on the last
-        self.grad_out: dict = {}  # (mb, chunk) -> gradient of the output (split backward)
+        self.grad_out: dict = {}  # (mb, chunk) -> what W needs (split backward)
         self.grad_in: dict = {}  # (mb, chunk) -> gradient of the input, to send
         self.recvs: dict = {}  # (kind, mb, chunk) -> (Handle, buffer)
         self.sends: list = []
@@ -109,10 +109,10 @@ def _backward(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     grad = None if st.is_last(a) else st.take("RB", a)
     out, x = st.outputs[key], st.inputs.get(key)
-    if st.split:
-        st.grad_out[key] = grad
-        if x is not None:  # the first stage has no input gradient
-            (st.grad_in[key],) = torch.autograd.grad(out, x, grad, retain_graph=True)
+    if st.split:  # B: input gradient only (schedule/split.py); W follows later
+        gx, st.grad_out[key] = split.input_grad(out, grad, x, _params(st.chunks[a.c]))
+        if gx is not None:
+            st.grad_in[key] = gx
         return
     torch.autograd.backward(out, grad)
     if x is not None:
@@ -123,9 +123,12 @@ def _backward(st: StepState, a: Action) -> None:
 def _weight(st: StepState, a: Action) -> None:
     """Weight gradient of a split backward: accumulates into the chunk's ``.grad``."""
     key = (a.microbatch, a.c)
-    params = [p for p in st.chunks[a.c].parameters() if p.requires_grad]
-    torch.autograd.backward(st.outputs[key], st.grad_out[key], inputs=params)
+    split.weight_grad(st.grad_out[key], _params(st.chunks[a.c]))
     st.drop(key)
+
+
+def _params(chunk) -> list:
+    return [p for p in chunk.parameters() if p.requires_grad]
 
 
 def _post_recv(st: StepState, a: Action) -> None:

@@ -100,11 +100,14 @@ def test_one_rank_to_pp2_dp2_tp2(tmp_path, session_dir):
 
 
 def test_ep2_to_ep1(tmp_path, session_dir):
+    # MoE balance statistics are per global microbatch: the one-rank runs use
+    # micro_batch_size = dp * 1 so that their microbatches are the dp=2 run's (see
+    # tests/e2e/test_moe_equivalence.py).
     needs("ep")
-    moe = ("model.num_experts=4",)
-    ref = baseline(session_dir, *COMMON, *moe)
-    _, b = reshard(tmp_path, ref, layout(dp=2, ep=2), layout(dp=2), extra=moe)
-    assert_tail_equal(b, ref, 3, "ep=2 -> ep=1")
+    moe, whole = ("model.num_experts=4", "model.moe_every=2"), "train.micro_batch_size=2"
+    ref = baseline(session_dir, *COMMON, *moe, whole)
+    _, b = reshard(tmp_path, ref, layout(dp=2, ep=2), layout(), extra=moe, load_extra=(whole,))
+    assert_tail_equal(b, ref, 3, "dp=2 x ep=2 -> 1 rank (ep=1)")
 
 
 def test_optimizer_state_reshard_zero(tmp_path, session_dir):

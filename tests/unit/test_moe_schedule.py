@@ -3,7 +3,7 @@
 import pytest
 
 from hpctrain.config import ModelConfig
-from hpctrain.schedule.actions import COMPUTE, Action, Schedule, build
+from hpctrain.schedule.actions import Action, Schedule, build
 from hpctrain.schedule.experts import (
     SEGMENTS,
     check_ep_order,
@@ -14,18 +14,21 @@ from hpctrain.schedule.simulate import ScheduleError, simulate
 
 
 def windows(actions):
-    """Per dispatch, the compute of other microbatches run between its D and its E."""
-    out, open_d = [], {}
+    """Per posted exchange (D, C, CB, DB), the compute of other microbatches that runs
+    before the action that waits for it (E, G, XB, YB)."""
+    waits = {"D": "E", "C": "G", "CB": "XB", "DB": "YB"}
+    out, open_w = [], {}
     for a in actions:
         key = (a.microbatch, a.c)
-        if a.kind in COMPUTE or a.kind in ("E", "G"):  # compute, incl. expert segments
-            for k, inside in open_d.items():
+        if a.kind not in waits and a.kind not in ("SF", "RF", "SB", "RB"):  # compute
+            for (k, _), inside in open_w.items():
                 if k != key:
-                    inside.append(a)
-        if a.kind == "D":
-            open_d[key] = []
-        elif a.kind == "E":
-            out.append(open_d.pop(key))
+                    inside.append(str(a))
+        if a.kind in waits:
+            open_w[(key, waits[a.kind])] = []
+        elif (key, a.kind) in open_w:
+            out.append(open_w.pop((key, a.kind)))
+    assert not open_w
     return out
 
 
@@ -49,16 +52,25 @@ def test_expansion_is_accepted_by_the_simulator_and_overlaps(kind, pp, m, v):
     assert overlapped, sched.text(0)  # some dispatch travels during another's compute
 
 
-def test_pp1_1f1b_hides_each_dispatch_behind_the_previous_backward():
-    sched = expand(build("1f1b", 1, 3), [2])
-    assert sched.text(0).startswith("F0 D0 E0 C0 G0 D0 E0 C0 G0 F1 D1 B0 E1")
-    assert [str(a) for w in windows(sched.ranks[0]) for a in w] == ["B0", "B1"]
+def test_pp1_1f1b_forward_and_backward_exchanges_ping_pong():
+    sched = expand(build("1f1b", 1, 3), [1])
+    assert sched.text(0) == ("F0 D0 E0 C0 G0 B0 CB0 F1 D1 XB0 DB0 E1 C1 YB0 G1 "
+                             "B1 CB1 F2 D2 XB1 DB1 E2 C2 YB1 G2 B2 CB2 XB2 DB2 YB2")
+    w = windows(sched.ranks[0])
+    assert len(w) == 12 and sum(1 for x in w if x) == 8  # all but mb 0's F and mb 2's B
+    assert w[2:6] == [["F1"], ["XB0"], ["E1"], ["YB0"]]  # CB0, D1, DB0, C1 hidden
 
 
 def test_two_forwards_ping_pong_every_dispatch():
     sched = expand(build("gpipe", 1, 2), [2])
-    assert sched.text(0) == ("F0 D0 F1 D1 E0 C0 E1 C1 G0 D0 G1 D1 E0 C0 E1 C1 G0 G1 B0 B1")
-    assert all(windows(sched.ranks[0])) and len(windows(sched.ranks[0])) == 4
+    assert sched.text(0).startswith("F0 D0 F1 D1 E0 C0 E1 C1 G0 D0 G1 D1 E0 C0 E1 C1 G0 G1 ")
+    assert all(windows(sched.ranks[0]))
+
+
+def test_split_backward_keeps_blocking_exchanges():
+    sched = expand(build("zb-h1", 2, 3), [1, 1])
+    kinds = {a.kind for acts in sched.ranks for a in acts}
+    assert {"D", "E", "C", "G"} <= kinds and not kinds & {"CB", "XB", "DB", "YB"}
 
 
 def test_ep_order_mismatch_is_rejected():
@@ -77,4 +89,4 @@ def test_ep_order_mismatch_is_rejected():
 def test_forward_followed_by_its_own_backward_runs_eagerly():
     base = Schedule("1f1b", 1, 1, 1, ((Action("F", 0), Action("B", 0)),))
     out = expand(base, [1])
-    assert out.text(0) == "F0 D0 E0 C0 G0 B0"
+    assert out.text(0) == "F0 D0 E0 C0 G0 B0 CB0 XB0 DB0 YB0"

@@ -139,3 +139,44 @@ def test_plan_command_prints_schedule_bubble_and_inflight(capsys):
     assert main(bad) == 2
     assert "use a multiple of 2" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_split_backward_equals_one_backward(last):
+    """zb-h1's B (input gradient) then W (weights) give the same gradients as one backward,
+    accumulated in place into existing ``.grad`` tensors."""
+    import torch
+
+    from hpctrain.config import ModelConfig
+    from hpctrain.model.gpt import GPTStage, init_parameters
+    from hpctrain.schedule import split
+
+    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_ff=32, vocab_size=32,
+                      dtype="float64")
+    stage = GPTStage(cfg, range(2), first=False, last=last)
+    init_parameters([stage], 7)
+    params = list(stage.parameters())
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, 8, 16, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, 32, (2, 8), generator=g)
+    grad = None if last else torch.randn(2, 8, 16, dtype=torch.float64, generator=g)
+
+    def run(split_it: bool):
+        views = [torch.full_like(p, 0.5) for p in params]  # pre-existing .grad storage
+        for p, v in zip(params, views):
+            p.grad = v
+        x = x0.clone().requires_grad_(True)
+        out = stage(x, targets if last else None)
+        if not split_it:
+            torch.autograd.backward(out, grad)
+            return x.grad, views
+        gx, state = split.input_grad(out, grad, x, params)
+        assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in views)  # B: no weights
+        split.weight_grad(state, params)
+        assert all(p.grad is v for p, v in zip(params, views))  # accumulated in place
+        return gx, views
+
+    (dx_ref, dw_ref), (dx, dw) = run(False), run(True)
+    assert torch.allclose(dx, dx_ref, rtol=1e-12, atol=0)
+    for a, b in zip(dw, dw_ref):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
