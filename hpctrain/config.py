@@ -265,18 +265,28 @@ def microbatches(cfg: Config) -> int:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Reject impossible layouts before any collective; messages show the arithmetic."""
-    top, m, t, o, s = cfg.topology, cfg.model, cfg.train, cfg.optim, cfg.schedule
-    errors = []
+    """Reject impossible layouts before any collective; messages show the arithmetic. All
+    problems are reported together."""
+    top = cfg.topology
+    bad = [f"topology.{a} must be >= 1" for a in ("dp", "tp", "pp", "ep") if getattr(top, a) < 1]
+    if bad:
+        raise ConfigError("; ".join(bad))
+    errors: list[str] = []
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
             errors.append(msg)
 
-    for axis in ("dp", "tp", "pp", "ep"):
-        need(getattr(top, axis) >= 1, f"topology.{axis} must be >= 1")
+    _check_layout(cfg, world_size, need)
+    _check_model(cfg, need)
+    _check_batch(cfg, need)
+    _check_schedule(cfg, need, simulate=not errors)
     if errors:
-        raise ConfigError("; ".join(errors))
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _check_layout(cfg: Config, world_size: int, need) -> None:
+    top, o = cfg.topology, cfg.optim
     n = top.dp * top.tp * top.pp
     need(
         n == world_size,
@@ -290,7 +300,15 @@ def validate(cfg: Config, world_size: int) -> None:
          "topology.dp_reduction must be flat or hierarchical")
     need(top.dp_reduction == "flat" or (o.zero == 0 and not o.overlap),
          "topology.dp_reduction=hierarchical needs optim.zero=0 and optim.overlap=false")
-    # Model shapes.
+    need(o.zero in (0, 1, 2), "optim.zero must be 0, 1 or 2")
+    need(o.bucket_mb > 0, "optim.bucket_mb must be > 0")
+    need(0 <= cfg.data.val_fraction < 1, "data.val_fraction must be in [0, 1)")
+    need(cfg.telemetry.on_skips in ("rollback", "stop"),
+         "telemetry.on_skips must be rollback or stop")
+
+
+def _check_model(cfg: Config, need) -> None:
+    top, m, t = cfg.topology, cfg.model, cfg.train
     need(m.dtype in ("float32", "float64", "bfloat16", "float16"),
          f"model.dtype={m.dtype!r}; valid: float32, float64, bfloat16, float16")
     need(m.device in ("cpu", "cuda"), f"model.device={m.device!r}; valid: cpu, cuda")
@@ -318,7 +336,10 @@ def validate(cfg: Config, world_size: int) -> None:
         need(m.moe_every >= 1, "model.moe_every must be >= 1")
     else:
         need(top.ep == 1, "topology.ep > 1 needs an MoE model (model.num_experts > 0)")
-    # Batch arithmetic.
+
+
+def _check_batch(cfg: Config, need) -> None:
+    top, t = cfg.topology, cfg.train
     per_step = top.dp * t.micro_batch_size
     need(t.global_batch_size >= 1 and t.micro_batch_size >= 1 and t.seq_len >= 1,
          "train.global_batch_size, micro_batch_size and seq_len must be >= 1")
@@ -332,7 +353,12 @@ def validate(cfg: Config, world_size: int) -> None:
     need(t.eval_batches >= 1 or not t.eval_every, "train.eval_batches must be >= 1")
     need(not (t.patience or t.target_val_loss) or t.eval_every,
          "train.patience / target_val_loss need train.eval_every > 0 (they act on evaluations)")
-    # Pipeline arithmetic.
+
+
+def _check_schedule(cfg: Config, need, simulate: bool) -> None:
+    """Pipeline arithmetic; whether the microbatch count fits the schedule is asked only of
+    an otherwise valid config (``simulate``)."""
+    top, m, s = cfg.topology, cfg.model, cfg.schedule
     need(s.kind in ("gpipe", "1f1b", "interleaved", "zb-h1"),
          f"schedule.kind={s.kind!r}; valid: gpipe, 1f1b, interleaved, zb-h1")
     v = s.virtual_stages if s.kind == "interleaved" else 1
@@ -342,23 +368,12 @@ def validate(cfg: Config, world_size: int) -> None:
     need(m.n_layers >= top.pp * v,
          f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "
          "stage needs at least one layer")
-    if not errors and per_step > 0 and t.global_batch_size % per_step == 0:
+    if simulate:
         from .parallel.pipeline import layer_ranges
         from .schedule.actions import check_fits  # does the microbatch count fit the schedule
 
         try:
             check_fits(s.kind, top.pp, microbatches(cfg), v)
             layer_ranges(cfg)
-            if s.boundaries and s.moe_overlap:
-                raise ValueError("schedule.boundaries cannot be combined with "
-                                 "schedule.moe_overlap (it assumes balanced stages)")
         except ValueError as e:
-            errors.append(str(e))
-    # Optimizer.
-    need(o.zero in (0, 1, 2), "optim.zero must be 0, 1 or 2")
-    need(o.bucket_mb > 0, "optim.bucket_mb must be > 0")
-    need(0 <= cfg.data.val_fraction < 1, "data.val_fraction must be in [0, 1)")
-    need(cfg.telemetry.on_skips in ("rollback", "stop"),
-         "telemetry.on_skips must be rollback or stop")
-    if errors:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+            need(False, str(e))

@@ -6,14 +6,16 @@
     4. update      global grad norm (each parameter counted once), clip, AdamW
     5. checkpoint  one parallel-HDF5 file, whole or absent
 
-``train(cfg, run_dir)`` is importable; ``hpctrain train`` calls it on every rank.
+then held-out evaluation and the stop rules. ``train(cfg, run_dir)`` is importable;
+``hpctrain train`` calls it on every rank. :func:`setup` builds everything one rank holds,
+:func:`train_step` is stages 2-4, :func:`end_of_step` evaluates, checkpoints and records.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +46,30 @@ class Result:
     checkpoint: str | None
 
 
+@dataclass
+class Trainer:
+    """Everything one rank holds for a run (built by :func:`setup`)."""
+
+    cfg: Config
+    topo: Topology
+    log: RunLog
+    job: slurm.Job
+    chunks: list  # this rank's model pieces, one per (virtual) pipeline stage
+    params: list  # [(global name, parameter)]
+    grads: GradBuffers
+    optimizer: object  # AdamW or ZeroAdamW
+    sampler: Sampler
+    global_tokens: int
+    data_lineage: dict
+    meter: memory.Meter = None
+    saver: ckpt_mod.Checkpointer = None
+    tel: Telemetry = None
+    start: int = 0
+    ckpt_attrs: dict = field(default_factory=dict)
+    losses: list = field(default_factory=list)
+    last_saved: Path | None = None
+
+
 def setup_run_dir(cfg: Config, run_dir: Path, topo) -> Path:
     """Rank 0 creates the run directory and writes the resolved config."""
     if topo.world.rank == 0:
@@ -53,12 +79,9 @@ def setup_run_dir(cfg: Config, run_dir: Path, topo) -> Path:
     return run_dir
 
 
-def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
-    world = world if world is not None else comm.world()
-    validate(cfg, world.size)  # before any collective: every rank fails alike
-    torch.manual_seed(cfg.train.seed)
-
-    # 1. Partition: the grid, this rank's model chunks, its slice of every batch.
+def setup(cfg: Config, run_dir: Path, world) -> Trainer:
+    """1. Partition: the grid, this rank's model chunks, gradient buckets, optimizer (ZeRO
+    0/1/2) and its slice of every batch. Collective over the world."""
     topo = Topology(cfg.topology, world)
     run_dir = setup_run_dir(cfg, Path(run_dir), topo)
     log = RunLog(run_dir, topo, cfg.train.steps, cfg.train.log_every)
@@ -68,8 +91,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     grads = GradBuffers(params, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero,
                         overlap=cfg.optim.overlap, hierarchical=hierarchical_hook(topo),
                         microbatches=microbatches_per_rank(cfg))
-    optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)  # ZeRO 0/1/2
-    meter = memory.Meter(params, grads, optimizer)  # measured bytes per rank: metrics mem_*
+    optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)
     tokens = load_tokens(cfg.data.path, "train", cfg.data.corpus_mb, cfg.data.val_fraction)
     t = cfg.train
     sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
@@ -82,80 +104,107 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
              f"data: {tokens.lineage.get('source')} ({len(tokens.tokens):,} tokens)")
     if cfg.model.device == "cuda":
         log.info(f"device {params[0][1].device}; {gpu.describe()}")
+    tr = Trainer(cfg, topo, log, job, chunks, params, grads, optimizer, sampler,
+                 global_tokens, tokens.lineage)
+    tr.meter = memory.Meter(params, grads, optimizer)  # measured bytes: metrics mem_*
+    restore(tr, run_dir)
+    tr.tel = Telemetry(cfg, topo, run_dir, log)  # timers, MFU, stragglers, trace, watchdog
+    return tr
 
-    # 5 (restore). Continue from a checkpoint if asked; the data stream follows the step.
+
+def restore(tr: Trainer, run_dir: Path) -> None:
+    """5 (restore). Continue from a checkpoint if asked (a damaged one falls back to the one
+    before); the data stream follows the step. Records the run's lineage."""
+    cfg = tr.cfg
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    saver = ckpt_mod.Checkpointer(cfg.checkpoint, topo, ckpt_dir, warn=log.warn)
-    start, last_saved = 0, None
-    resumed = saver.restore(cfg.checkpoint.resume, params, optimizer)  # falls back if damaged
+    tr.saver = ckpt_mod.Checkpointer(cfg.checkpoint, tr.topo, ckpt_dir, warn=tr.log.warn)
+    resumed = tr.saver.restore(cfg.checkpoint.resume, tr.params, tr.optimizer)
     if resumed is not None:
-        start = int(resumed["step"])
-        log.info(f"resumed from {resumed['path']} at step {start}")
-    run_lineage = lineage.start(run_dir, cfg, topo, tokens.lineage, resumed, log.info)
-    ckpt_attrs = {"config": dumps_toml(cfg), "topology": str(topo.dims),
-                  "lineage": json.dumps(run_lineage),
-                  "data_hash": tokens.lineage.get("content_hash", ""),
-                  "data_seed": t.seed, "global_batch_size": t.global_batch_size}
+        tr.start = int(resumed["step"])
+        tr.log.info(f"resumed from {resumed['path']} at step {tr.start}")
+    run_lineage = lineage.start(run_dir, cfg, tr.topo, tr.data_lineage, resumed, tr.log.info)
+    tr.ckpt_attrs = {"config": dumps_toml(cfg), "topology": str(tr.topo.dims),
+                     "lineage": json.dumps(run_lineage),
+                     "data_hash": tr.data_lineage.get("content_hash", ""),
+                     "data_seed": cfg.train.seed,
+                     "global_batch_size": cfg.train.global_batch_size}
 
-    tel = Telemetry(cfg, topo, run_dir, log)  # timers, MFU, stragglers, trace, watchdog
-    timers, faults = tel.timers, Faults(cfg.telemetry.faults, world.rank)
-    guard = NumericGuard(cfg.telemetry, lambda: (saver.restore("auto", params, optimizer)
-                                                 or {}).get("path"))
-    evaluator = (Evaluator(cfg, topo, chunks, params[0][1].device, log.info)
-                 if t.eval_every else None)
-    stops = StopRules.from_config(t, world, job.end_time)
-    losses = []
-    for step in range(start, t.steps):
+
+def train_step(tr: Trainer, step: int, faults: Faults, guard: NumericGuard) -> dict:
+    """Stages 2-4 of step ``step`` (counted from 0); returns the step's record."""
+    cfg, topo, timers, optimizer = tr.cfg, tr.topo, tr.tel.timers, tr.optimizer
+    with timers("data"):
+        microbatches = tr.sampler.local(step)
+
+    # 2. Compute: forward and backward of every microbatch (the schedule).
+    tr.grads.zero()
+    with timers("compute"), tr.meter.activations():
+        loss_sum = run_step(tr.chunks, microbatches, topo, cfg,
+                            optimizer.loss_scale / tr.global_tokens, timers)
+    faults.inject(step + 1, tr.params, timers)  # tests only: kill, stall, poison, slow
+
+    # 3. Communicate: sum gradients over the data-parallel groups, bucketed.
+    with timers("grad_sync"):
+        tr.grads.reduce()
+
+    # 4. Update: one global norm, clip, AdamW at this step's learning rate; a non-finite or
+    #    spiking step skips the update (NumericGuard), repeated ones roll back.
+    owner = topo.is_last_stage and topo.tp_rank == 0
+    loss = topo.world.allreduce(loss_sum if owner else 0.0) / tr.global_tokens
+    tr.losses.append(loss)
+    with timers("optimizer"):
+        grad_norm = optimizer.grad_norm()  # float16: unscaled first
+        lr = lr_at(step, cfg.optim, cfg.train.steps)
+        if optimizer.scaler_admits(grad_norm) and guard.admit(loss, grad_norm, step + 1):
+            optimizer.clip_and_step(lr, grad_norm)
+    return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            **guard.metrics()}
+
+
+def end_of_step(tr: Trainer, record: dict, t0: float, evaluator, stops) -> str | None:
+    """Held-out loss every ``train.eval_every`` steps, the stop rules, the checkpoint (every
+    ``checkpoint.every`` steps, at the end and when stopping) and the metrics record.
+    Returns the reason to stop, or None. Collective over the world."""
+    cfg, t, done, timers = tr.cfg, tr.cfg.train, record["step"], tr.tel.timers
+    if evaluator and (done % t.eval_every == 0 or done == t.steps):
+        with timers("eval"):
+            record["val_loss"] = evaluator.run()
+    stop = stops.check(tr.topo.world, record.get("val_loss"), time.perf_counter() - t0) \
+        or tr.job.stop_reason(tr.topo.world, done, t.steps)  # SIGUSR1/SIGTERM on any rank
+
+    # 5. Checkpoint.
+    if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
+            done == t.steps and cfg.checkpoint.save_final):
+        with timers("checkpoint"):
+            tr.last_saved = tr.saver.save(done, tr.params, tr.optimizer, tr.ckpt_attrs)
+
+    tr.tel.end_step({**record, "step_time_s": time.perf_counter() - t0,
+                     **step_metrics(tr.chunks, tr.topo), **pipeline_metrics(tr.topo, cfg),
+                     **tr.saver.take_metrics(), **tr.meter.take(), **tr.optimizer.metrics()})
+    if stop:
+        tr.log.info(f"stopping at step {done}: {stop}; checkpoint {tr.last_saved}")
+    return stop
+
+
+def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
+    world = world if world is not None else comm.world()
+    validate(cfg, world.size)  # before any collective: every rank fails alike
+    torch.manual_seed(cfg.train.seed)
+    tr = setup(cfg, Path(run_dir), world)
+    faults = Faults(cfg.telemetry.faults, world.rank)
+    guard = NumericGuard(cfg.telemetry, lambda: (tr.saver.restore(
+        "auto", tr.params, tr.optimizer) or {}).get("path"))
+    evaluator = (Evaluator(cfg, tr.topo, tr.chunks, tr.params[0][1].device, tr.log.info)
+                 if cfg.train.eval_every else None)
+    stops = StopRules.from_config(cfg.train, world, tr.job.end_time)
+
+    for step in range(tr.start, cfg.train.steps):
         t0 = time.perf_counter()
-        tel.begin_step(step + 1)
-        with timers("data"):
-            microbatches = sampler.local(step)
-
-        # 2. Compute: forward and backward of every microbatch (the schedule).
-        grads.zero()
-        with timers("compute"), meter.activations():
-            loss_sum = run_step(chunks, microbatches, topo, cfg,
-                                optimizer.loss_scale / global_tokens, timers)
-        faults.inject(step + 1, params, timers)  # tests only: kill, stall, poison, slow
-
-        # 3. Communicate: sum gradients over the data-parallel groups, bucketed.
-        with timers("grad_sync"):
-            grads.reduce()
-
-        # 4. Update: one global norm, clip, AdamW at this step's learning rate; a non-finite
-        #    or spiking step skips the update (NumericGuard), repeated ones roll back.
-        owner = topo.is_last_stage and topo.tp_rank == 0
-        loss = world.allreduce(loss_sum if owner else 0.0) / global_tokens
-        losses.append(loss)
-        with timers("optimizer"):
-            grad_norm = optimizer.grad_norm()  # float16: unscaled first
-            lr = lr_at(step, cfg.optim, t.steps)
-            if optimizer.scaler_admits(grad_norm) and guard.admit(loss, grad_norm, step + 1):
-                optimizer.clip_and_step(lr, grad_norm)
-
-        # Held-out loss every ``train.eval_every`` steps; a stop rule ends the run early.
-        done = step + 1
-        val_loss = evaluator.run() if evaluator and (done % t.eval_every == 0
-                                                     or done == t.steps) else None
-        stop = stops.check(world, val_loss, time.perf_counter() - t0) \
-            or job.stop_reason(world, done, t.steps)  # SIGUSR1/SIGTERM on any rank
-
-        # 5. Checkpoint every ``checkpoint.every`` steps, at the end and when stopping.
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
-                done == t.steps and cfg.checkpoint.save_final):
-            with timers("checkpoint"):
-                last_saved = saver.save(done, params, optimizer, ckpt_attrs)
-
-        step_time = time.perf_counter() - t0
-        tel.end_step({"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "step_time_s": step_time, **guard.metrics(),
-                      **({"val_loss": val_loss} if val_loss is not None else {}),
-                      **step_metrics(chunks, topo), **pipeline_metrics(topo, cfg),
-                      **saver.take_metrics(), **meter.take(), **optimizer.metrics()})
-        if stop:
-            log.info(f"stopping at step {done}: {stop}; checkpoint {last_saved}")
+        tr.tel.begin_step(step + 1)
+        record = train_step(tr, step, faults, guard)
+        if end_of_step(tr, record, t0, evaluator, stops):
             break
-    tel.close()
-    log.close()
-    job.exit_if_stopped()  # preempted: exit 75, the job script requeues (slurm.py)
-    return Result(losses, t.steps, str(last_saved) if last_saved else None)
+    tr.tel.close()
+    tr.log.close()
+    tr.job.exit_if_stopped()  # preempted: exit 75, the job script requeues (slurm.py)
+    return Result(tr.losses, cfg.train.steps, str(tr.last_saved) if tr.last_saved else None)

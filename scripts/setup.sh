@@ -12,6 +12,14 @@ PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 say() { echo "[setup] $*"; }
 
+# 0. iproute2 (ip, tc) for the simulated multi-node cluster (scripts/cluster.sh), as root.
+if ! command -v tc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+   && [ "$(id -u)" = 0 ]; then
+  say "installing iproute2 (simulated cluster) with apt"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null || true
+fi
+
 # 1. System MPI and parallel HDF5.
 if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1 \
    || { [ -z "${HDF5_DIR:-}" ] && [ ! -d /usr/lib/x86_64-linux-gnu/hdf5/openmpi ] \

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import tempfile
@@ -79,19 +80,31 @@ def same_losses(values: dict[str, list[float]], tol: float = 1e-4) -> dict:
 
 
 # -- hpctrain's side: the real training loop --------------------------------------------------
+@contextlib.contextmanager
+def scratch_dir(world):
+    """A run directory shared by the ranks of ``world``, removed afterwards. Collective."""
+    scratch = world.bcast_obj(tempfile.mkdtemp(prefix="hpctrain-bench-") if world.rank == 0
+                              else None)
+    try:
+        yield scratch
+    finally:
+        world.barrier()
+        if world.rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
 def hpctrain_run(cfg, world) -> tuple[list[float], list[float]]:
     """Train with ``hpctrain.train.train`` (what ``hpctrain train`` runs) in a scratch run
     directory; returns (step seconds, losses) from rank 0's metrics.jsonl, on every rank.
     Collective over ``world``."""
     from ..train import train
 
-    scratch = world.bcast_obj(tempfile.mkdtemp(prefix="hpctrain-bench-") if world.rank == 0
-                              else None)
-    res = train(cfg, scratch, world)
     times = None
-    if world.rank == 0:
-        lines = (Path(scratch) / "metrics.jsonl").read_text().splitlines()
-        times = [json.loads(line)["step_time_s"] for line in lines]
+    with scratch_dir(world) as scratch:
+        res = train(cfg, scratch, world)
+        if world.rank == 0:
+            lines = (Path(scratch) / "metrics.jsonl").read_text().splitlines()
+            times = [json.loads(line)["step_time_s"] for line in lines]
     return world.bcast_obj(times), list(res.losses)
 
 

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import median, result, row, same_losses, train_config
+from .common import median, result, row, same_losses, scratch_dir, train_config
 
 LEVELS = (0, 1, 2)
 
@@ -26,15 +26,14 @@ def _train(cfg, world) -> tuple[list[float], list[float], dict]:
     """(step seconds, losses, this rank's last mem_* metrics + max over ranks). Collective."""
     from ..train import train
 
-    scratch = world.bcast_obj(tempfile.mkdtemp(prefix="hpctrain-bench-") if world.rank == 0
-                              else None)
-    res = train(cfg, scratch, world)
     times, mem = [], {}
-    if world.rank == 0:
-        lines = [json.loads(x) for x in (Path(scratch) / "metrics.jsonl").read_text()
-                 .splitlines()]
-        times = [m["step_time_s"] for m in lines]
-        mem = {k: v for k, v in lines[-1].items() if k.startswith("mem_")}
+    with scratch_dir(world) as scratch:
+        res = train(cfg, scratch, world)
+        if world.rank == 0:
+            lines = [json.loads(x) for x in (Path(scratch) / "metrics.jsonl").read_text()
+                     .splitlines()]
+            times = [m["step_time_s"] for m in lines]
+            mem = {k: v for k, v in lines[-1].items() if k.startswith("mem_")}
     times, mem = world.bcast_obj((times, mem))
     mem["mem_peak_max"] = world.allreduce(float(mem.get("mem_peak", 0)), "max")
     return times, list(res.losses), mem

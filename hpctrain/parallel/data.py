@@ -206,8 +206,12 @@ class GradBuffers:
         elif self.overlap:
             self._post_ready(flush=True)
         else:
+            # Nothing to overlap with: finish each bucket before posting the next. Measured
+            # on Open MPI over TCP, many outstanding Iallreduce progress ~1.9x slower than the
+            # same reductions one at a time (README, multi-node table).
             for b in self.buckets:
                 self._post(b)
+                self._wait_all()
         self._wait_all()
         if self.zero_level:
             for b in self.buckets:

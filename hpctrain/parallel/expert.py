@@ -192,7 +192,10 @@ def step_metrics(chunks, topo) -> dict:
     over the step's global microbatches}; ``moe_aux_loss`` / ``moe_z_loss``: sum over layers
     of the mean over microbatches (the terms the coefficients multiply); ``moe_a2a_s`` /
     ``_exposed_s`` / ``_hidden_s``: token all-to-all seconds per rank (mean over ranks): in
-    flight, waited for, and hidden behind other microbatches' compute (schedule overlap)."""
+    flight, waited for, and hidden behind other microbatches' compute (schedule overlap).
+    A posted exchange counts as complete when a ``progress()`` call (after each block and
+    each backward segment) or its wait sees it, so ``hidden`` is an upper bound at that
+    granularity."""
     layers = moe_layers(chunks)
     if not layers and topo.pp_size == 1:
         return {}

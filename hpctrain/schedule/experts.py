@@ -20,7 +20,8 @@ G1``; GPipe: two forwards). A pair is kept only if the simulator (matching, orde
 still accepts the whole schedule: pairing delays the first one's sends, which another stage
 may be waiting for. Ranks of one ep_comm share a pp rank and so one list (the expansion is
 deterministic); :func:`check_ep_order` checks that lists given to the ranks of one ep_comm
-post their collectives in the same order.
+post their collectives in the same order, and the runner applies it to the real lists once
+per schedule (``experts_exec.check_ep_comm``, an all-gather over ep_comm).
 
 Evidence: each action is a ``timers.action`` span in the trace (``D3``/``E3``...), and
 ``metrics.jsonl`` has ``moe_a2a_s``/``moe_a2a_exposed_s``/``moe_a2a_hidden_s`` per step.

@@ -22,7 +22,8 @@ import torch
 
 from ..model.moe import MoE
 from ..parallel import expert
-from .actions import Action
+from .actions import Action, parse
+from .experts import check_ep_order
 
 
 def stage_steps(stage, x, targets, cuts: list | None):
@@ -59,9 +60,11 @@ def backward_steps(cuts: list, out: torch.Tensor, grad):
     roots, grads = [out], [grad]
     for cut in reversed(cuts):
         torch.autograd.backward(roots, grads)  # down to this layer's leaves
+        expert.progress()
         s, r = cut["combine_rows"]  # the combine sent s rows per peer, received r
         g_back = yield (cut["layer"], "combine-grad", _grad(cut["comb"]), r, s)
         torch.autograd.backward(cut["back"], g_back)  # through the experts
+        expert.progress()
         s, r = cut["dispatch_rows"]
         g_rows = yield (cut["layer"], "dispatch-grad", _grad(cut["got"]), r, s)
         torch.autograd.backward(cut["rows"], g_rows)  # into xs
@@ -105,8 +108,31 @@ def _advance(st, a: Action, value=None) -> None:
         (_finish_backward if skey[2] else _finish_forward)(st, a, stop.value)
 
 
+_CHECKED: set = set()  # schedules whose ep_comm order this process has verified
+
+
+def check_ep_comm(st) -> None:
+    """Once per schedule: all ranks of ep_comm compare their action lists
+    (``experts.check_ep_order``) before the first collective. Collective over ep_comm."""
+    ep = _ep_group(st)
+    if ep is None or ep.size == 1 or st.sched in _CHECKED:
+        return
+    texts = ep.allgather_obj(st.sched.text(st.rank))
+    check_ep_order({r: [parse(x) for x in t.split()] for r, t in enumerate(texts)})
+    _CHECKED.add(st.sched)
+
+
+def _ep_group(st):
+    for chunk in st.chunks:
+        for block in chunk.blocks.values():
+            if isinstance(block.mlp, MoE):
+                return block.mlp.exchange.topo.ep_comm
+    return None
+
+
 def _forward(st, a: Action) -> None:
     key = (a.microbatch, a.c)
+    check_ep_comm(st)
     x, y = st.microbatches[a.microbatch]
     if st.stage(a) > 0:
         x = st.take("RF", a).requires_grad_(True)
