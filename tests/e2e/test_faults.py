@@ -6,6 +6,7 @@ rank (watchdog), a poisoned gradient (numeric guard), an exception (python -m mp
 
 import json
 import math
+import re
 
 import pytest
 from launch import assert_same, baseline, mpirun, read_params, read_run, rel_err, train_cli
@@ -51,7 +52,8 @@ def test_killed_rank_under_a_launcher_that_waits_is_ended_by_the_watchdog(tmp_pa
                   mpirun_args=("--enable-recovery",))
     msg = (run_dir / "watchdog" / "summary.txt").read_text()
     assert "Stuck: rank 1: no flight record (dead" in msg, proc.stderr[-3000:]
-    assert "rank 0 (pp=0, dp=0, ep=0, tp=0) on" in msg and "waiting in iallreduce on dp" in msg
+    assert "rank 0 (pp=0, dp=0, ep=0, tp=0) on" in msg
+    assert re.search(r"waiting in i?allreduce on dp", msg), msg
     assert msg.splitlines()[0] in proc.stderr
 
 
@@ -65,7 +67,8 @@ def test_stalled_rank_is_named_by_the_watchdog(tmp_path):
     assert proc.stderr.count("hpctrain watchdog:") == 1
     head = msg.splitlines()[0]
     assert "Stuck: rank 1 (pp=0, dp=1, ep=0, tp=0)" in head and "'compute'" in head, msg
-    assert "rank 0 (pp=0, dp=0, ep=0, tp=0)" in msg and "waiting in iallreduce on dp" in msg
+    assert "rank 0 (pp=0, dp=0, ep=0, tp=0)" in msg
+    assert re.search(r"waiting in i?allreduce on dp", msg), msg
     for r in (0, 1):
         rec = json.loads((run_dir / "watchdog" / f"rank{r}.json").read_text())
         assert rec["rank"] == r and rec["step"] == 2 and rec["ops"]
