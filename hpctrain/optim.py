@@ -93,7 +93,26 @@ class LossScaler:
         return {"loss_scale": self.scale, "skipped_steps": self.skipped} if self.enabled else {}
 
 
-class AdamW:
+class ScaledOptimizer:
+    """The loss-scaling interface train.py uses, shared by AdamW and ZeroAdamW (which set
+    ``self.scaler``)."""
+
+    scaler: LossScaler
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scaler_admits(self, norm: float) -> bool:
+        """float16: False for a non-finite gradient (the step is skipped, the loss scale
+        halved: expected, not a fault). Always True otherwise."""
+        return self.scaler.update(math.isfinite(norm))
+
+    def metrics(self) -> dict:
+        return self.scaler.metrics()
+
+
+class AdamW(ScaledOptimizer):
     """Decoupled weight decay on matrices (ndim >= 2); norms are not decayed.
 
     ``state[name] = {"exp_avg", "exp_avg_sq"[, "master"]}``; ``step_count`` is global.
@@ -113,10 +132,6 @@ class AdamW:
                 st["master"] = p.detach().to(torch.float32).clone()
             self.state[name] = st
 
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
-
     @torch.no_grad()
     def grad_norm(self) -> float:
         """Unscale the gradients (float16), then their global norm. Collective (world)."""
@@ -126,17 +141,9 @@ class AdamW:
                     p.grad.mul_(1.0 / self.scaler.scale)
         return global_grad_norm(self.params, self.topo)
 
-    def scaler_admits(self, norm: float) -> bool:
-        """float16: False for a non-finite gradient (the step is skipped, the loss scale
-        halved: expected, not a fault). Always True otherwise."""
-        return self.scaler.update(math.isfinite(norm))
-
     def clip_and_step(self, lr: float, norm: float) -> None:
         clip_(self.params, self.cfg.grad_clip, norm)
         self.step(lr)
-
-    def metrics(self) -> dict:
-        return self.scaler.metrics()
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .optim import AdamW, LossScaler, counted_here
+from .optim import AdamW, LossScaler, ScaledOptimizer, counted_here
 from .parallel.data import GradBuffers, shard_dtype
 
 _LOW = (torch.bfloat16, torch.float16)
@@ -36,7 +36,7 @@ def build_optimizer(named_params, ocfg, topo, grads: GradBuffers, dtype: str):
     return AdamW(named_params, ocfg, topo=topo, scaler=scaler)
 
 
-class ZeroAdamW:
+class ZeroAdamW(ScaledOptimizer):
     """Sharded AdamW. ``state`` (for checkpoints) is materialised on demand in global-layout
     per-parameter tensors; reading it is collective over every bucket's group."""
 
@@ -72,10 +72,6 @@ class ZeroAdamW:
             w[a:e] = p.detach().reshape(-1)[plo:phi].to(dt)
         return w
 
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
-
     @torch.no_grad()
     def grad_norm(self) -> float:
         """Unscale the shards (float16), then the global norm. Collective over the world."""
@@ -86,10 +82,6 @@ class ZeroAdamW:
         for b, (_, counted) in zip(self.grads.buckets, self._masks):
             local += b.shard.double().pow(2)[counted].sum()
         return math.sqrt(self.topo.world.allreduce(float(local)))
-
-    def scaler_admits(self, norm: float) -> bool:
-        """float16: False (skip, halve the loss scale) for a non-finite gradient."""
-        return self.scaler.update(math.isfinite(norm))
 
     @torch.no_grad()
     def clip_and_step(self, lr: float, norm: float) -> None:
@@ -157,6 +149,3 @@ class ZeroAdamW:
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.shards for t in st.values())
-
-    def metrics(self) -> dict:
-        return self.scaler.metrics()
