@@ -19,7 +19,6 @@ COMMANDS = {
     "inspect": "show a checkpoint's tensors and lineage; --verify recomputes checksums",
     "export": "export a checkpoint's model as safetensors (with its config alongside)",
     "report": "plots and a Markdown summary of where a run's time went (needs matplotlib)",
-    "bench": "benchmarks side by side: vs PyTorch, the naive baseline and the limit",
     "generate": "continue a prompt with a checkpoint's model (any layout's, on one process)",
 }
 

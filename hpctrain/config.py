@@ -2,8 +2,9 @@
 
 A run is described by a TOML file (see ``share/configs/``) plus ``--set section.key=value``
 overrides. Unknown keys and wrong types are rejected with the list of valid keys; layouts
-that cannot work (``dp*tp*pp != world size``, a batch that does not split) are rejected by
-:func:`validate` before any collective is called, with the arithmetic in the message.
+that cannot work (``dp*tp*pp != world size``, a batch that does not split) are listed by
+:func:`problems` and rejected by :func:`hpctrain.validate.validate` before any collective is
+called, with the arithmetic in the message. Imports nothing of hpctrain: plain data.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+
+REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
 
 
 class ConfigError(ValueError):
@@ -94,6 +98,10 @@ class OptimConfig:
     zero: int = 0  # 0, 1 or 2
     bucket_mb: float = 4.0  # gradient bucket size for the data-parallel reduction
     overlap: bool = False  # post bucket reductions during the last backward
+    # How gradients are summed over dp without overlap: "bucketed" (one blocking all-reduce
+    # per bucket, in order), "bucketed-nonblocking" (every bucket posted, then waited for),
+    # "per-parameter" (one blocking all-reduce per parameter: the naive baseline).
+    reduction: str = "bucketed"
     loss_scale: float = 65536.0  # float16: initial dynamic loss scale
 
 
@@ -133,7 +141,7 @@ class TelemetryConfig:
     max_skips: int = 3  # consecutive non-finite/spiking steps before on_skips; 0: never
     on_skips: str = "rollback"  # "rollback" to the last checkpoint, or "stop"
     loss_spike: float = 0.0  # a loss > this x the recent mean is a bad step; 0: off
-    faults: str = ""  # tests only: e.g. "kill@1:3;stall@0:2:60" (see hpctrain/faults.py)
+    faults: str = ""  # tests only: e.g. "kill@1:3;stall@0:2:60" (telemetry/fault_injection.py)
 
 
 @dataclass(frozen=True)
@@ -264,13 +272,14 @@ def microbatches(cfg: Config) -> int:
     return t.global_batch_size // (cfg.topology.dp * t.micro_batch_size)
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Reject impossible layouts before any collective; messages show the arithmetic. All
-    problems are reported together."""
+def problems(cfg: Config, world_size: int) -> list[str]:
+    """Every arithmetic reason why ``cfg`` cannot run on ``world_size`` ranks (messages show
+    the arithmetic); [] when none. Pure: the checks that need the pipeline split or the
+    schedule live in :func:`hpctrain.validate.validate`, which calls this first."""
     top = cfg.topology
     bad = [f"topology.{a} must be >= 1" for a in ("dp", "tp", "pp", "ep") if getattr(top, a) < 1]
     if bad:
-        raise ConfigError("; ".join(bad))
+        return bad
     errors: list[str] = []
 
     def need(ok: bool, msg: str) -> None:
@@ -280,9 +289,8 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_layout(cfg, world_size, need)
     _check_model(cfg, need)
     _check_batch(cfg, need)
-    _check_schedule(cfg, need, simulate=not errors)
-    if errors:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    _check_schedule(cfg, need)
+    return errors
 
 
 def _check_layout(cfg: Config, world_size: int, need) -> None:
@@ -301,6 +309,12 @@ def _check_layout(cfg: Config, world_size: int, need) -> None:
     need(top.dp_reduction == "flat" or (o.zero == 0 and not o.overlap),
          "topology.dp_reduction=hierarchical needs optim.zero=0 and optim.overlap=false")
     need(o.zero in (0, 1, 2), "optim.zero must be 0, 1 or 2")
+    need(o.reduction in REDUCTIONS, f"optim.reduction={o.reduction!r}; valid: "
+         + ", ".join(REDUCTIONS))
+    need(o.reduction == "bucketed" or (o.zero == 0 and not o.overlap
+                                       and top.dp_reduction == "flat"),
+         f"optim.reduction={o.reduction} needs optim.zero=0, optim.overlap=false and "
+         "topology.dp_reduction=flat (it replaces the bucketed reduction they use)")
     need(o.bucket_mb > 0, "optim.bucket_mb must be > 0")
     need(0 <= cfg.data.val_fraction < 1, "data.val_fraction must be in [0, 1)")
     need(cfg.telemetry.on_skips in ("rollback", "stop"),
@@ -355,9 +369,9 @@ def _check_batch(cfg: Config, need) -> None:
          "train.patience / target_val_loss need train.eval_every > 0 (they act on evaluations)")
 
 
-def _check_schedule(cfg: Config, need, simulate: bool) -> None:
-    """Pipeline arithmetic; whether the microbatch count fits the schedule is asked only of
-    an otherwise valid config (``simulate``)."""
+def _check_schedule(cfg: Config, need) -> None:
+    """Pipeline arithmetic (whether the microbatch count fits the schedule is asked by
+    ``hpctrain.validate`` of an otherwise valid config)."""
     top, m, s = cfg.topology, cfg.model, cfg.schedule
     need(s.kind in ("gpipe", "1f1b", "interleaved", "zb-h1"),
          f"schedule.kind={s.kind!r}; valid: gpipe, 1f1b, interleaved, zb-h1")
@@ -368,12 +382,3 @@ def _check_schedule(cfg: Config, need, simulate: bool) -> None:
     need(m.n_layers >= top.pp * v,
          f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "
          "stage needs at least one layer")
-    if simulate:
-        from .parallel.pipeline import layer_ranges
-        from .schedule.actions import check_fits  # does the microbatch count fit the schedule
-
-        try:
-            check_fits(s.kind, top.pp, microbatches(cfg), v)
-            layer_ranges(cfg)
-        except ValueError as e:
-            need(False, str(e))

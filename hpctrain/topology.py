@@ -4,18 +4,30 @@ The grid dims are ``(pp, dp_outer, ep, tp)`` with ``dp = dp_outer * ep`` and ``t
 fastest, so consecutive world ranks form a tensor-parallel group (which therefore sits inside
 one node when ranks are packed by node, as ``srun`` and ``mpirun`` do by default).
 
-``grid_dims``/``rank_to_coords``/``coords_to_rank`` are pure functions (no MPI) so that the
-mapping can be tested, planned and printed without a launcher. :class:`Topology` is created
-once per process and passed explicitly to every component.
+**Placement** (``topology.placement``): a node is the set of ranks that share memory.
+``auto`` renumbers the world so that ranks are packed by node even when the launcher
+interleaved them (``--map-by node``), so tp groups sit inside a node; :func:`check` verifies
+that each tp (and ep) group lies within one node and warns when it cannot. ``naive``
+strides tp groups across nodes (:func:`naive_order`), for comparisons. :func:`crossing`
+answers the same question without MPI for ``hpctrain plan --nodes N``.
+
+``grid_dims``/``rank_to_coords``/``coords_to_rank``/``crossing`` are pure functions (no MPI)
+so that the mapping can be tested, planned and printed without a launcher. A
+:class:`Topology` is created once per run and passed explicitly to every component; it owns
+the run's :class:`comm.Recorder`, to which all its groups report.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
+from . import comm
 from .config import TopologyConfig
 
 AXES = ("pp", "dp_outer", "ep", "tp")
+# Which grid dims vary within one group of each axis (dims: pp, dp_outer, ep, tp).
+AXIS_DIMS = {"tp": (3,), "ep": (2,), "dp": (1, 2), "pp": (0,)}
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,61 @@ def naive_order(world_size: int, dims: tuple[int, ...]) -> list[int]:
     return order
 
 
+def packed_key(world: comm.Group) -> int:
+    """This rank's position when world ranks are sorted by (node, world rank): the key that
+    packs ranks by node. Equal to ``world.rank`` when the launcher packed them already.
+    Collective over ``world``."""
+    node = comm.node_local(world)
+    leader = int(node.allreduce(float(world.rank), "min"))  # names the node
+    pairs = sorted(world.allgather_obj((leader, world.rank)))
+    return pairs.index((leader, world.rank))
+
+
+def check(topo, warn=None) -> dict[str, bool]:
+    """For each axis, whether every group of it lies within one node (False: it crosses the
+    inter-node link). With ``placement = "auto"`` warns (world rank 0, or ``warn``) when tp
+    or ep groups cross nodes. Collective over the world and over each axis group."""
+    groups = {"tp": topo.tp_comm, "ep": topo.ep_comm, "dp": topo.dp_comm, "pp": topo.pp_comm}
+    within = {}
+    for axis, g in groups.items():
+        local = comm.node_local(g, axis=f"{axis}-node")
+        within[axis] = topo.world.allreduce(float(local.size == g.size), "min") == 1.0
+    if topo.cfg.placement == "auto" and topo.world.rank == 0:
+        for axis in ("tp", "ep"):
+            if not within[axis] and groups[axis].size > 1:
+                msg = (f"placement: {axis} groups (size {groups[axis].size}) cross nodes of "
+                       f"{topo.node_comm.size} ranks; make ranks per node a multiple of "
+                       f"{axis} so they stay on the fast link")
+                (warn or _stderr)(msg)
+    return within
+
+
+def _stderr(msg: str) -> None:
+    print(f"[hpctrain] warning: {msg}", file=sys.stderr, flush=True)
+
+
+def crossing(tcfg, nodes: int, ranks_per_node: int) -> dict[str, tuple[int, int]]:
+    """Without MPI: for each axis, (groups that span more than one node, groups), when
+    ``nodes * ranks_per_node`` ranks are packed by node and placed as ``tcfg.placement``."""
+    dims = grid_dims(tcfg)
+    n = dims[0] * dims[1] * dims[2] * dims[3]
+    if nodes * ranks_per_node != n:
+        raise ValueError(f"--nodes {nodes} x --ranks-per-node {ranks_per_node} = "
+                         f"{nodes * ranks_per_node} ranks, the layout has {n}")
+    key = naive_order(n, dims) if tcfg.placement == "naive" else list(range(n))
+    node_of = {key[w]: w // ranks_per_node for w in range(n)}  # grid rank -> node
+    out = {}
+    for axis, varying in AXIS_DIMS.items():
+        groups: dict[tuple, set] = {}
+        for g in range(n):
+            c = rank_to_coords(g, dims)
+            values = (c.pp, c.dp_outer, c.ep, c.tp)
+            fixed = tuple(v for i, v in enumerate(values) if i not in varying)
+            groups.setdefault(fixed, set()).add(node_of[g])
+        out[axis] = (sum(len(s) > 1 for s in groups.values()), len(groups))
+    return out
+
+
 class Topology:
     """This process's place in the grid and the communicators of each axis.
 
@@ -82,21 +149,19 @@ class Topology:
     """
 
     def __init__(self, tcfg: TopologyConfig, world=None):
-        from . import comm
-
         self.cfg = tcfg
         self.dims = grid_dims(tcfg)
-        self.world = world if world is not None else comm.world()
+        self.recorder = comm.Recorder()  # this run's communication record
+        self.world = comm.with_recorder(world if world is not None else comm.world(),
+                                        self.recorder)
         n = self.dims[0] * self.dims[1] * self.dims[2] * self.dims[3]
         if n != self.world.size:
             raise ValueError(f"grid {self.dims} has {n} ranks, world has {self.world.size}")
-        from . import placement
-
         # naive: tp strided across nodes (comparisons); auto: ranks packed by node first.
         if tcfg.placement == "naive":
             key = naive_order(n, self.dims)[self.world.rank]
         else:
-            key = placement.packed_key(self.world)
+            key = packed_key(self.world)
         self.cart = comm.cartesian(self.world, self.dims, key)
         self.rank = self.cart.rank
         self.coords = rank_to_coords(self.rank, self.dims)
@@ -107,11 +172,10 @@ class Topology:
         self.tp_comm = comm.sub(self.cart, (False, False, False, True), "tp")
         self.pp_prev, self.pp_next = comm.shift(self.cart, 0)
         self.node_comm = comm.node_local(self.cart)
-        self.within_node = placement.check(self)  # axis -> every group inside one node
-        self.dp_levels = placement.dp_levels(self)  # hierarchical dp reduction, or None
+        self.within_node = check(self)  # axis -> every group inside one node
         self.hostname = comm.processor_name()
 
-    # Sizes and ranks per axis, in the vocabulary of DESIGN.md.
+    # Sizes and ranks per axis, in the vocabulary of docs/design.md.
     @property
     def world_size(self) -> int:
         return self.cart.size

@@ -13,6 +13,7 @@ then held-out evaluation and the stop rules. ``train(cfg, run_dir)`` is importab
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -20,23 +21,21 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt_mod
-from . import comm, gpu, lineage, memory, slurm
-from .config import Config, dumps_toml, validate
+from . import comm, slurm
+from .checkpoint import Checkpointer, lineage
+from .comm import gpu
+from .config import Config, dumps_toml
 from .config import microbatches as microbatches_per_rank
 from .data import Sampler, load_tokens
 from .evaluate import Evaluator, StopRules
-from .faults import Faults
-from .guard import NumericGuard
-from .optim import lr_at
-from .parallel import build_model, named_parameters
+from .optim import NumericGuard, build_optimizer, lr_at
+from .parallel import build_model, hierarchical, named_parameters
 from .parallel.data import GradBuffers
-from .parallel.expert import set_loss_scale, step_metrics
-from .placement import hierarchical_hook
+from .parallel.moe_exchange import set_loss_scale, step_metrics
 from .schedule.runner import pipeline_metrics, run_step
-from .telemetry import RunLog, Telemetry
+from .telemetry import Faults, Meter, RunLog, Telemetry
 from .topology import Topology
-from .zero import build_optimizer
+from .validate import validate
 
 
 @dataclass
@@ -48,7 +47,7 @@ class Result:
 
 @dataclass
 class Trainer:
-    """Everything one rank holds for a run (built by :func:`setup`)."""
+    """Everything one rank holds for a run, built whole by :func:`setup`."""
 
     cfg: Config
     topo: Topology
@@ -60,14 +59,18 @@ class Trainer:
     optimizer: object  # AdamW or ZeroAdamW
     sampler: Sampler
     global_tokens: int
-    data_lineage: dict
-    meter: memory.Meter = None
-    saver: ckpt_mod.Checkpointer = None
-    tel: Telemetry = None
-    start: int = 0
-    ckpt_attrs: dict = field(default_factory=dict)
+    meter: Meter  # measured bytes: metrics mem_*
+    saver: Checkpointer
+    start: int  # steps already done (resumed), else 0
+    ckpt_attrs: dict  # what every checkpoint of this run records
+    tel: Telemetry  # timers, MFU, stragglers, trace, watchdog
+    guard: NumericGuard  # bad steps skipped, then rolled back or stopped
+    evaluator: Evaluator | None  # None: train.eval_every = 0
+    stops: StopRules
+    faults: Faults  # tests only
     losses: list = field(default_factory=list)
     last_saved: Path | None = None
+    pipeline_timing: dict = field(default_factory=dict)  # this rank's last step (runner)
 
 
 def setup_run_dir(cfg: Config, run_dir: Path, topo) -> Path:
@@ -81,21 +84,23 @@ def setup_run_dir(cfg: Config, run_dir: Path, topo) -> Path:
 
 def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     """1. Partition: the grid, this rank's model chunks, gradient buckets, optimizer (ZeRO
-    0/1/2) and its slice of every batch. Collective over the world."""
+    0/1/2) and its slice of every batch; then restore, telemetry, the numeric guard,
+    evaluation and stop rules. Collective over the world."""
     topo = Topology(cfg.topology, world)
     run_dir = setup_run_dir(cfg, Path(run_dir), topo)
     log = RunLog(run_dir, topo, cfg.train.steps, cfg.train.log_every)
-    job = slurm.attach(world, log.info)  # log the SLURM job; SIGUSR1/SIGTERM set a flag
+    job = slurm.attach(topo.world, log.info)  # log the SLURM job; SIGUSR1/SIGTERM set a flag
     chunks = build_model(cfg, topo)
     params = named_parameters(chunks)
     grads = GradBuffers(params, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero,
-                        overlap=cfg.optim.overlap, hierarchical=hierarchical_hook(topo),
-                        microbatches=microbatches_per_rank(cfg))
+                        overlap=cfg.optim.overlap, hierarchical=hierarchical.reducer(topo),
+                        microbatches=microbatches_per_rank(cfg), mode=cfg.optim.reduction)
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)
     tokens = load_tokens(cfg.data.path, "train", cfg.data.corpus_mb, cfg.data.val_fraction)
     t = cfg.train
+    device = params[0][1].device
     sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
-                      topo.dp_size, topo.dp_rank, t.seed, device=params[0][1].device)
+                      topo.dp_size, topo.dp_rank, t.seed, device=device)
     global_tokens = t.global_batch_size * t.seq_len
     set_loss_scale(chunks, 1.0 / global_tokens)  # MoE auxiliary losses, same scale
     log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, tp) = {topo.dims}, "
@@ -103,45 +108,54 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
              f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "
              f"data: {tokens.lineage.get('source')} ({len(tokens.tokens):,} tokens)")
     if cfg.model.device == "cuda":
-        log.info(f"device {params[0][1].device}; {gpu.describe()}")
-    tr = Trainer(cfg, topo, log, job, chunks, params, grads, optimizer, sampler,
-                 global_tokens, tokens.lineage)
-    tr.meter = memory.Meter(params, grads, optimizer)  # measured bytes: metrics mem_*
-    restore(tr, run_dir)
-    tr.tel = Telemetry(cfg, topo, run_dir, log)  # timers, MFU, stragglers, trace, watchdog
-    return tr
+        log.info(f"device {device}; {gpu.describe()}")
+    meter = Meter(params, grads, optimizer)
+    saver = Checkpointer(cfg.checkpoint, topo, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
+                         warn=log.warn)
+    start, ckpt_attrs = restore(cfg, topo, log, saver, params, optimizer, tokens.lineage,
+                                run_dir)
+    tel = Telemetry(cfg, topo, run_dir, log)
+    guard = NumericGuard(cfg.telemetry, functools.partial(saver.roll_back, params, optimizer))
+    evaluator = (Evaluator(cfg, topo, chunks, device, log.info) if t.eval_every else None)
+    stops = StopRules.from_config(t, topo.world, job.end_time)
+    faults = Faults(cfg.telemetry.faults, topo.world.rank)
+    return Trainer(cfg, topo, log, job, chunks, params, grads, optimizer, sampler,
+                   global_tokens, meter, saver, start, ckpt_attrs, tel, guard, evaluator,
+                   stops, faults)
 
 
-def restore(tr: Trainer, run_dir: Path) -> None:
+def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict,
+            run_dir: Path) -> tuple[int, dict]:
     """5 (restore). Continue from a checkpoint if asked (a damaged one falls back to the one
-    before); the data stream follows the step. Records the run's lineage."""
-    cfg = tr.cfg
-    ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    tr.saver = ckpt_mod.Checkpointer(cfg.checkpoint, tr.topo, ckpt_dir, warn=tr.log.warn)
-    resumed = tr.saver.restore(cfg.checkpoint.resume, tr.params, tr.optimizer)
+    before); the data stream follows the step. Records the run's lineage. Returns (steps
+    already done, the attributes every checkpoint of this run records). Collective."""
+    resumed = saver.restore(cfg.checkpoint.resume, params, optimizer)
+    start = 0
     if resumed is not None:
-        tr.start = int(resumed["step"])
-        tr.log.info(f"resumed from {resumed['path']} at step {tr.start}")
-    run_lineage = lineage.start(run_dir, cfg, tr.topo, tr.data_lineage, resumed, tr.log.info)
-    tr.ckpt_attrs = {"config": dumps_toml(cfg), "topology": str(tr.topo.dims),
-                     "lineage": json.dumps(run_lineage),
-                     "data_hash": tr.data_lineage.get("content_hash", ""),
-                     "data_seed": cfg.train.seed,
-                     "global_batch_size": cfg.train.global_batch_size}
+        start = int(resumed["step"])
+        log.info(f"resumed from {resumed['path']} at step {start}")
+    run_lineage = lineage.start(run_dir, cfg, topo, data_lineage, resumed, log.info)
+    attrs = {"config": dumps_toml(cfg), "topology": str(topo.dims),
+             "lineage": json.dumps(run_lineage),
+             "data_hash": data_lineage.get("content_hash", ""),
+             "data_seed": cfg.train.seed,
+             "global_batch_size": cfg.train.global_batch_size}
+    return start, attrs
 
 
-def train_step(tr: Trainer, step: int, faults: Faults, guard: NumericGuard) -> dict:
+def train_step(tr: Trainer, step: int) -> dict:
     """Stages 2-4 of step ``step`` (counted from 0); returns the step's record."""
-    cfg, topo, timers, optimizer = tr.cfg, tr.topo, tr.tel.timers, tr.optimizer
+    cfg, topo, timers, optimizer, guard = tr.cfg, tr.topo, tr.tel.timers, tr.optimizer, tr.guard
     with timers("data"):
         microbatches = tr.sampler.local(step)
 
     # 2. Compute: forward and backward of every microbatch (the schedule).
     tr.grads.zero()
     with timers("compute"), tr.meter.activations():
-        loss_sum = run_step(tr.chunks, microbatches, topo, cfg,
-                            optimizer.loss_scale / tr.global_tokens, timers)
-    faults.inject(step + 1, tr.params, timers)  # tests only: kill, stall, poison, slow
+        loss_sum, tr.pipeline_timing = run_step(tr.chunks, microbatches, topo, cfg,
+                                                optimizer.loss_scale / tr.global_tokens,
+                                                timers)
+    tr.faults.inject(step + 1, tr.params, timers)  # tests only: kill, stall, poison, slow
 
     # 3. Communicate: sum gradients over the data-parallel groups, bucketed.
     with timers("grad_sync"):
@@ -161,15 +175,15 @@ def train_step(tr: Trainer, step: int, faults: Faults, guard: NumericGuard) -> d
             **guard.metrics()}
 
 
-def end_of_step(tr: Trainer, record: dict, t0: float, evaluator, stops) -> str | None:
+def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     """Held-out loss every ``train.eval_every`` steps, the stop rules, the checkpoint (every
     ``checkpoint.every`` steps, at the end and when stopping) and the metrics record.
     Returns the reason to stop, or None. Collective over the world."""
     cfg, t, done, timers = tr.cfg, tr.cfg.train, record["step"], tr.tel.timers
-    if evaluator and (done % t.eval_every == 0 or done == t.steps):
+    if tr.evaluator and (done % t.eval_every == 0 or done == t.steps):
         with timers("eval"):
-            record["val_loss"] = evaluator.run()
-    stop = stops.check(tr.topo.world, record.get("val_loss"), time.perf_counter() - t0) \
+            record["val_loss"] = tr.evaluator.run()
+    stop = tr.stops.check(tr.topo.world, record.get("val_loss"), time.perf_counter() - t0) \
         or tr.job.stop_reason(tr.topo.world, done, t.steps)  # SIGUSR1/SIGTERM on any rank
 
     # 5. Checkpoint.
@@ -179,7 +193,8 @@ def end_of_step(tr: Trainer, record: dict, t0: float, evaluator, stops) -> str |
             tr.last_saved = tr.saver.save(done, tr.params, tr.optimizer, tr.ckpt_attrs)
 
     tr.tel.end_step({**record, "step_time_s": time.perf_counter() - t0,
-                     **step_metrics(tr.chunks, tr.topo), **pipeline_metrics(tr.topo, cfg),
+                     **step_metrics(tr.chunks, tr.topo),
+                     **pipeline_metrics(tr.topo, cfg, tr.pipeline_timing),
                      **tr.saver.take_metrics(), **tr.meter.take(), **tr.optimizer.metrics()})
     if stop:
         tr.log.info(f"stopping at step {done}: {stop}; checkpoint {tr.last_saved}")
@@ -191,18 +206,11 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     validate(cfg, world.size)  # before any collective: every rank fails alike
     torch.manual_seed(cfg.train.seed)
     tr = setup(cfg, Path(run_dir), world)
-    faults = Faults(cfg.telemetry.faults, world.rank)
-    guard = NumericGuard(cfg.telemetry, lambda: (tr.saver.restore(
-        "auto", tr.params, tr.optimizer) or {}).get("path"))
-    evaluator = (Evaluator(cfg, tr.topo, tr.chunks, tr.params[0][1].device, tr.log.info)
-                 if cfg.train.eval_every else None)
-    stops = StopRules.from_config(cfg.train, world, tr.job.end_time)
-
     for step in range(tr.start, cfg.train.steps):
         t0 = time.perf_counter()
         tr.tel.begin_step(step + 1)
-        record = train_step(tr, step, faults, guard)
-        if end_of_step(tr, record, t0, evaluator, stops):
+        record = train_step(tr, step)
+        if end_of_step(tr, record, t0):
             break
     tr.tel.close()
     tr.log.close()

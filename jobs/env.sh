@@ -8,11 +8,11 @@
 #   CPU_BIND       srun --cpu-bind value (default cores: each rank pinned to the cores of
 #                  its --cpus-per-task); empty: leave binding to the site (and to clusters
 #                  without a task/affinity plugin, where srun would warn)
-#   DEVICE         cpu or cuda (default cpu; cuda: one rank per GPU, see README)
+#   DEVICE         cpu or cuda (default cpu; cuda: one rank per GPU, see docs/gpu.md)
 
 # -- 1. Site: modules and MPI ----------------------------------------------------------
-# Load the MPI that mpi4py and h5py were built against (README: "Running on a
-# supercomputer"). Examples; names differ between sites:
+# Load the MPI that mpi4py and h5py were built against (docs/slurm.md). Examples;
+# names differ between sites:
 #   module load openmpi/4.1 hdf5/1.14-parallel python/3.11
 #   module load cuda/12.4            # GPU partitions
 if command -v module >/dev/null 2>&1 && [ -n "${HPCTRAIN_MODULES:-}" ]; then

@@ -4,6 +4,8 @@
 on the tiny preset and returns a :class:`Run` with per-step losses and grad norms from
 ``metrics.jsonl`` and the final parameters from the final checkpoint (global shapes).
 ``baseline(*overrides)`` is the same on one rank, cached per session (keyed by overrides).
+Every launch gets the local Open MPI settings of ``scripts/mpi-env.sh`` (read by
+:mod:`benchmarks.mpi_env`) and its run defaults.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is a top-level package of the checkout
+    sys.path.insert(0, str(ROOT))
+from benchmarks.mpi_env import launch_env  # noqa: E402
+
 PY = str(Path(sys.executable))
 TINY = str(ROOT / "share/configs/tiny.toml")
 
-MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    "OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE",
-}
+MPI_ENV = launch_env()  # scripts/mpi-env.sh + OMP_NUM_THREADS=1, HDF5_USE_FILE_LOCKING=FALSE
 
 
 def env(**extra) -> dict:
@@ -49,13 +51,23 @@ def mpirun(n: int, args: list[str], timeout: float = 300, check: bool = True,
     return proc
 
 
-def hpctrain(args: list[str], timeout: float = 120, check: bool = True):
-    """The CLI without mpirun (one process, MPI singleton)."""
-    proc = subprocess.run([PY, "-m", "hpctrain", *args], cwd=ROOT, env=env(),
+def python_m(module: str, args: list[str], timeout: float = 120, check: bool = True):
+    """``python -m MODULE ARGS`` from the repository root, without mpirun."""
+    proc = subprocess.run([PY, "-m", module, *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"hpctrain {args} exited {proc.returncode}\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"{module} {args} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def hpctrain(args: list[str], timeout: float = 120, check: bool = True):
+    """The CLI without mpirun (one process, MPI singleton)."""
+    return python_m("hpctrain", args, timeout, check)
+
+
+def benchmarks(args: list[str], timeout: float = 120, check: bool = True):
+    """``python -m benchmarks ARGS`` (it launches its own mpiruns)."""
+    return python_m("benchmarks", args, timeout, check)
 
 
 @dataclass

@@ -19,7 +19,7 @@ def run(args) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from .. import ckpt_verify as cv
+    from ..checkpoint import integrity as cv
     from .inspect import resolve
 
     path = resolve(args.checkpoint)

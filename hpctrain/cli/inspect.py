@@ -36,7 +36,7 @@ def resolve(path: str) -> Path:
 
 
 def run(args) -> int:
-    from .. import ckpt_verify as cv
+    from ..checkpoint import integrity as cv
 
     path = resolve(args.checkpoint)
     problems = cv.verify(path) if args.verify else []

@@ -1,7 +1,7 @@
 """``hpctrain plan CONFIG --world-size N [--set section.key=value ...]``
 
 Prints, without MPI and without building the model: the layout, the pipeline partition,
-every pp rank's schedule (actions as in DESIGN.md), the simulated makespan and bubble
+every pp rank's schedule (actions as in docs/design.md), the simulated makespan and bubble
 fraction, and the peak number of in-flight microbatches per rank.
 """
 
@@ -86,14 +86,38 @@ def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
 
 def memory_section(cfg, memory_per_rank: str = "") -> list[str]:
     """Per-rank bytes (parameters, gradients, optimizer state, in-flight activations),
-    communication per axis and a fit warning: :func:`hpctrain.memory.report`."""
-    from ..memory import parse_bytes, report
+    communication per axis and a fit warning: :func:`hpctrain.telemetry.memory.report`."""
+    from ..telemetry.memory import parse_bytes, report
 
     return report(cfg, parse_bytes(memory_per_rank) if memory_per_rank else 0).splitlines()
 
 
+def plan_section(cfg, nodes: int, ranks_per_node: int) -> list[str]:
+    """``hpctrain plan --nodes N --ranks-per-node K``: which axes cross the inter-node link."""
+    from ..topology import crossing
+
+    t = cfg.topology
+    cross = crossing(t, nodes, ranks_per_node)
+    sizes = {"tp": t.tp, "ep": t.ep, "dp": t.dp, "pp": t.pp}
+    lines = [f"placement {t.placement} on {nodes} node(s) x {ranks_per_node} rank(s), "
+             f"dp reduction {t.dp_reduction}:"]
+    for axis, (n_cross, n_groups) in cross.items():
+        if sizes[axis] == 1:
+            continue
+        where = "inside a node" if n_cross == 0 else \
+            f"CROSSES the inter-node link ({n_cross} of {n_groups} groups)"
+        lines.append(f"  {axis}={sizes[axis]}: {where}")
+    if cross["tp"][0] and t.tp > 1:
+        lines.append("  warning: tp all-reduces every layer; keep it inside a node")
+    if cross["dp"][0] and t.dp_reduction == "flat" and t.dp > nodes:
+        lines.append("  hint: dp spans nodes with several dp ranks per node: "
+                     "topology.dp_reduction=hierarchical sends less over the link")
+    return lines
+
+
 def run(args) -> int:
-    from ..config import ConfigError, load, validate
+    from ..config import ConfigError, load
+    from ..validate import validate
 
     try:
         cfg = load(args.config, args.overrides)
@@ -105,8 +129,6 @@ def run(args) -> int:
         lines += schedule_section(cfg, args.width, costs)
         lines += memory_section(cfg, args.memory_per_rank)
         if args.nodes:
-            from ..placement import plan_section
-
             lines += plan_section(cfg, args.nodes,
                                   args.ranks_per_node or args.world_size // args.nodes)
     except (ConfigError, ValueError, FileNotFoundError) as e:

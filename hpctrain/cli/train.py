@@ -14,7 +14,8 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from .. import comm, slurm
-    from ..config import ConfigError, load, validate
+    from ..config import ConfigError, load
+    from ..validate import validate
 
     world = comm.world()
     if (wrong_launch := slurm.launch_error(world.size)) is not None:
@@ -28,7 +29,7 @@ def run(args) -> int:
         if world.rank == 0:
             print(f"hpctrain train: {e}", file=sys.stderr)
         return 2
-    from ..lineage import LineageError
+    from ..checkpoint.lineage import LineageError
     from ..train import train
 
     try:

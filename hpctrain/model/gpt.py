@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .steps import RunBlock, RunExperts, drive
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -131,6 +132,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP split on the hidden dimension: w1 column-parallel, w2 row-parallel."""
 
+    stepped = False  # runs in one go (an MoE layer yields at its token exchanges)
+
     def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float):
         super().__init__()
         C, H = cfg.d_model, cfg.ffn_dim
@@ -153,10 +156,26 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, sp)
         self.mlp = ffn if ffn is not None else MLP(cfg, ops, dtype, resid_std)
 
-    def forward(self, x):  # x: (B, T, C), or (B, T/tp, C) with sequence parallelism
+    @property
+    def stepped(self) -> bool:
+        """Whether the block can pause (an MoE feed-forward yields at its exchanges)."""
+        return self.mlp.stepped
+
+    def steps(self, x):  # x: (B, T, C), or (B, T/tp, C) with sequence parallelism
+        """The block's forward as a generator (``model/steps.py``): attention, then the
+        feed-forward; an MoE feed-forward is requested with :class:`RunExperts`. Returns the
+        block's output, shaped like ``x``."""
         ops = self.ops
-        x = x + ops.exit_tp(self.attn(ops.enter_tp(self.norm1(x))))
-        return x + ops.exit_tp(self.mlp(ops.enter_tp(self.norm2(x))))
+        h = x + ops.exit_tp(self.attn(ops.enter_tp(self.norm1(x))))
+        xs = ops.enter_tp(self.norm2(h))  # (B, T, C)
+        if self.mlp.stepped:
+            h, m = yield RunExperts(self.mlp, h, xs)
+        else:
+            m = self.mlp(xs)
+        return h + ops.exit_tp(m)
+
+    def forward(self, x):
+        return drive(self.steps(x))
 
 
 class GPTStage(nn.Module):
@@ -207,23 +226,30 @@ class GPTStage(nn.Module):
     @torch.no_grad()
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T, V_local) next-token logits of a whole model on one rank (generation)."""
-        x = self.embed_tokens(idx)
-        for block in self.blocks.values():
-            x = block(x)
+        x = drive(self.hidden_steps(idx))
         w = self.embed if self.cfg.tie_embeddings else self.head
         return F.linear(self.ops.enter_tp(self.norm_f(x)), w)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+    def hidden_steps(self, x: torch.Tensor):
+        """Generator (``model/steps.py``): the embedding (first stage) and every block, each
+        requested with :class:`RunBlock`; returns the activations (B, T, C). With
+        ``model.recompute`` each block runs under activation checkpointing, in one go."""
         if self.first:
             x = self.embed_tokens(x)
         for block in self.blocks.values():
             if self.cfg.recompute and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x)
-        if not self.last:
-            return x
-        return self.head_loss(x, targets)
+                x = yield RunBlock(block, x)
+        return x
+
+    def steps(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        """Generator: the stage's forward; returns what :meth:`forward` returns."""
+        x = yield from self.hidden_steps(x)
+        return self.head_loss(x, targets) if self.last else x
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        return drive(self.steps(x, targets))
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -6,7 +6,7 @@ to 1 (k = 2). The layer output is ``sum_kept gate * expert(x)``; a dropped assig
 (the block's residual carries the token on).
 
 Everything that crosses ranks is injected, like the ``ops`` object of tensor parallelism:
-``exchange`` (:class:`LocalExchange` here, ``parallel.expert.ExpertExchange`` with MPI) moves
+``exchange`` (:class:`LocalExchange` here, ``parallel.moe_exchange.ExpertExchange``, MPI) moves
 tokens to the experts' ranks and back and gathers routing counts. The tp split uses ``ops``:
 each tp rank routes a contiguous ``1/tp`` slice of the tokens and returns zeros elsewhere, so
 the block's ``exit_tp`` (a sum over tp) restores the full output.
@@ -44,6 +44,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .gpt import ParamMeta, _param
+from .steps import Exchange, drive
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -120,6 +121,8 @@ class MoE(nn.Module):
     Under tp the weights are replicated but each tp rank sees other tokens, so their
     gradients are partial over tp (``sp_partial``)."""
 
+    stepped = True  # Block runs it through :meth:`steps` (it yields at its token exchanges)
+
     def __init__(self, cfg: ModelConfig, ops, exchange, dtype, resid_std: float):
         super().__init__()
         E, C, H = cfg.num_experts, cfg.d_model, cfg.ffn_dim
@@ -134,7 +137,7 @@ class MoE(nn.Module):
             (E, H, C), expert_dim=0, sp_partial=partial, std=cfg.init_std), dtype)
         self.w2 = _param((self.E_local, C, H), ParamMeta(
             (E, C, H), expert_dim=0, sp_partial=partial, std=resid_std), dtype)
-        self.loss_scale = 0.0  # 1 / global tokens; set by parallel.expert.set_loss_scale
+        self.loss_scale = 0.0  # 1 / global tokens; set by parallel.moe_exchange.set_loss_scale
         self.stats = MoEStats(E)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C), same on all tp
@@ -142,10 +145,10 @@ class MoE(nn.Module):
         return drive(self.steps(x))
 
     def steps(self, x: torch.Tensor):
-        """The forward as a generator cut at the token exchanges: it yields requests
-        ``(layer, "dispatch" | "combine", rows, send_rows, recv_rows)`` and expects the
-        exchanged rows back (``gen.send``); returns the output (B, T, C). A driver may post
-        the exchange nonblocking and compute something else before sending the rows back."""
+        """The forward as a generator cut at the token exchanges: it yields
+        :class:`~hpctrain.model.steps.Exchange` requests and expects the exchanged rows back
+        (``gen.send``); returns the output (B, T, C). A driver may post the exchange
+        nonblocking and compute something else before sending the rows back."""
         shape, C = x.shape, x.shape[-1]
         flat = x.reshape(-1, C)  # (N, C)
         N = flat.shape[0]
@@ -220,11 +223,11 @@ class MoE(nn.Module):
         send = torch.bincount(exp, minlength=self.E).cpu().numpy().reshape(ex.ep_size, El)
         recv = ex.exchange_counts(send)  # (ep, E_local): rows from each peer per local expert
         send_rows, recv_rows = send.sum(1), recv.sum(1)
-        got = yield (self, "dispatch", rows, send_rows, recv_rows)  # by (source, expert)
+        got = yield Exchange(self, "dispatch", rows, send_rows, recv_rows)  # (source, expert)
         perm = torch.as_tensor(_by_expert_order(recv), device=rows.device)
         y = self.experts_local(got[perm], recv.sum(0))  # grouped by local expert
         back = torch.empty_like(y).index_copy(0, perm, y)  # (source peer, expert) order again
-        return (yield (self, "combine", back, recv_rows, send_rows))
+        return (yield Exchange(self, "combine", back, recv_rows, send_rows))
 
     def experts_local(self, h: torch.Tensor, sizes) -> torch.Tensor:
         """Rows (m, C) grouped by local expert with ``sizes`` (E_local,) -> outputs (m, C)."""
@@ -245,18 +248,6 @@ class MoE(nn.Module):
         st.aux += float(aux.detach()) / max(tokens, 1)
         st.z += float(z.detach()) / max(tokens, 1)
         st.microbatches += 1
-
-
-def drive(gen):
-    """Run a :meth:`MoE.steps`-style generator with blocking exchanges; its return value."""
-    try:
-        req = next(gen)
-        while True:
-            layer, kind, rows, send_rows, recv_rows = req
-            move = layer.exchange.dispatch if kind == "dispatch" else layer.exchange.combine
-            req = gen.send(move(rows, send_rows, recv_rows))
-    except StopIteration as stop:
-        return stop.value
 
 
 def _by_expert_order(recv: np.ndarray) -> np.ndarray:

@@ -1,52 +1,15 @@
-"""Turn the model description into this rank's pieces, with communication inserted."""
+"""Stage 1 (partition) and the communication each strategy inserts into the model.
 
-from __future__ import annotations
+- ``build.py``: :func:`build_model`, this rank's model chunks for any layout.
+- ``tensor.py``: tensor and sequence parallelism (conjugate f/g autograd functions over
+  ``tp_comm``, vocab-parallel cross-entropy).
+- ``pipeline.py``: which layers live on which (virtual) stage.
+- ``moe_exchange.py``: expert parallelism, the token all-to-all over ``ep_comm``.
+- ``data.py``: :class:`GradBuffers`, gradients in flat buckets summed over ``dp_comm`` /
+  ``edp_comm`` (ZeRO shards, overlap).
+- ``hierarchical.py``: the two-level (within node, across nodes) dp reduction.
+"""
 
-from .. import gpu
-from ..config import Config
-from ..model import GPTStage, LocalOps, init_parameters
-from .pipeline import chunks_of_rank, layer_ranges
+from .build import build_model, named_parameters, virtual_stages
 
-
-def virtual_stages(cfg: Config) -> int:
-    return cfg.schedule.virtual_stages if cfg.schedule.kind == "interleaved" else 1
-
-
-def tp_ops(cfg: Config, topo):
-    """The tensor-parallel communication the model calls (identities when tp == 1)."""
-    if topo.tp_size == 1:
-        return LocalOps()
-    from .tensor import TensorParallelOps
-
-    return TensorParallelOps(topo.tp_comm, cfg.topology.sequence_parallel)
-
-
-def build_model(cfg: Config, topo) -> list[GPTStage]:
-    """This rank's model chunks (one per virtual stage it holds), initialised identically
-    to the same parameters of a one-rank model."""
-    v = virtual_stages(cfg)
-    S = topo.pp_size * v
-    ranges = layer_ranges(cfg)  # balanced, or at schedule.boundaries
-    ops = tp_ops(cfg, topo)
-    ffn_factory = None
-    if cfg.model.num_experts:
-        from .expert import ffn_factory as make
-
-        ffn_factory = make(cfg.model, topo, ops)
-    chunks = [
-        GPTStage(cfg.model, ranges[s], first=(s == 0), last=(s == S - 1), ops=ops,
-                 ffn_factory=ffn_factory)
-        for s in chunks_of_rank(topo.pp_rank, topo.pp_size, v)
-    ]
-    init_parameters(chunks, cfg.train.seed, topo.tp_size, topo.tp_rank, topo.ep_size,
-                    topo.ep_rank)
-    device = gpu.device_for(cfg.model.device, topo.local_rank)
-    return [c.to(device) for c in chunks]  # Module.to keeps the Parameter objects (p.hp)
-
-
-def named_parameters(chunks) -> list:
-    """(global name, parameter) for every parameter this rank holds."""
-    out = []
-    for c in chunks:
-        out += list(c.named_parameters())
-    return out
+__all__ = ["build_model", "named_parameters", "virtual_stages"]

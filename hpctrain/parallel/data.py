@@ -20,6 +20,10 @@ Modes (``optim.zero``, ``optim.overlap``):
   shard (and its staging freed) as soon as all its parameters have this microbatch's gradient.
 - overlap (zero 0/1): the same hooks post a bucket's nonblocking reduction as soon as all its
   gradients of the LAST microbatch are final; :meth:`reduce` waits for all of them.
+- without overlap, ``optim.reduction`` picks how zero 0 sums: ``bucketed`` (default: one
+  blocking all-reduce per bucket, in order), ``bucketed-nonblocking`` (all buckets posted,
+  then waited for) or ``per-parameter`` (the naive baseline the benchmarks compare with).
+  ``topology.dp_reduction = hierarchical`` hands each bucket to ``parallel/hierarchical.py``.
 
 Posts follow one fixed sequence on every rank, (microbatch, bucket) in order, whatever the
 order in which hooks fire, so nonblocking collectives always match across the group.
@@ -63,10 +67,14 @@ class GradBuffers:
     """Flat gradient storage and the bucketed reduction over the data-parallel groups."""
 
     def __init__(self, named_params, topo, bucket_mb: float, hierarchical=None, *,
-                 zero: int = 0, overlap: bool = False, microbatches: int = 1):
+                 zero: int = 0, overlap: bool = False, microbatches: int = 1,
+                 mode: str = "bucketed"):
         if zero and hierarchical is not None:
             raise ValueError("optim.zero > 0 needs topology.dp_reduction = flat")
+        if mode != "bucketed" and (zero or overlap or hierarchical is not None):
+            raise ValueError(f"optim.reduction={mode} needs zero 0, no overlap, flat dp")
         self.topo, self.zero_level, self.microbatches = topo, zero, microbatches
+        self.mode = mode  # optim.reduction
         self.overlap = overlap or zero == 2
         self.named = list(named_params)
         self.hierarchical = hierarchical  # optional callable(flat) for multi-node dp
@@ -200,16 +208,19 @@ class GradBuffers:
         """Finish the step's reduction: post what the hooks have not, wait for everything,
         then sum sequence-parallel partial gradients over tp (sums over dp and tp commute).
         Collective over dp_comm, edp_comm and tp_comm."""
+        if self.mode == "per-parameter":
+            self.reduce_per_parameter()
+            return
         if self.hierarchical is not None:
             for b in self.buckets:
                 self.hierarchical(b)
-        elif self.overlap:
+        elif self.overlap or self.mode == "bucketed-nonblocking":
             self._post_ready(flush=True)
         else:
             # Nothing to overlap with: reduce one bucket after another with the blocking
-            # collective. Measured with Open MPI (README): nonblocking collectives (libnbc) are
-            # ~1.9x slower over TCP with all buckets outstanding, and slower on shared memory
-            # too; the blocking, tuned all-reduce is the fast path when nothing overlaps.
+            # collective. Measured with Open MPI (docs/multi-node.md): nonblocking collectives
+            # (libnbc) are ~1.9x slower over TCP with all buckets outstanding, and slower on
+            # shared memory too; the blocking, tuned all-reduce is the fast path here.
             for b in self.buckets:
                 if self.zero_level == 0:
                     b.posted += 1
@@ -250,7 +261,8 @@ class GradBuffers:
         return n
 
     def reduce_per_parameter(self) -> None:
-        """The naive baseline: one blocking all-reduce per parameter (benchmarks only)."""
+        """The naive baseline (``optim.reduction = "per-parameter"``): one blocking all-reduce
+        per parameter. Collective over dp_comm, edp_comm and tp_comm."""
         for p in self.sp_params:
             self.topo.tp_comm.allreduce_(p.grad)
         for _, p in self.named:

@@ -23,7 +23,7 @@ output passes through ``exit_tp`` (its vocab-partial sums become sequence slices
 through ``enter_tp``.
 
 Every collective here goes through ``comm.Group`` (axis ``"tp"``), so its time lands in
-``comm.RECORDER`` and in ``metrics.jsonl`` under ``comm_s["tp"]``.
+the run's ``comm.Recorder`` and in ``metrics.jsonl`` under ``comm_s["tp"]``.
 """
 
 from __future__ import annotations

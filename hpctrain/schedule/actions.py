@@ -1,7 +1,7 @@
 """Pipeline schedules as data: for each pp rank, the list of actions it executes in one step.
 
 An :class:`Action` is ``kind`` + ``microbatch`` + ``chunk`` (this rank's virtual stage index,
-``None`` when the rank holds one chunk). Its string form is the vocabulary of DESIGN.md:
+``None`` when the rank holds one chunk). Its string form is the vocabulary of docs/design.md:
 ``F3`` forward of microbatch 3, ``B3`` backward (input gradient; the whole backward when the
 schedule has no ``W``), ``W3`` weight gradient, ``SF3``/``RF3`` send/receive an activation,
 ``SB3``/``RB3`` send/receive a gradient; ``F3v1`` is microbatch 3 on the rank's chunk 1.

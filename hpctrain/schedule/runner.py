@@ -10,10 +10,10 @@ stage's graph ends at its boundary; a microbatch's tensors are dropped after its
 action, so only in-flight microbatches hold activations.
 
 Evidence: every action is a ``timers.action`` span (the tracer sees ``F3``, ``SB2``...);
-this rank's compute seconds per action kind, idle (bubble) seconds and step seconds of the
-last step are kept in :data:`LAST_STEP` (a per-process record like ``comm.RECORDER``; the
-waits themselves are exposed ``pp`` communication there), and :func:`pipeline_metrics` turns
-them into the measured bubble next to the simulator's value.
+:func:`run_step` returns this rank's compute seconds per action kind, idle (bubble) seconds
+and step seconds (the waits themselves are exposed ``pp`` communication in the run's
+``comm.Recorder``), and :func:`pipeline_metrics` turns them into the measured bubble next to
+the simulator's value.
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ import torch
 
 from ..config import microbatches as microbatch_count
 from ..model.gpt import DTYPES
-from . import experts, split
+from . import moe_executor, moe_overlap, zero_bubble
 from .actions import Action, Schedule, build, link
 from .simulate import simulate
-
-LAST_STEP: dict[str, float] = {}  # this process's last executed step (see execute)
 
 
 @functools.lru_cache(maxsize=16)
@@ -66,6 +64,7 @@ class StepState:
         self.grad_in: dict = {}  # (mb, chunk) -> gradient of the input, to send
         self.recvs: dict = {}  # (kind, mb, chunk) -> (Handle, buffer)
         self.sends: list = []
+        self.handlers = HANDLERS  # action kind -> handler (MoE overlap adds its own)
         self.loss_sum = 0.0
         self.waited = 0.0
         self.peak_inflight = 0
@@ -109,8 +108,8 @@ def _backward(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     grad = None if st.is_last(a) else st.take("RB", a)
     out, x = st.outputs[key], st.inputs.get(key)
-    if st.split:  # B: input gradient only (schedule/split.py); W follows later
-        gx, st.grad_out[key] = split.input_grad(out, grad, x, _params(st.chunks[a.c]))
+    if st.split:  # B: input gradient only (schedule/zero_bubble.py); W follows later
+        gx, st.grad_out[key] = zero_bubble.input_grad(out, grad, x, _params(st.chunks[a.c]))
         if gx is not None:
             st.grad_in[key] = gx
         return
@@ -123,7 +122,7 @@ def _backward(st: StepState, a: Action) -> None:
 def _weight(st: StepState, a: Action) -> None:
     """Weight gradient of a split backward: accumulates into the chunk's ``.grad``."""
     key = (a.microbatch, a.c)
-    split.weight_grad(st.grad_out[key], _params(st.chunks[a.c]))
+    zero_bubble.weight_grad(st.grad_out[key], _params(st.chunks[a.c]))
     st.drop(key)
 
 
@@ -162,7 +161,7 @@ def execute(st: StepState, timers=None) -> dict[str, float]:
     span = timers.action if timers is not None else _no_span
     t_start = time.perf_counter()
     for a in st.sched.ranks[st.rank]:
-        handler = getattr(st, "handlers", HANDLERS).get(a.kind)
+        handler = st.handlers.get(a.kind)
         if handler is None:
             raise ValueError(f"rank {st.rank}: no handler for action {a} (kind {a.kind!r})")
         t0, w0 = time.perf_counter(), st.waited
@@ -182,21 +181,23 @@ def execute(st: StepState, timers=None) -> dict[str, float]:
             "pp_idle": wall - sum(busy.values()), "pp_peak_inflight": st.peak_inflight}
 
 
-def run_step(chunks, microbatches, topo, cfg, loss_scale: float, timers=None) -> float:
+def run_step(chunks, microbatches, topo, cfg, loss_scale: float,
+             timers=None) -> tuple[float, dict[str, float]]:
     """Forward and backward of every microbatch by this rank's schedule; gradients accumulate
-    in the parameters' ``.grad``. Returns the sum of token losses this rank computed (non-zero
-    only on the last stage). ``loss_scale`` = 1 / tokens in the global batch. Point-to-point
-    over ``topo.pp_comm`` only (no collective of its own; tp/ep ops inside the model are)."""
+    in the parameters' ``.grad``. Returns (the sum of token losses this rank computed, non-zero
+    only on the last stage; this rank's timing of the step, see :func:`execute`).
+    ``loss_scale`` = 1 / tokens in the global batch. Point-to-point over ``topo.pp_comm`` only
+    (no collective of its own; tp/ep ops inside the model are)."""
     sched = schedule_for(cfg, len(microbatches))
-    sched, moe_handlers = experts.overlapped(cfg, sched)  # MoE: D/E/C/G actions (issue 5)
-    st = StepState(chunks, microbatches, topo, cfg, loss_scale, sched)
-    st.handlers = {**HANDLERS, **moe_handlers}
-    LAST_STEP.clear()
-    LAST_STEP.update(execute(st, timers))
-    return st.loss_sum
+    expanded = moe_overlap.overlapped(cfg, sched)  # MoE: D/E/C/G actions
+    st = StepState(chunks, microbatches, topo, cfg, loss_scale, expanded)
+    if expanded is not sched:
+        st.handlers = {**HANDLERS, **moe_executor.handlers_for(expanded)}
+    timing = execute(st, timers)
+    return st.loss_sum, timing
 
 
-def pipeline_metrics(topo, cfg) -> dict:
+def pipeline_metrics(topo, cfg, timing: dict) -> dict:
     """Measured bubble next to the simulator's, for metrics.jsonl. Collective over
     ``topo.pp_comm``; {} when pp == 1 (every rank agrees).
 
@@ -206,7 +207,7 @@ def pipeline_metrics(topo, cfg) -> dict:
     if topo.pp_size == 1:
         return {}
     keys = ("pp_F", "pp_B", "pp_W", "pp_step", "pp_peak_inflight")
-    mine = [float(LAST_STEP.get(k, 0.0)) for k in keys]
+    mine = [float(timing.get(k, 0.0)) for k in keys]
     rows = topo.pp_comm.allgather_obj(mine)
     sched = schedule_for(cfg, microbatch_count(cfg))
     span = max(r[3] for r in rows)

@@ -1,4 +1,4 @@
-"""``hpctrain bench`` end to end at the tiny size: one command runs every benchmark under
+"""``python -m benchmarks`` end to end at the tiny size: one command runs every benchmark under
 mpirun, writes bench.json and bench.md of the documented shape, and both sides of every
 comparison computed the same thing (no timing is asserted: the machine is shared)."""
 
@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from launch import hpctrain
+from launch import benchmarks
 
 pytestmark = pytest.mark.e2e
 
@@ -21,8 +21,8 @@ PAIRS = {  # benchmark -> (ranks, variants that must both appear)
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    proc = hpctrain(["bench", "--size", "tiny", "--repeats", "1", "--out", str(out)],
-                    timeout=400, check=False)
+    proc = benchmarks(["--size", "tiny", "--repeats", "1", "--out", str(out)], timeout=400,
+                      check=False)
     doc = json.loads((out / "bench.json").read_text())
     return proc, doc, (out / "bench.md").read_text()
 
@@ -74,7 +74,7 @@ def test_collectives_table(bench):
 
 
 def test_bad_input_is_a_clear_error(tmp_path):
-    proc = hpctrain(["bench", "--repeats", "0", "--out", str(tmp_path)], check=False)
+    proc = benchmarks(["--repeats", "0", "--out", str(tmp_path)], check=False)
     assert proc.returncode == 2 and "--repeats must be >= 1" in proc.stderr
-    proc = hpctrain(["bench", "--only", "nonsense", "--out", str(tmp_path)], check=False)
+    proc = benchmarks(["--only", "nonsense", "--out", str(tmp_path)], check=False)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr

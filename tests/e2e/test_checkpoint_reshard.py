@@ -4,10 +4,7 @@ Each case: the one-rank run of 6 steps straight (saving at step 3) is the refere
 trains 6 steps saving at 3 (compared with the reference too); layout Y restarts from X's
 step 3 and trains 3 more. Y's losses and grad norms must equal the reference's steps 4-6 and
 its final parameters *and optimizer state* the reference's, within 1e-9 relative.
-A case whose parallelism has not landed yet is skipped, naming the missing feature.
 """
-
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,22 +12,7 @@ from launch import assert_same, baseline, read_params, rel_err, train_cli
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 COMMON = ("train.steps=6", "checkpoint.every=3")
-
-
-FEATURES = {
-    "tp": lambda: (ROOT / "hpctrain/parallel/tensor.py").is_file(),
-    "pp": lambda: (ROOT / "hpctrain/schedule/actions.py").is_file(),
-    "ep": lambda: (ROOT / "hpctrain/parallel/expert.py").is_file(),
-    "zero": lambda: (ROOT / "hpctrain/zero.py").is_file(),
-}
-
-
-def needs(*features):
-    missing = [f for f in features if not FEATURES[f]()]
-    if missing:
-        pytest.skip(f"needs {', '.join(missing)} (not in the tree yet)")
 
 
 def layout(dp=1, tp=1, pp=1, ep=1):
@@ -79,21 +61,18 @@ def test_dp2_to_dp4_and_one_rank_reference(tmp_path, session_dir):
 
 
 def test_dp4_to_dp2_tp2(tmp_path, session_dir):
-    needs("tp")
     ref = baseline(session_dir, *COMMON)
     _, b = reshard(tmp_path, ref, layout(dp=4), layout(dp=2, tp=2))
     assert_tail_equal(b, ref, 3, "dp=4 -> dp=2 x tp=2")
 
 
 def test_tp2_pp2_to_one_rank(tmp_path, session_dir):
-    needs("tp", "pp")
     ref = baseline(session_dir, *COMMON)
     _, b = reshard(tmp_path, ref, layout(tp=2, pp=2), layout())
     assert_tail_equal(b, ref, 3, "tp=2 x pp=2 -> 1 rank")
 
 
 def test_one_rank_to_pp2_dp2_tp2(tmp_path, session_dir):
-    needs("tp", "pp")
     ref = baseline(session_dir, *COMMON)
     _, b = reshard(tmp_path, ref, layout(), layout(dp=2, tp=2, pp=2))
     assert_tail_equal(b, ref, 3, "1 rank -> pp=2 x dp=2 x tp=2")
@@ -103,7 +82,6 @@ def test_ep2_to_ep1(tmp_path, session_dir):
     # MoE balance statistics are per global microbatch: the one-rank runs use
     # micro_batch_size = dp * 1 so that their microbatches are the dp=2 run's (see
     # tests/e2e/test_moe_equivalence.py).
-    needs("ep")
     moe, whole = ("model.num_experts=4", "model.moe_every=2"), "train.micro_batch_size=2"
     ref = baseline(session_dir, *COMMON, *moe, whole)
     _, b = reshard(tmp_path, ref, layout(dp=2, ep=2), layout(), extra=moe, load_extra=(whole,))
@@ -113,7 +91,6 @@ def test_ep2_to_ep1(tmp_path, session_dir):
 def test_optimizer_state_reshard_zero(tmp_path, session_dir):
     """ZeRO-1 shards of the optimizer state over dp=4 restored as dp=2 shards; the file
     holds the global tensors, compared with the unsharded one-rank reference's."""
-    needs("zero")
     ref = baseline(session_dir, *COMMON)
     _, b = reshard(tmp_path, ref, layout(dp=4), layout(dp=2), save_extra=("optim.zero=1",),
                    load_extra=("optim.zero=1",))

@@ -1,4 +1,4 @@
-"""Held-out loss on any layout, lineage, stop rules and generation (issue: evaluation)."""
+"""Held-out loss on any layout, lineage, stop rules and generation."""
 
 import json
 from pathlib import Path

@@ -1,7 +1,8 @@
 """Every injected fault ends the job with a clear message or is recovered from.
 
-Faults come from ``telemetry.faults`` (see hpctrain/faults.py): a killed rank, a stalled
-rank (watchdog), a poisoned gradient (numeric guard), an exception (python -m mpi4py).
+Faults come from ``telemetry.faults`` (see hpctrain/telemetry/fault_injection.py): a killed
+rank, a stalled rank (watchdog), a poisoned gradient (numeric guard), an exception
+(python -m mpi4py).
 """
 
 import json
@@ -78,7 +79,7 @@ def test_stalled_rank_is_named_by_the_watchdog(tmp_path):
               if o["state"] == "in-flight"]
     assert flying and flying[-1]["axis"] == "dp"
     stack = (run_dir / "watchdog" / "rank1.stack").read_text()
-    assert "faults.py" in stack and "inject" in stack
+    assert "fault_injection.py" in stack and "inject" in stack
 
 
 def test_poisoned_gradients_skip_then_roll_back(tmp_path, session_dir):

@@ -4,29 +4,21 @@ Measured peak (metrics ``mem_peak``, rank 0): parameters + gradient storage + op
 + the maximum over the step of autograd's saved activations (see hpctrain/memory.py).
 """
 
-import inspect
 
 import pytest
 from launch import TINY, train_cli
 
-from hpctrain import memory
 from hpctrain.config import load
+from hpctrain.telemetry import memory
 
 pytestmark = pytest.mark.e2e
-
-
-def _pp_available() -> bool:
-    from hpctrain.schedule import runner
-
-    return "pipeline parallelism is not available" not in inspect.getsource(runner)
 
 
 LAYOUTS = [
     pytest.param(2, ("topology.dp=2", "optim.zero=1", 'model.dtype="bfloat16"',
                      "train.micro_batch_size=2"), id="dp2-zero1-bf16"),
     pytest.param(4, ("topology.dp=2", "topology.pp=2", "optim.zero=2", "schedule.kind=1f1b",
-                     'model.dtype="float32"'), id="dp2-pp2-zero2-1f1b",
-                 marks=pytest.mark.skipif(not _pp_available(), reason="pipeline absent")),
+                     'model.dtype="float32"'), id="dp2-pp2-zero2-1f1b"),
 ]
 
 

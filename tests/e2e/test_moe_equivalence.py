@@ -23,14 +23,6 @@ MOE = ("model.num_experts=4", "model.moe_every=2")  # experts in blocks 1, 3, 5,
 K2 = ("model.top_k=2",)
 
 
-def _raises_for_pp() -> bool:
-    import inspect
-
-    from hpctrain.schedule import runner
-
-    return "pipeline parallelism is not available" in inspect.getsource(runner)
-
-
 def ref(session_dir, global_mb: int, *extra):
     return baseline(session_dir, *MOE, f"train.micro_batch_size={global_mb}", *extra)
 
@@ -70,8 +62,6 @@ def test_ep_dropless_equals_one_rank(tmp_path, session_dir, n, layout, k):
     (8, ("topology.dp=2", "topology.ep=2", "topology.pp=2", "topology.tp=2")),
 ])
 def test_ep_with_pipeline_equals_one_rank(tmp_path, session_dir, n, layout):
-    if _raises_for_pp():
-        pytest.skip("the pipeline runner (issue: pipeline) has not landed yet")
     reference = ref(session_dir, 2)
     run = train_cli(tmp_path / "run", n, *MOE, *layout)
     assert_same(run, reference, rel=1e-9, what=" ".join(layout))

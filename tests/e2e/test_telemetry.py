@@ -7,7 +7,7 @@ from launch import TINY, train_cli
 
 from hpctrain.__main__ import main as hpctrain_main
 from hpctrain.config import load
-from hpctrain.flops import train_flops_per_token
+from hpctrain.telemetry.flops import train_flops_per_token
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,8 @@ import time
 import torch
 from mpi4py import MPI
 
-from hpctrain import comm, gpu
+from hpctrain import comm
+from hpctrain.comm import gpu
 
 
 def seconds(fn, world, reps=10):

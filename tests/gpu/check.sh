@@ -18,7 +18,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=4
+source scripts/mpi-env.sh  # Open MPI as root, oversubscription, yield when idle
+export OMP_NUM_THREADS=4
 export HDF5_USE_FILE_LOCKING=FALSE PYTHONUNBUFFERED=1
 MPIRUN=${MPIRUN:-mpirun}
 R="$OUT/gpu_results.md"

@@ -55,7 +55,7 @@ t_plain = timed(plain)
 # hpctrain's pieces, one rank
 from hpctrain import comm  # noqa: E402
 from hpctrain.config import TopologyConfig  # noqa: E402
-from hpctrain.optim import AdamW, clip_, global_grad_norm  # noqa: E402
+from hpctrain.optim.adamw import AdamW, clip_, global_grad_norm  # noqa: E402
 from hpctrain.parallel.data import GradBuffers  # noqa: E402
 from hpctrain.topology import Topology  # noqa: E402
 

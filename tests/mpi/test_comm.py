@@ -1,10 +1,11 @@
-"""Every comm.py collective against a numpy reference, at any world size (run under mpirun)."""
+"""Every comm.Group collective against a numpy reference, at any world size (run under mpirun)."""
 
 import numpy as np
 import pytest
 import torch
 
 from hpctrain import comm
+from hpctrain.comm.group import _buffer
 
 pytestmark = pytest.mark.mpi
 
@@ -105,17 +106,34 @@ def test_proc_null_is_a_no_op(world):
 
 
 def test_recorder_counts_bytes_per_axis(world):
-    comm.RECORDER.take()
+    world.recorder.take()
     t = torch.zeros(16, dtype=torch.float64)
     world.allreduce_(t)
-    exposed, nbytes = comm.RECORDER.take()
+    exposed, nbytes = world.recorder.take()
     if world.size > 1:
         assert nbytes["world"] == 128 and exposed["world"] >= 0
-        assert comm.RECORDER.ring[-1].op == "allreduce"
-        assert comm.RECORDER.ring[-1].state == "done"
+        assert world.recorder.ring[-1].op == "allreduce"
+        assert world.recorder.ring[-1].state == "done"
+
+
+def test_each_run_has_its_own_recorder(world):
+    """Two runs in one process (two Topologies) do not see each other's counters."""
+    from hpctrain.config import TopologyConfig
+    from hpctrain.topology import Topology
+
+    a = Topology(TopologyConfig(dp=world.size), world)
+    b = Topology(TopologyConfig(dp=world.size), world)
+    a.recorder.take()
+    b.recorder.take()
+    a.dp_comm.allreduce_(torch.zeros(4, dtype=torch.float64))
+    assert a.recorder is not b.recorder and a.dp_comm.recorder is a.recorder
+    _, nbytes = b.recorder.take()
+    assert nbytes == {}
+    if world.size > 1:
+        assert a.recorder.take()[1]["dp"] == 32
 
 
 def test_non_contiguous_rejected(world):
     t = torch.zeros(4, 4)[:, 0]
     with pytest.raises(ValueError, match="contiguous"):
-        comm._buffer(t)
+        _buffer(t)

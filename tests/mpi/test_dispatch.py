@@ -7,7 +7,7 @@ import torch
 
 from hpctrain import comm
 from hpctrain.config import TopologyConfig
-from hpctrain.parallel.expert import ExpertExchange
+from hpctrain.parallel.moe_exchange import ExpertExchange
 from hpctrain.topology import Topology
 
 pytestmark = pytest.mark.mpi
@@ -60,23 +60,21 @@ def test_dispatch_combine_identity(exchange, mode, seed):
 @pytest.mark.parametrize("mode", ["random", "nobody_to_0"])
 def test_nonblocking_dispatch_combine_identity(exchange, mode):
     """The schedule's path: posted exchanges (D/C), waited later, joined to the graph."""
-    from hpctrain.parallel.expert import post_exchange, progress, wait_exchange
-
     size, rank = exchange.ep_size, exchange.ep_rank
     send = routing(7, size, rank, mode)
     recv = exchange.exchange_counts(send)
     g = torch.Generator().manual_seed(rank)
     rows = torch.randn(int(send.sum()), 3, generator=g, dtype=torch.float64,
                        requires_grad=True)
-    handle, finish = post_exchange(exchange, rows, send.sum(1), recv.sum(1))
-    progress()
+    handle, finish = exchange.post(rows, send.sum(1), recv.sum(1))
+    exchange.progress()
     if handle is not None:
-        wait_exchange(handle)
+        exchange.wait(handle)
     got = finish()
     assert got.shape == (int(recv.sum()), 3)
-    handle, finish = post_exchange(exchange, got * 3.0, recv.sum(1), send.sum(1))
+    handle, finish = exchange.post(got * 3.0, recv.sum(1), send.sum(1))
     if handle is not None:
-        wait_exchange(handle)
+        exchange.wait(handle)
     back = finish()
     torch.testing.assert_close(back, rows * 3.0)
     back.sum().backward()  # backward: the blocking inverse exchanges

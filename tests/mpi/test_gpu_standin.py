@@ -1,4 +1,4 @@
-"""comm.py's GPU path without a GPU: host tensors presented as CUDA arrays (the stand-in
+"""comm's GPU path without a GPU: host tensors presented as CUDA arrays (the stand-in
 exposes ``__cuda_array_interface__`` over host memory, as mpi4py's own tests do). Both the
 CUDA-aware zero-copy path and host staging must give the numpy reference results."""
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain import comm, gpu
+from hpctrain import comm
+from hpctrain.comm import gpu
 
 pytestmark = pytest.mark.mpi
 

@@ -8,7 +8,7 @@ import torch
 
 from hpctrain import comm
 from hpctrain.config import TopologyConfig
-from hpctrain.placement import build_hierarchy, reduce_hierarchical
+from hpctrain.parallel.hierarchical import build_hierarchy, levels, reduce_hierarchical
 from hpctrain.topology import Topology
 
 
@@ -51,6 +51,6 @@ def test_auto_placement_keeps_tp_inside_the_node():
     topo = Topology(TopologyConfig(dp=world.size // 2, tp=2), world)
     # One machine is one node: every axis is inside it, and the levels exist only on demand.
     assert topo.within_node == {"tp": True, "ep": True, "dp": True, "pp": True}
-    assert topo.dp_levels is None
+    assert levels(topo) is None
     topo = Topology(TopologyConfig(dp=world.size, dp_reduction="hierarchical"), world)
-    assert topo.dp_levels["dp"].local.size == world.size  # one node: local = whole group
+    assert levels(topo)["dp"].local.size == world.size  # one node: local = whole group

@@ -11,7 +11,7 @@ import torch
 from hpctrain import comm
 from hpctrain.config import ModelConfig
 from hpctrain.model.gpt import MLP, Attention, GPTStage, LocalOps, init_parameters, local_slice
-from hpctrain.optim import global_grad_norm
+from hpctrain.optim.adamw import global_grad_norm
 from hpctrain.parallel.data import GradBuffers
 from hpctrain.parallel.tensor import TensorParallelOps
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain import ckpt_verify as cv
-from hpctrain.ckpt_pieces import flat_boxes, flat_piece, shard_piece, transfer
+from hpctrain.checkpoint import integrity as cv
+from hpctrain.checkpoint.layout import flat_boxes, flat_piece, shard_piece, transfer
 from hpctrain.model.gpt import ParamMeta, local_slice
 
 

@@ -10,8 +10,8 @@ from hpctrain.config import (
     load,
     microbatches,
     parse_override,
-    validate,
 )
+from hpctrain.validate import validate
 
 TINY = "share/configs/tiny.toml"
 
@@ -106,6 +106,9 @@ def test_unknown_key_lists_valid_keys():
      r"n_layers=8 < pp\*virtual_stages = 8\*2"),
     (["optim.zero=3"], 1, r"optim.zero must be 0, 1 or 2"),
     (["topology.tp=0"], 1, r"topology.tp must be >= 1"),
+    (["optim.reduction=\"ring\""], 1, r"optim.reduction='ring'; valid: bucketed, "),
+    (["topology.dp=2", "optim.zero=1", "optim.reduction=\"per-parameter\""], 2,
+     r"optim.reduction=per-parameter needs optim.zero=0"),
 ])
 def test_layout_errors_show_arithmetic(overrides, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -5,14 +5,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.config import ModelConfig
-from hpctrain.flops import (
+from hpctrain.model.gpt import GPTStage
+from hpctrain.model.moe import is_moe_layer
+from hpctrain.telemetry.flops import (
     forward_flops_per_token,
     measure_peak_flops,
     moe_layer_count,
     train_flops_per_token,
 )
-from hpctrain.model.gpt import GPTStage
-from hpctrain.model.moe import is_moe_layer
 
 
 def counted_flops(fn) -> int:

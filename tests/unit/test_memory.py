@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from hpctrain import memory
 from hpctrain.config import load
+from hpctrain.telemetry import memory
 
 TINY = "share/configs/tiny.toml"
 

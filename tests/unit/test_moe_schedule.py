@@ -4,7 +4,7 @@ import pytest
 
 from hpctrain.config import ModelConfig
 from hpctrain.schedule.actions import Action, Schedule, build
-from hpctrain.schedule.experts import (
+from hpctrain.schedule.moe_overlap import (
     SEGMENTS,
     check_ep_order,
     expand,

@@ -1,9 +1,11 @@
-"""``placement.crossing`` (what ``hpctrain plan --nodes`` prints), no MPI."""
+"""``topology.crossing`` (what ``hpctrain plan --nodes`` prints), no MPI."""
 
 import pytest
 
-from hpctrain.config import ConfigError, TopologyConfig, load, validate
-from hpctrain.placement import crossing, plan_section
+from hpctrain.cli.plan import plan_section
+from hpctrain.config import ConfigError, TopologyConfig, load
+from hpctrain.topology import crossing
+from hpctrain.validate import validate
 
 
 def test_auto_keeps_tp_inside_nodes_and_naive_does_not():

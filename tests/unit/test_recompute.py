@@ -1,7 +1,7 @@
 """Activation recomputation (``model.recompute``): the same gradients, less saved memory.
 
 Memory is measured as the bytes autograd holds in saved tensors (``saved_tensors_hooks``,
-each storage once, parameters excluded; :class:`hpctrain.memory.ActivationMeter`): on CPU
+each storage once, parameters excluded; :class:`hpctrain.telemetry.memory.ActivationMeter`): on CPU
 there is no allocator statistic. With recompute, a block keeps only its input; the block's
 own activations live again, one block at a time, during its backward (inside checkpoint's
 hooks, so the meter does not see them: the plan adds them).
@@ -11,9 +11,9 @@ import dataclasses
 
 import torch
 
-from hpctrain import memory
 from hpctrain.config import load
 from hpctrain.model.gpt import GPTStage, init_parameters
+from hpctrain.telemetry import memory
 
 TINY = "share/configs/tiny.toml"
 

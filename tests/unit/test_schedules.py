@@ -149,7 +149,7 @@ def test_split_backward_equals_one_backward(last):
 
     from hpctrain.config import ModelConfig
     from hpctrain.model.gpt import GPTStage, init_parameters
-    from hpctrain.schedule import split
+    from hpctrain.schedule import zero_bubble as split
 
     cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_ff=32, vocab_size=32,
                       dtype="float64")

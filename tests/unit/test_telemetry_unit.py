@@ -9,16 +9,17 @@ import pytest
 
 from hpctrain import comm
 from hpctrain.config import TelemetryConfig
-from hpctrain.faults import Fault, parse
-from hpctrain.guard import NumericError, NumericGuard
-from hpctrain.telemetry import Timers
+from hpctrain.optim.numeric_guard import NumericError, NumericGuard
+from hpctrain.telemetry.fault_injection import Fault, parse
+from hpctrain.telemetry.metrics import Timers
+from hpctrain.telemetry.trace import parse_window
+from hpctrain.telemetry.watchdog import peer_coords, summarise
 from hpctrain.topology import Coords
-from hpctrain.trace import parse_window
-from hpctrain.watchdog import peer_coords, summarise
 
 
 def test_timers_are_exclusive_of_children_and_of_communication():
-    timers = Timers()
+    recorder = comm.Recorder()
+    timers = Timers(recorder=recorder)
     seen = []
     timers.listeners.append(lambda kind, name, t0, t1: seen.append((kind, name)))
     with timers("compute"):
@@ -26,11 +27,11 @@ def test_timers_are_exclusive_of_children_and_of_communication():
         with timers("inner"):
             time.sleep(0.02)
             assert timers.current == "inner"
-        comm.RECORDER.exposed_s["tp"] += 5.0  # a wait of 5 s recorded inside compute
+        recorder.exposed_s["tp"] += 5.0  # a wait of 5 s recorded inside compute
         timers.add("bubble", 1.0)
         with timers.action("F0"):
             pass
-    comm.RECORDER.take()
+    recorder.take()
     s = timers.take()
     assert timers.current == "-" and timers.take() == {}
     # compute's own time is its wall minus inner, the 5 s wait and the 1 s bubble: negative
@@ -118,7 +119,7 @@ def test_watchdog_message_names_the_stuck_and_the_missing():
 
 
 def test_faults_come_from_config_and_environment(monkeypatch):
-    from hpctrain.faults import ENV, Faults
+    from hpctrain.telemetry.fault_injection import ENV, Faults
 
     monkeypatch.setenv(ENV, "stall@1:2:5;kill@0:4")
     f = Faults("poison@1:3", world_rank=1)

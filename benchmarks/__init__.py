@@ -1,0 +1,35 @@
+"""Benchmarks side by side: hpctrain against PyTorch's own distributed training, against the
+naive baseline and against the limit, on the same model, init, data and batch.
+
+Each comparison is one module with ``RANKS`` (the world sizes it runs at) and
+``run(world, size, repeats) -> dict``, called on every rank of one ``mpirun`` (collective
+over ``world``); rank 0's return value is the result. Both sides of a comparison run in the
+same processes, interleaved repeat by repeat, so a ratio is always taken within one run
+(the machine is noisy). ``python -m benchmarks`` (:mod:`benchmarks.driver`, ``make bench``)
+launches the parts under ``mpirun`` (ranks: :mod:`benchmarks.worker`) and writes
+``bench.json`` and ``bench.md`` (see :mod:`benchmarks.report`). A top-level package of the
+checkout, not installed with hpctrain: run it from the repository root.
+
+A result is a dict::
+
+    {"bench": name, "ranks": n, "size": "tiny"|"small", "repeats": r, "what": str,
+     "rows":   [{"variant", "median", "unit", "samples"}],
+     "ratios": [{"name", "value", "target", "met"}],        # target is text, e.g. ">= 1.1"
+     "check":  {"what", "values", "rel_err", "tol", "ok"},  # both sides computed the same
+     "notes":  [str], "table": [...]}                        # table: optional extra rows
+"""
+
+from __future__ import annotations
+
+# name -> world sizes it runs at; the module is benchmarks.<name>.
+BENCHES = {
+    "gradsync": (2, 4),
+    "ddp": (2,),
+    "pipeline": (2,),
+    "overhead": (1,),
+    "collectives": (4,),
+    "checkpoint": (2, 4),  # save/load bandwidth vs per-rank torch.save (checkpoint issue)
+    "memory": (1, 2, 4),  # ZeRO 0/1/2 peak memory and step time (ZeRO issue)
+    "cluster": (1,),  # 2 simulated nodes: placement, hierarchical dp, overlap, scaling
+}
+SIZES = ("tiny", "small")

@@ -1,0 +1,202 @@
+"""What the benchmarks share: statistics, the training configs per size, one hpctrain
+training run, the same training as a plain PyTorch loop (optionally under DDP), and
+``torch.distributed`` (gloo) started inside mpirun ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpctrain.config import load
+
+# Training benchmarks (ddp, pipeline, overhead): float32 GPT, same preset on both sides.
+TRAIN_PRESETS = {
+    "tiny": ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "train.steps=3",
+             "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=16",
+             "optim.bucket_mb=0.05"],
+    "small": ["model.n_layers=4", "model.d_model=128", "model.n_heads=4", "train.steps=5",
+              "train.global_batch_size=16", "train.micro_batch_size=4", "train.seq_len=128",
+              "optim.bucket_mb=1.0"],
+}
+COMMON = ['model.dtype="float32"', "model.vocab_size=256", "data.corpus_mb=0.5",
+          "optim.warmup_steps=2", "checkpoint.save_final=false", "train.log_every=1000",
+          "telemetry.peak_flops=1e11"]  # skip the start-up matmul probe (MFU is not compared)
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def train_config(size: str, *overrides: str):
+    """The Config of a training benchmark: the size preset plus layout overrides."""
+    return load(None, [*COMMON, *TRAIN_PRESETS[size], *overrides])
+
+
+def max_over_ranks(world, seconds: float) -> float:
+    """The slowest rank's time (a step ends when its last rank does). Collective."""
+    return world.allreduce(seconds, "max")
+
+
+def result(name: str, world, size: str, repeats: int, what: str) -> dict:
+    return {"bench": name, "ranks": world.size, "size": size, "repeats": repeats,
+            "what": what, "rows": [], "ratios": [], "check": None, "notes": []}
+
+
+def row(variant: str, samples: list[float], unit: str = "s") -> dict:
+    return {"variant": variant, "median": median(samples), "unit": unit,
+            "samples": [float(s) for s in samples]}
+
+
+def ratio(name: str, value: float, target: str) -> dict:
+    op, bound = target.split()
+    met = value >= float(bound) if op == ">=" else value <= float(bound)
+    return {"name": name, "value": float(value), "target": target, "met": bool(met)}
+
+
+def same_losses(values: dict[str, list[float]], tol: float = 1e-4) -> dict:
+    """Check that every side's per-step losses agree with the first side's."""
+    names = list(values)
+    ref = np.asarray(values[names[0]], dtype=np.float64)
+    err = 0.0
+    for n in names[1:]:
+        v = np.asarray(values[n], dtype=np.float64)
+        if v.shape != ref.shape:
+            err = float("inf")
+            break
+        err = max(err, float(np.max(np.abs(v - ref)) / max(np.max(np.abs(ref)), 1e-300)))
+    return {"what": "per-step losses", "values": {n: [float(x) for x in values[n]]
+                                                  for n in names},
+            "rel_err": err, "tol": tol, "ok": bool(err <= tol)}
+
+
+# -- hpctrain's side: the real training loop --------------------------------------------------
+@contextlib.contextmanager
+def scratch_dir(world):
+    """A run directory shared by the ranks of ``world``, removed afterwards. Collective."""
+    scratch = world.bcast_obj(tempfile.mkdtemp(prefix="hpctrain-bench-") if world.rank == 0
+                              else None)
+    try:
+        yield scratch
+    finally:
+        world.barrier()
+        if world.rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def hpctrain_run(cfg, world) -> tuple[list[float], list[float]]:
+    """Train with ``hpctrain.train.train`` (what ``hpctrain train`` runs) in a scratch run
+    directory; returns (step seconds, losses) from rank 0's metrics.jsonl, on every rank.
+    Collective over ``world``."""
+    from hpctrain.train import train
+
+    times = None
+    with scratch_dir(world) as scratch:
+        res = train(cfg, scratch, world)
+        if world.rank == 0:
+            lines = (Path(scratch) / "metrics.jsonl").read_text().splitlines()
+            times = [json.loads(line)["step_time_s"] for line in lines]
+    return world.bcast_obj(times), list(res.losses)
+
+
+# -- PyTorch's side ---------------------------------------------------------------------------
+def torch_optimizer(params, ocfg) -> torch.optim.AdamW:
+    """torch.optim.AdamW with hpctrain's convention: weight decay on matrices only."""
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": ocfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)
+
+
+def local_model(cfg):
+    """The whole model as one GPTStage with LocalOps (plain PyTorch), hpctrain's init."""
+    from hpctrain.model import GPTStage, init_parameters
+
+    stage = GPTStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
+    init_parameters([stage], cfg.train.seed)
+    return stage
+
+
+def torch_loop(cfg, world=None) -> tuple[list[float], list[float]]:
+    """The same training as ``hpctrain train`` written as a plain PyTorch loop: torch AdamW,
+    ``clip_grad_norm_``, gradient accumulation over microbatches. With ``world`` (size > 1)
+    the model is wrapped in DistributedDataParallel (gloo, started by :func:`torch_dist`)
+    and each rank takes its dp slice of the same global batch. Returns (step s, losses)."""
+    import torch.distributed as dist
+
+    from hpctrain.data import Sampler, load_tokens
+    from hpctrain.optim import lr_at
+
+    t, o = cfg.train, cfg.optim
+    dp, rank = (world.size, world.rank) if world is not None else (1, 0)
+    stage = local_model(cfg)
+    params = list(stage.parameters())
+    model = stage
+    if dp > 1:
+        model = torch.nn.parallel.DistributedDataParallel(stage, bucket_cap_mb=o.bucket_mb)
+    opt = torch_optimizer(params, o)
+    tokens = load_tokens(cfg.data.path, "train", cfg.data.corpus_mb, cfg.data.val_fraction)
+    sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
+                      dp, rank, t.seed)
+    global_tokens = t.global_batch_size * t.seq_len
+    scale = dp / global_tokens  # DDP averages over ranks; hpctrain sums 1/global_tokens
+    times, losses = [], []
+    for step in range(t.steps):
+        t0 = time.perf_counter()
+        mbs = sampler.local(step)
+        opt.zero_grad(set_to_none=False)
+        total = 0.0
+        for j, (x, y) in enumerate(mbs):
+            sync = dp == 1 or j == len(mbs) - 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss = model(x, y)
+                (loss * scale).backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, o, t.steps)
+        opt.step()
+        if dp > 1:
+            buf = torch.tensor([total], dtype=torch.float64)
+            dist.all_reduce(buf)
+            total = float(buf[0])
+        losses.append(total / global_tokens)
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_dist(world):
+    """Start ``torch.distributed`` (gloo) on the ranks of this mpirun: rank and size from
+    the MPI world, MASTER_ADDR=127.0.0.1 and a free port chosen by rank 0. Idempotent.
+    Collective over ``world``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist
+    port = world.bcast_obj(_free_port() if world.rank == 0 else None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method="env://", rank=world.rank,
+                            world_size=world.size)
+    return dist
+
+
+def steady(times: list[float]) -> list[float]:
+    """Step times without the first (warm-up: allocation, lazy init)."""
+    return times[1:] if len(times) > 1 else times

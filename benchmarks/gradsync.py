@@ -1,0 +1,77 @@
+"""Gradient synchronisation of a model with 100+ parameter tensors over the dp group:
+hpctrain's bucketed ``GradBuffers.reduce()`` against one MPI call per parameter
+(``reduce_per_parameter``, the naive baseline) and against one raw all-reduce of all
+gradient bytes in one buffer (the limit: same bytes, one call, nothing else)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hpctrain.config import load
+from hpctrain.parallel import build_model, named_parameters
+from hpctrain.parallel.data import GradBuffers
+from hpctrain.topology import Topology
+
+from .common import max_over_ranks, median, ratio, result, row
+
+RANKS = (2, 4)
+# 8 tensors per block + embedding, final norm, head: 16 layers -> 131 tensors.
+MODELS = {"tiny": ["model.n_layers=13", "model.d_model=32", "model.n_heads=4"],
+          "small": ["model.n_layers=16", "model.d_model=128", "model.n_heads=4"]}
+TRIALS = {"tiny": 2, "small": 4}  # timed reductions per variant per repeat
+
+
+def _setup(world, size: str):
+    cfg = load(None, [*MODELS[size], 'model.dtype="float32"', f"topology.dp={world.size}",
+                      "optim.bucket_mb=4.0"])
+    topo = Topology(cfg.topology, world)
+    params = named_parameters(build_model(cfg, topo))
+    grads = GradBuffers(params, topo, cfg.optim.bucket_mb)
+    (flat,) = grads.flats  # every gradient is a view into this buffer
+    g = torch.Generator().manual_seed(1000 + world.rank)
+    source = torch.randn(flat.numel(), generator=g, dtype=flat.dtype)
+    return cfg, topo, params, grads, flat, source
+
+
+def run(world, size: str, repeats: int) -> dict:
+    """Collective over ``world`` (the dp group is the whole world here)."""
+    cfg, topo, params, grads, flat, source = _setup(world, size)
+    variants = {
+        "hpctrain bucketed": grads.reduce,
+        "per-parameter": grads.reduce_per_parameter,
+        "limit: one Allreduce": lambda: topo.dp_comm.allreduce_(flat),
+    }
+    samples = {k: [] for k in variants}
+    results = {}
+    names = list(variants)
+    for r in range(repeats * TRIALS[size]):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            flat.copy_(source)
+            world.barrier()
+            t0 = time.perf_counter()
+            variants[name]()
+            samples[name].append(max_over_ranks(world, time.perf_counter() - t0))
+            if name not in results:
+                results[name] = flat.clone()
+    ref = results["limit: one Allreduce"]
+    err = max(float((results[n] - ref).abs().max() / ref.abs().max()) for n in names)
+    nbytes = flat.numel() * flat.element_size()
+    out = result("gradsync", world, size, repeats,
+                 f"{len(params)} tensors, {nbytes / 2**20:.1f} MiB float32, "
+                 f"{len(grads.buckets)} buckets of <= {cfg.optim.bucket_mb} MiB, "
+                 f"dp={world.size}")
+    out["rows"] = [row(n, samples[n], "s") for n in names]
+    m = {n: median(samples[n]) for n in names}
+    out["ratios"] = [
+        ratio("bucketed / limit", m["hpctrain bucketed"] / m["limit: one Allreduce"],
+              "<= 1.15"),
+        ratio("per-parameter / bucketed", m["per-parameter"] / m["hpctrain bucketed"],
+              ">= 3"),
+    ]
+    out["check"] = {"what": "reduced gradients equal the limit's", "values": {},
+                    "rel_err": err, "tol": 1e-6, "ok": err <= 1e-6}
+    out["notes"].append(f"{len(params)} parameter tensors, {nbytes:,} bytes")
+    return out

@@ -1,0 +1,111 @@
+"""Memory per rank and step time for ZeRO 0, 1, 2 at this world size (dp = world size).
+
+``run(world, size, repeats)`` follows the :mod:`benchmarks` protocol (collective over
+``world``; rank 0's return value is the result); ``python -m benchmarks`` runs it at dp = 1,
+2, 4 (``"memory": (1, 2, 4)`` in ``BENCHES``). ``python -m benchmarks.memory`` (from the
+repository root) runs the whole sweep and prints the README's Markdown table.
+
+Peak memory is the measured peak of :class:`hpctrain.telemetry.Meter` (parameters + gradient
+storage + optimizer state + saved activations), the maximum over ranks; the plan's estimate
+sits beside it. Step time is the median over steps 2.. of every repeat (step 1 warms up).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from .common import median, result, row, same_losses, scratch_dir, train_config
+from .mpi_env import launch_env, with_checkout
+
+LEVELS = (0, 1, 2)
+
+
+def _train(cfg, world) -> tuple[list[float], list[float], dict]:
+    """(step seconds, losses, this rank's last mem_* metrics + max over ranks). Collective."""
+    from hpctrain.train import train
+
+    times, mem = [], {}
+    with scratch_dir(world) as scratch:
+        res = train(cfg, scratch, world)
+        if world.rank == 0:
+            lines = [json.loads(x) for x in (Path(scratch) / "metrics.jsonl").read_text()
+                     .splitlines()]
+            times = [m["step_time_s"] for m in lines]
+            mem = {k: v for k, v in lines[-1].items() if k.startswith("mem_")}
+    times, mem = world.bcast_obj((times, mem))
+    mem["mem_peak_max"] = world.allreduce(float(mem.get("mem_peak", 0)), "max")
+    return times, list(res.losses), mem
+
+
+def run(world, size: str, repeats: int) -> dict:
+    from hpctrain.telemetry.memory import estimate
+
+    dp = world.size
+    res = result("memory", world, size, repeats,
+                 f"ZeRO 0/1/2 at dp={dp}: peak memory per rank and step time")
+    losses, table = {}, []
+    for z in LEVELS:
+        cfg = train_config(size, f"topology.dp={dp}", f"optim.zero={z}")
+        samples, mem = [], {}
+        for _ in range(repeats):
+            times, losses[f"zero={z}"], mem = _train(cfg, world)
+            samples += times[1:]
+        res["rows"].append(row(f"zero={z} step time", samples))
+        table.append({"dp": dp, "zero": z, "step_s": median(samples),
+                      "peak_bytes": mem["mem_peak_max"], "estimate_bytes": estimate(cfg).total,
+                      "optimizer_bytes": mem["mem_optimizer"], "grad_bytes": mem["mem_grads"],
+                      "param_bytes": mem["mem_params"], "act_bytes": mem["mem_activations"]})
+    res["table"] = table
+    res["check"] = same_losses(losses, tol=1e-4)
+    res["notes"].append("peak = parameters + gradient storage + optimizer state + saved "
+                        "activations (hpctrain.telemetry.Meter), max over ranks")
+    return res
+
+
+def markdown(tables: list[list[dict]]) -> list[str]:
+    """One row per (dp, zero): the README's side-by-side table."""
+    kib = 1024.0
+    out = ["| dp | zero | peak / rank (KiB) | plan (KiB) | optimizer state (KiB) | "
+           "gradients (KiB) | step time (ms) |", "|---|---|---|---|---|---|---|"]
+    for rows in tables:
+        for r in rows:
+            out.append(f"| {r['dp']} | {r['zero']} | {r['peak_bytes'] / kib:.0f} | "
+                       f"{r['estimate_bytes'] / kib:.0f} | {r['optimizer_bytes'] / kib:.0f} | "
+                       f"{r['grad_bytes'] / kib:.0f} | {1000 * r['step_s']:.0f} |")
+    return out
+
+
+def main(argv=None) -> int:
+    """Run the sweep dp = 1, 2, 4 (one mpirun each) and print the Markdown table."""
+    import argparse
+    import os
+    import subprocess
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.memory")
+    p.add_argument("--size", default="small")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--ranks", default="1,2,4")
+    args = p.parse_args(argv)
+    env = with_checkout({**os.environ, **launch_env()})
+    tables = []
+    with tempfile.TemporaryDirectory() as out:
+        for n in (int(x) for x in args.ranks.split(",")):
+            code = ("import json,sys; from hpctrain import comm; "
+                    "from benchmarks.memory import run; "
+                    f"r = run(comm.world(), {args.size!r}, {args.repeats}); "
+                    f"comm.world().rank == 0 and json.dump(r, open('{out}/m{n}.json', 'w'))")
+            subprocess.run(["mpirun", "-n", str(n), "--oversubscribe", sys.executable, "-m",
+                            "mpi4py", "-c", code], check=True, env=env)
+            res = json.loads(Path(f"{out}/m{n}.json").read_text())
+            if not res["check"]["ok"]:
+                print(f"dp={n}: zero levels disagree: {res['check']}", file=sys.stderr)
+            tables.append(res["table"])
+    print("\n".join(markdown(tables)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Checkpoint integrity and lineage, without MPI (used by ranks, ``inspect`` and tests).
+
+**Checksum.** Every dataset carries ``attrs["crc32"]``: zlib's CRC-32 of the *global* array's
+bytes in C order (little-endian, the file dtype), fed in blocks of whole rows along dim 0.
+It is computed after the collective write is closed, by reading the file back (datasets
+dealt round-robin over the ranks), so it does not depend on how ranks cut the array into
+hyperslabs: any layout, and any single process (``hpctrain inspect --verify``), recomputes
+the same number. The file's ``checksum`` attribute names the scheme.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "hpctrain-ckpt-1"
+CHECKSUM = "crc32 of the global array, C order, little-endian"
+BLOCK_BYTES = 16 << 20  # read back in blocks of about 16 MiB
+
+
+def disable_file_locking() -> None:
+    """HDF5 >= 1.10.7 takes POSIX locks on open; many parallel file systems (Lustre without
+    ``flock``, NFS) fail or hang on them. hpctrain never relies on them: readers only open
+    committed (renamed) files. A value set by the user is respected."""
+    os.environ.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")
+
+
+def crc32_dataset(dset) -> int:
+    """CRC-32 of one h5py dataset's global array (C order, little-endian)."""
+    crc = 0
+    if dset.shape == ():
+        return zlib.crc32(np.ascontiguousarray(dset[()]).astype(dset.dtype.newbyteorder("<"))
+                          .tobytes())
+    rows = dset.shape[0]
+    row_bytes = max(1, dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64)))
+    step = max(1, BLOCK_BYTES // row_bytes)
+    for r in range(0, rows, step):
+        block = np.ascontiguousarray(dset[r:r + step], dtype=dset.dtype.newbyteorder("<"))
+        crc = zlib.crc32(block.reshape(-1).view(np.uint8), crc)  # no copy of the bytes
+    return crc
+
+
+def dataset_names(f) -> list[str]:
+    """Every dataset's path in a file, sorted (the order all ranks agree on)."""
+    names = []
+    f.visititems(lambda n, o: names.append(n) if hasattr(o, "shape") else None)
+    return sorted(names)
+
+
+def compute_checksums(path, names) -> dict[str, int]:
+    """{name: crc32} for ``names``, reading ``path`` read-only (any process)."""
+    import h5py
+
+    disable_file_locking()
+    with h5py.File(path, "r") as f:
+        return {n: crc32_dataset(f[n]) for n in names}
+
+
+def stamp(path, sums: dict[str, int]) -> None:
+    """Write the checksums into a closed (not yet committed) file. One process only."""
+    import h5py
+
+    with h5py.File(path, "r+") as f:
+        for name, crc in sums.items():
+            f[name].attrs["crc32"] = np.uint32(crc)
+        f.attrs["checksum"] = CHECKSUM
+
+
+def verify(path, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """Problems found in ``path`` (empty: sound). Checks that the file opens, is an
+    hpctrain checkpoint, and that every dataset in this process's ``share = (index, count)``
+    of the sorted dataset list matches its stored CRC-32. Never raises."""
+    import h5py
+
+    disable_file_locking()
+    problems = []
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                return [f"{path}: not an hpctrain checkpoint (format attribute missing)"]
+            names = dataset_names(f)
+            for name in names[share[0]::share[1]]:
+                try:
+                    stored = f[name].attrs.get("crc32")
+                    if stored is None:
+                        problems.append(f"{name}: no checksum")
+                    elif int(stored) != crc32_dataset(f[name]):
+                        problems.append(f"{name}: checksum mismatch")
+                except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways
+                    problems.append(f"{name}: unreadable ({e})")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"{path}: cannot open ({e})")
+    return problems
+
+
+def describe(path) -> dict:
+    """Attributes and datasets of a checkpoint, as plain JSON-able data."""
+    import h5py
+
+    disable_file_locking()
+    with h5py.File(path, "r") as f:
+        attrs = {k: _plain(v) for k, v in f.attrs.items()}
+        tensors = [{"name": n, "shape": list(f[n].shape), "dtype": str(f[n].dtype),
+                    "nbytes": int(f[n].size * f[n].dtype.itemsize),
+                    "crc32": _plain(f[n].attrs.get("crc32"))} for n in dataset_names(f)]
+    return {"path": str(path), "attrs": attrs, "tensors": tensors}
+
+
+def _plain(v):
+    if isinstance(v, bytes):
+        return v.decode()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v
+
+
+def versions() -> str:
+    """Package versions that made the checkpoint, as JSON."""
+    import h5py
+    import mpi4py
+    import torch
+
+    from .. import __version__
+
+    return json.dumps({"hpctrain": __version__, "python": sys.version.split()[0],
+                       "torch": torch.__version__, "numpy": np.__version__,
+                       "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
+                       "mpi4py": mpi4py.__version__})
+
+
+def git_commit() -> str:
+    """The source tree's git commit (``+dirty`` when modified), or "" outside git."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return ""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], text=True, capture_output=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if head and dirty else "")

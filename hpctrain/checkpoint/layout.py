@@ -1,0 +1,203 @@
+"""What each rank owns of a checkpoint, as hyperslabs of global datasets.
+
+A :class:`Piece` is one local tensor (a parameter or one optimizer-state tensor) and the
+list of *boxes* ``(start, count)`` it covers in the dataset's global shape, in the C order of
+the global array. Two kinds exist:
+
+* a **shard** of a parameter (tp rows/columns, ep experts, or the whole tensor): one box,
+  :func:`hpctrain.model.gpt.local_slice`; padding rows past the global extent are skipped.
+* a **flat shard** (ZeRO): the optimizer holds elements ``[a, b)`` of the *flattened local*
+  parameter (padded local shape). ``[a, b)`` is cut into at most ``2*ndim - 1`` boxes that
+  are each contiguous in flat order (:func:`flat_boxes`), then clipped to the valid extent.
+
+Extending to a new parallelism means describing its local tensors as boxes here; the file
+format does not change. The optimizer protocol read here is generic:
+``optimizer.state[name] -> {key: tensor}``; a tensor of the parameter's local shape is a
+shard like the parameter; a 1-D tensor is a flat shard when ``optimizer.flat_shard(name)``
+returns ``(a, b)`` (ZeRO). ``optimizer.step_count`` is the global step counter.
+``optimizer.state`` is read once per save/load on every rank (hpctrain.optim.zero materialises it
+collectively, and takes values written into it back before its next update).
+
+:func:`transfer` moves one piece between memory and an open h5py dataset with the HDF5
+low-level API so that ranks holding nothing still take part in a collective transfer
+(an empty selection), which h5py's high-level indexing would skip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..model.gpt import local_slice
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, count) in global coordinates
+
+
+def file_dtype(t: torch.Tensor) -> np.dtype:
+    """HDF5 has no bfloat16: 16-bit floats are stored widened to float32 (exact)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return np.dtype(np.float32)
+    return torch.empty((), dtype=t.dtype).numpy().dtype
+
+
+def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[int, Box]]:
+    """Cut flat range ``[a, b)`` of a C-ordered array of ``shape`` into boxes that are each
+    contiguous in flat order: ``[(flat offset, (start, count))]`` in increasing order."""
+    if not shape:
+        return [(0, ((), ()))] if a < b else []
+    inner = int(np.prod(shape[1:], dtype=np.int64))
+    out = []
+    while a < b:
+        row, off = divmod(a, inner)
+        if off == 0 and b - a >= inner:  # whole rows along dim 0
+            n = (b - a) // inner
+            out.append((a, ((row, *[0] * (len(shape) - 1)), (n, *shape[1:]))))
+            a += n * inner
+            continue
+        stop = min(b, (row + 1) * inner)  # part of one row: recurse into shape[1:]
+        for off2, (s, c) in flat_boxes(shape[1:], off, off + stop - a):
+            out.append((row * inner + off2, ((row, *s), (1, *c))))
+        a = stop
+    return out
+
+
+@dataclass
+class Piece:
+    """One local tensor and where its elements live in the global dataset ``path``."""
+
+    path: str
+    global_shape: tuple[int, ...]
+    dtype: np.dtype
+    tensor: torch.Tensor
+    writes: bool  # this rank is the one writer of these elements
+    # (local view builder, global box): local(tensor) -> the tensor view for that box
+    parts: list = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(box[1])) for _, box in self.parts) * self.dtype.itemsize
+
+    def gather(self) -> np.ndarray:
+        """This rank's elements, 1-D in the global C order of the boxes."""
+        if not self.parts:
+            return np.empty((0,), dtype=self.dtype)
+        views = [view(self.tensor).reshape(-1) for view, _ in self.parts]
+        flat = (views[0] if len(views) == 1 else torch.cat(views)).detach().to("cpu")
+        if flat.dtype in (torch.bfloat16, torch.float16):
+            flat = flat.float()
+        return np.ascontiguousarray(flat.numpy(), dtype=self.dtype)
+
+    @torch.no_grad()
+    def scatter(self, buf: np.ndarray) -> None:
+        """Inverse of :meth:`gather`: copy a 1-D buffer into the local tensor."""
+        src = torch.from_numpy(buf)
+        pos = 0
+        for view, (_, count) in self.parts:
+            n = int(np.prod(count))
+            dst = view(self.tensor)
+            dst.copy_(src[pos:pos + n].view(dst.shape).to(self.tensor.dtype))
+            pos += n
+
+
+def _clip(start, count, extent):
+    """Intersect box (start, count) with [0, extent) per dim; None when empty."""
+    stop = [min(s + c, e) for s, c, e in zip(start, count, extent)]
+    count = [max(0, p - s) for s, p in zip(start, stop)]
+    return None if any(c == 0 for c in count) else tuple(count)
+
+
+def shard_piece(path, tensor, meta, topo, writes) -> Piece:
+    """A tensor of the parameter's local shape: one box (its tp/ep slice)."""
+    index, extent = local_slice(meta, topo.tp_size, topo.tp_rank, topo.ep_size, topo.ep_rank)
+    piece = Piece(path, tuple(meta.global_shape), file_dtype(tensor), tensor, writes)
+    if all(n > 0 for n in extent):
+        local = tuple(slice(0, n) for n in extent)
+        piece.parts.append((lambda t, s=local: t[s],
+                            (tuple(s.start for s in index), tuple(extent))))
+    return piece
+
+
+def flat_piece(path, tensor, meta, local_shape, a, b, topo, writes) -> Piece:
+    """A ZeRO flat shard: ``tensor[:b-a]`` holds flat elements [a, b) of the local param."""
+    index, extent = local_slice(meta, topo.tp_size, topo.tp_rank, topo.ep_size, topo.ep_rank)
+    offset = [s.start for s in index]
+    piece = Piece(path, tuple(meta.global_shape), file_dtype(tensor), tensor, writes)
+    for flat0, (start, count) in flat_boxes(tuple(local_shape), a, b):
+        clipped = _clip(start, count, extent)
+        if clipped is None:
+            continue
+        sel = tuple(slice(0, c) for c in clipped)
+
+        def view(t, f0=flat0 - a, shape=count, sel=sel):
+            return t[f0:f0 + int(np.prod(shape))].view(shape)[sel]
+
+        gstart = tuple(o + s for o, s in zip(offset, start))
+        piece.parts.append((view, (gstart, clipped)))
+    return piece
+
+
+def pieces_of(named_params, optimizer, topo) -> list[Piece]:
+    """Every piece this rank holds: parameters, then their optimizer state."""
+    flat_shard = getattr(optimizer, "flat_shard", None)
+    state = optimizer.state  # read once: ZeRO materialises it collectively on each access
+    out = []
+    for name, p in named_params:
+        meta = p.hp
+        group = topo.edp_comm if meta.expert_dim is not None else topo.dp_comm
+        first_tp = meta.tp_dim is not None or topo.tp_rank == 0
+        out.append(shard_piece(f"model/{name}", p.detach(), meta, topo,
+                               first_tp and group.rank == 0))
+        for key, t in state.get(name, {}).items():
+            path = f"optim/{name}/{key}"
+            if tuple(t.shape) == tuple(p.shape):
+                out.append(shard_piece(path, t, meta, topo, first_tp and group.rank == 0))
+                continue
+            rng = flat_shard(name) if flat_shard is not None else None
+            if rng is None or t.dim() != 1:
+                raise ValueError(f"cannot checkpoint optimizer state {path}: shape "
+                                 f"{tuple(t.shape)} is neither the parameter's local shape "
+                                 f"{tuple(p.shape)} nor a flat shard (optimizer.flat_shard)")
+            a, b = rng
+            out.append(flat_piece(path, t, meta, p.shape, a, b, topo, first_tp))
+    return out
+
+
+def transfer(dset, piece: Piece | None, write: bool, collective: bool,
+             buf: np.ndarray | None = None) -> np.ndarray | None:
+    """Write ``piece`` into (or read it from) the h5py dataset ``dset``.
+
+    ``piece`` None (or a non-writer on write) selects nothing: with ``collective`` True
+    every rank of the file's communicator must call this for the same dataset in the same
+    order (HDF5 collective I/O). Returns the 1-D buffer read."""
+    from h5py import h5fd, h5p, h5s
+
+    fspace = dset.id.get_space()
+    fspace.select_none()
+    active = piece is not None and piece.parts and (piece.writes or not write)
+    n = 0
+    if active:
+        for i, (_, (start, count)) in enumerate(piece.parts):
+            fspace.select_hyperslab(start, count, op=h5s.SELECT_OR if i else h5s.SELECT_SET)
+            n += int(np.prod(count))
+    if write:
+        buf = piece.gather() if active else np.empty((0,), dtype=dset.dtype)
+    else:
+        buf = np.empty((n,), dtype=dset.dtype)
+    if n == 0 and not collective:
+        return buf
+    mspace = h5s.create_simple((max(n, 1),))
+    if n == 0:
+        mspace.select_none()
+        buf_io = np.empty((1,), dtype=dset.dtype)
+    else:
+        buf_io = buf
+    dxpl = h5p.create(h5p.DATASET_XFER)
+    if collective:
+        dxpl.set_dxpl_mpio(h5fd.MPIO_COLLECTIVE)
+    if write:
+        dset.id.write(mspace, fspace, buf_io, dxpl=dxpl)
+    else:
+        dset.id.read(mspace, fspace, buf_io, dxpl=dxpl)
+    return buf

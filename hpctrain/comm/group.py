@@ -1,0 +1,295 @@
+"""The only place that hands buffers to MPI: :class:`Group` and its nonblocking handles.
+
+Every collective and point-to-point transfer of the trainer goes through a :class:`Group`
+(one per topology axis). Tensors are handed over zero-copy: CPU torch tensors as numpy views
+with mpi4py's upper-case buffer methods, CUDA tensors through ``comm/gpu.py`` (CuPy
+via DLPack, or host staging). bfloat16/float16 travel as raw 16-bit words for data
+movement and are reduced in float32.
+
+Every operation is recorded (op, axis, peer, bytes, posted, completed) in the group's
+:class:`Recorder` (``records.py``), one per run, shared by all groups of a topology.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .records import OpRecord, Recorder
+
+PROC_NULL = MPI.PROC_NULL
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+
+class _Buffers:
+    """Turns tensors into MPI buffers for one operation and remembers the copy-backs that
+    host staging of device tensors needs (``done()`` runs them once MPI has finished)."""
+
+    def __init__(self):
+        self._finish = []
+
+    def __call__(self, t: torch.Tensor, write: bool = False):
+        if not t.is_contiguous():
+            raise ValueError("MPI buffers must be contiguous tensors")
+        if t.dtype in _LOW_PRECISION:  # 16-bit floats move as raw 16-bit words
+            t = t.view(torch.int16)
+        if t.is_cuda or _stand_in_active():
+            from . import gpu
+
+            buf, finish = gpu.mpi_buffer(t, write)
+            if finish is not None:
+                self._finish.append(finish)
+            return buf
+        return t.detach().numpy()
+
+    def done(self) -> None:
+        for fn in self._finish:
+            fn()
+        self._finish.clear()
+
+
+def _stand_in_active() -> bool:
+    gpu = sys.modules.get("hpctrain.comm.gpu")  # never import CUDA code on CPU-only runs
+    return gpu is not None and gpu.BACKEND.name == "stand-in"
+
+
+def _buffer(t: torch.Tensor):
+    """Zero-copy MPI buffer of a contiguous host tensor (read-only uses)."""
+    return _Buffers()(t)
+
+
+class Handle:
+    """A posted nonblocking operation. ``wait()`` completes it (idempotent) and runs the
+    finaliser (e.g. copy-back of a float32-staged reduction)."""
+
+    def __init__(self, recorder: Recorder, request, rec: OpRecord, finalise=None, keep=None):
+        self._recorder = recorder
+        self._req, self._rec, self._finalise, self._keep = request, rec, finalise, keep
+        self.done = False
+
+    def test(self) -> bool:
+        """Drive MPI progress; True when complete (then finalised)."""
+        if not self.done and self._req.Test():
+            self._finish(0.0)
+        return self.done
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        t0 = time.perf_counter()
+        self._req.Wait()
+        self._finish(time.perf_counter() - t0)
+
+    def _finish(self, waited: float) -> None:
+        self.done = True
+        if self._finalise is not None:
+            self._finalise()
+        self._recorder.complete(self._rec, waited)
+        self._keep = None
+
+
+class _DoneRequest:
+    """A request that is already complete (size-1 groups)."""
+
+    def Test(self) -> bool:  # noqa: N802 - mirrors MPI.Request
+        return True
+
+    def Wait(self) -> None:  # noqa: N802
+        return None
+
+
+def wait_all(handles) -> None:
+    for h in handles:
+        h.wait()
+
+
+class Group:
+    """One communicator with the collectives the trainer needs.
+
+    All methods are collective over this group unless named ``isend``/``irecv``. Methods
+    ending in ``_`` work in place. ``axis`` names the group in records and messages;
+    ``recorder`` receives every operation (a new one when not given).
+    """
+
+    def __init__(self, mpi_comm, axis: str, recorder: Recorder | None = None):
+        self.mpi = mpi_comm
+        self.axis = axis
+        self.recorder = recorder if recorder is not None else Recorder()
+        self.size = mpi_comm.Get_size()
+        self.rank = mpi_comm.Get_rank()
+
+    def __repr__(self) -> str:
+        return f"Group({self.axis}, rank {self.rank}/{self.size})"
+
+    # -- helpers -----------------------------------------------------------------------
+    def _run(self, op: str, nbytes: int, fn, peer: int = -1):
+        rec = self.recorder.post(op, self.axis, peer, nbytes)
+        t0 = time.perf_counter()
+        out = fn()
+        self.recorder.complete(rec, time.perf_counter() - t0)
+        return out
+
+    # -- reductions --------------------------------------------------------------------
+    def allreduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce; 16-bit floats are reduced in float32."""
+        if self.size == 1:
+            return t
+        if t.dtype in _LOW_PRECISION:
+            staged = t.float()
+            self.allreduce_(staged, op)
+            t.copy_(staged)
+            return t
+        bufs = _Buffers()
+        buf = bufs(t, write=True)
+        self._run("allreduce", t.nbytes, lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _OPS[op]))
+        bufs.done()
+        return t
+
+    def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Handle:
+        """Nonblocking in-place all-reduce; the tensor is valid after ``wait()``."""
+        rec = self.recorder.post("iallreduce", self.axis, -1, t.nbytes)
+        bufs = _Buffers()
+        if t.dtype in _LOW_PRECISION:
+            staged = t.float()
+            req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(staged, write=True), _OPS[op])
+
+            def finalise():
+                bufs.done()
+                t.copy_(staged)
+
+            return Handle(self.recorder, req, rec, finalise=finalise, keep=staged)
+        req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(t, write=True), _OPS[op])
+        return Handle(self.recorder, req, rec, finalise=bufs.done, keep=t)
+
+    def allreduce(self, value: float, op: str = "sum") -> float:
+        """All-reduce of one Python number (float64)."""
+        buf = np.array([value], dtype=np.float64)
+        if self.size > 1:
+            self._run("allreduce", 8, lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _OPS[op]))
+        return float(buf[0])
+
+    def allreduce_array(self, arr: np.ndarray, op: str = "sum") -> np.ndarray:
+        """All-reduce of a small numpy array (statistics, counters); returns a new array."""
+        out = np.array(arr, copy=True)
+        if self.size > 1:
+            self._run("allreduce", out.nbytes,
+                      lambda: self.mpi.Allreduce(MPI.IN_PLACE, out, _OPS[op]))
+        return out
+
+    def reduce_scatter(self, t_in: torch.Tensor, t_out: torch.Tensor) -> torch.Tensor:
+        """Sum ``t_in`` (``size`` equal blocks along dim 0) and keep block ``rank`` in t_out."""
+        if self.size == 1:
+            return t_out.copy_(t_in)
+        if t_in.dtype in _LOW_PRECISION:
+            out32 = torch.empty_like(t_out, dtype=torch.float32)
+            self.reduce_scatter(t_in.float(), out32)
+            return t_out.copy_(out32)
+        bufs = _Buffers()
+        sb, rb = bufs(t_in), bufs(t_out, write=True)
+        self._run("reduce_scatter", t_in.nbytes,
+                  lambda: self.mpi.Reduce_scatter_block(sb, rb, MPI.SUM))
+        bufs.done()
+        return t_out
+
+    def ireduce_scatter(self, t_in: torch.Tensor, t_out: torch.Tensor) -> Handle:
+        """Nonblocking :meth:`reduce_scatter`; ``t_out`` is valid after ``wait()``. 16-bit
+        inputs are reduced in float32 (``t_out`` may be float32 to keep that precision)."""
+        rec = self.recorder.post("ireduce_scatter", self.axis, -1, t_in.nbytes)
+        src = t_in.float() if t_in.dtype in _LOW_PRECISION else t_in
+        dst = t_out.float() if t_out.dtype in _LOW_PRECISION or src.dtype != t_out.dtype \
+            else t_out
+        bufs = _Buffers()
+
+        def finalise():
+            bufs.done()
+            if dst is not t_out:
+                t_out.copy_(dst)
+
+        if self.size == 1:
+            dst.copy_(src)
+            return Handle(self.recorder, _DoneRequest(), rec, finalise=finalise)
+        req = self.mpi.Ireduce_scatter_block(bufs(src), bufs(dst, write=True), MPI.SUM)
+        return Handle(self.recorder, req, rec, finalise=finalise, keep=(src, dst))
+
+    # -- data movement -----------------------------------------------------------------
+    def allgather(self, t_in: torch.Tensor, t_out: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``t_in`` along dim 0 into ``t_out`` (rank order)."""
+        if self.size == 1:
+            return t_out.copy_(t_in)
+        bufs = _Buffers()
+        sb, rb = bufs(t_in), bufs(t_out, write=True)
+        self._run("allgather", t_out.nbytes, lambda: self.mpi.Allgather(sb, rb))
+        bufs.done()
+        return t_out
+
+    def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if self.size > 1:
+            bufs = _Buffers()
+            buf = bufs(t, write=True)
+            self._run("bcast", t.nbytes, lambda: self.mpi.Bcast(buf, root=root))
+            bufs.done()
+        return t
+
+    def bcast_obj(self, obj, root: int = 0):
+        """Broadcast a small picklable control object (never model data)."""
+        return self.mpi.bcast(obj, root=root) if self.size > 1 else obj
+
+    def allgather_obj(self, obj) -> list:
+        """Gather a small control object (strings, numbers) from every rank."""
+        return self.mpi.allgather(obj) if self.size > 1 else [obj]
+
+    def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
+        """Exchange one integer per peer (the sizes before an ``alltoallv``)."""
+        recv = np.empty_like(counts)
+        if self.size == 1:
+            recv[...] = counts
+            return recv
+        self._run("alltoall", counts.nbytes, lambda: self.mpi.Alltoall(counts, recv))
+        return recv
+
+    def _alltoallv_args(self, bufs, send, send_counts, recv, recv_counts):
+        row = int(np.prod(send.shape[1:])) if send.dim() > 1 else 1
+        sc = np.asarray(send_counts, dtype=np.int64) * row
+        rc = np.asarray(recv_counts, dtype=np.int64) * row
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+        return [bufs(send), (sc, sd)], [bufs(recv, write=True), (rc, rd)]
+
+    def alltoallv(self, send, send_counts, recv, recv_counts) -> torch.Tensor:
+        """Rows ``send[off_j : off_j + send_counts[j]]`` go to rank j; rows from rank j land
+        at ``recv[off_j : ...]``. Counts are in rows (dim 0)."""
+        bufs = _Buffers()
+        s, r = self._alltoallv_args(bufs, send, send_counts, recv, recv_counts)
+        self._run("alltoallv", send.nbytes, lambda: self.mpi.Alltoallv(s, r))
+        bufs.done()
+        return recv
+
+    def ialltoallv(self, send, send_counts, recv, recv_counts) -> Handle:
+        """Nonblocking :meth:`alltoallv`; ``recv`` is valid after ``wait()``."""
+        bufs = _Buffers()
+        s, r = self._alltoallv_args(bufs, send, send_counts, recv, recv_counts)
+        rec = self.recorder.post("ialltoallv", self.axis, -1, send.nbytes)
+        return Handle(self.recorder, self.mpi.Ialltoallv(s, r), rec, finalise=bufs.done,
+                      keep=(send, recv, s, r))
+
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Handle:
+        rec = self.recorder.post("isend", self.axis, dest, t.nbytes)
+        buf = _Buffers()(t)
+        return Handle(self.recorder, self.mpi.Isend(buf, dest=dest, tag=tag), rec,
+                      keep=(t, buf))
+
+    def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Handle:
+        rec = self.recorder.post("irecv", self.axis, source, t.nbytes)
+        bufs = _Buffers()
+        buf = bufs(t, write=True)
+        return Handle(self.recorder, self.mpi.Irecv(buf, source=source, tag=tag), rec,
+                      finalise=bufs.done, keep=(t, buf))
+
+    def barrier(self) -> None:
+        self._run("barrier", 0, self.mpi.Barrier)

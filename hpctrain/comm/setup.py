@@ -1,0 +1,89 @@
+"""Communicator construction and process-level MPI calls (used by ``topology.py``).
+
+Each function that builds a communicator from a :class:`Group` is collective over it and
+gives the new group the parent's :class:`Recorder`, so a run's groups report to one record.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from .group import PROC_NULL, Group
+from .records import Recorder
+
+
+def world(recorder: Recorder | None = None) -> Group:
+    """MPI_COMM_WORLD as a Group (with a new Recorder unless one is given)."""
+    return Group(MPI.COMM_WORLD, "world", recorder)
+
+
+def with_recorder(group: Group, recorder: Recorder) -> Group:
+    """The same communicator, reporting to ``recorder``. Not collective."""
+    return Group(group.mpi, group.axis, recorder)
+
+
+def cartesian(world_group: Group, dims, key: int | None = None) -> Group:
+    """A non-periodic Cartesian communicator. ``key`` (the same choice on every rank: all
+    None or all ints) reorders ranks for a placement; collective over the world."""
+    base = world_group.mpi
+    if key is not None:
+        base = base.Split(0, key)
+    return Group(base.Create_cart(list(dims), periods=[False] * len(dims), reorder=False),
+                 "grid", world_group.recorder)
+
+
+def sub(cart: Group, remain, axis: str) -> Group:
+    return Group(cart.mpi.Sub(list(remain)), axis, cart.recorder)
+
+
+def shift(cart: Group, direction: int) -> tuple[int, int]:
+    """(prev, next) along one dimension, as ranks of that dimension's sub-communicator."""
+    src, dst = cart.mpi.Shift(direction, 1)
+    coords = cart.mpi.Get_coords
+    prev = PROC_NULL if src == PROC_NULL else coords(src)[direction]
+    nxt = PROC_NULL if dst == PROC_NULL else coords(dst)[direction]
+    return prev, nxt
+
+
+def node_local(cart: Group, axis: str = "node") -> Group:
+    """The ranks of ``cart`` (any group) that share memory with this one, in its rank order.
+    Collective over ``cart``."""
+    return Group(cart.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=cart.rank), axis, cart.recorder)
+
+
+def split(group: Group, color: int, key: int, axis: str) -> Group:
+    """Ranks of ``group`` with the same ``color`` form one new group, ordered by ``key``.
+    Collective over ``group``."""
+    return Group(group.mpi.Split(color, key), axis, group.recorder)
+
+
+def processor_name() -> str:
+    return MPI.Get_processor_name()
+
+
+def abort(code: int = 1) -> None:
+    """End every rank of the job (used on an exception or by the watchdog)."""
+    MPI.COMM_WORLD.Abort(code)
+
+
+def wtime() -> float:
+    return MPI.Wtime()
+
+
+def finalize() -> None:
+    """Finalise MPI (collective over the world) before ``os._exit`` with a status code."""
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+def mpi_info(hints: dict):
+    """An ``MPI.Info`` holding string hints (MPI-IO: striping_factor, cb_nodes, ...), for
+    libraries that open files over a communicator (parallel HDF5); ``MPI.INFO_NULL`` when
+    there are none."""
+    if not hints:
+        return MPI.INFO_NULL
+    info = MPI.Info.Create()
+    for key, value in hints.items():
+        info.Set(str(key), str(value))
+    return info
+

@@ -1,0 +1,60 @@
+"""A stage's forward as a generator: the one forward pass, and the points where it can pause.
+
+``GPTStage.steps`` / ``Block.steps`` / ``MoE.steps`` are generators. They *yield requests*
+to whoever drives them and *return* the result. Three kinds of request:
+
+- :class:`RunBlock` (from a stage, for each block): :func:`drive` answers ``block(x)`` (an
+  ordinary module call: hooks fire, an MoE block runs with blocking exchanges inside); the
+  MoE-overlap executor steps into ``block.steps(x)`` instead.
+- :class:`RunExperts` (from a block, before its MoE feed-forward): the residual ``h`` and the
+  expert input ``xs``; the answer is ``(h, experts' output)``. ``drive`` calls the layer;
+  the overlap executor may first cut the graph (``h`` and ``xs`` as fresh leaves, for its
+  segmented backward) and steps into ``layer.steps(xs)``.
+- :class:`Exchange` (from an MoE layer): rows leave for the expert all-to-all; the answer is
+  the rows received. ``drive`` uses the layer's blocking exchange; the overlap executor posts
+  it nonblocking and computes another microbatch meanwhile.
+
+So a block is written once, and the plain forward (:func:`drive`) and the overlap executor
+run the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class RunBlock(NamedTuple):
+    block: Any  # a Block module
+    x: Any  # its input (B, T, C), or (B, T/tp, C) with sequence parallelism
+
+
+class RunExperts(NamedTuple):
+    layer: Any  # the MoE module about to run
+    h: Any  # (B, T, C) residual stream after attention
+    xs: Any  # (B, T, C) normalised input of the experts
+
+
+class Exchange(NamedTuple):
+    layer: Any  # the MoE module (its ``exchange`` moves the rows)
+    kind: str  # "dispatch" or "combine"
+    rows: Any  # (m, C) rows grouped by destination peer
+    send_rows: Any  # rows to each peer
+    recv_rows: Any  # rows from each peer
+
+
+def drive(gen):
+    """Run a stepped forward with module calls and blocking exchanges; return its result."""
+    value = None
+    while True:
+        try:
+            req = gen.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(req, RunBlock):
+            value = req.block(req.x)
+        elif isinstance(req, RunExperts):
+            value = (req.h, req.layer(req.xs))
+        else:
+            ex = req.layer.exchange
+            move = ex.dispatch if req.kind == "dispatch" else ex.combine
+            value = move(req.rows, req.send_rows, req.recv_rows)

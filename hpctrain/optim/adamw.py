@@ -1,0 +1,172 @@
+"""AdamW, the learning-rate schedule and global gradient-norm clipping.
+
+AdamW is written out (rather than ``torch.optim``) so that its state is plain named tensors
+with the parameter's global shape, which the checkpoint stores and reshards, and so that
+ZeRO can shard it. Low-precision parameters (bfloat16) keep float32 master weights.
+
+The global gradient norm counts each parameter exactly once (invariant 2): a parameter
+contributes on this rank only if this rank holds a distinct piece of it, i.e. it is the
+first replica along every axis over which the parameter is replicated. One all-reduce over
+the world sums the pieces. (Averaging per-group norms, as one well-known framework does under
+expert parallelism, is wrong.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import OptimConfig
+
+
+def lr_at(step: int, ocfg: OptimConfig, total_steps: int) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr`` at
+    ``decay_steps`` (default: the run's total steps). ``step`` counts from 0."""
+    if ocfg.warmup_steps > 0 and step < ocfg.warmup_steps:
+        return ocfg.lr * (step + 1) / ocfg.warmup_steps
+    decay = ocfg.decay_steps or total_steps
+    span = max(1, decay - ocfg.warmup_steps)
+    progress = min(1.0, max(0.0, (step - ocfg.warmup_steps) / span))
+    return ocfg.min_lr + 0.5 * (ocfg.lr - ocfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def counted_here(meta, topo, grads_sharded_over_dp: bool = False) -> bool:
+    """Whether this rank's gradient piece of a parameter enters the global norm."""
+    if meta.tp_dim is None and topo.tp_rank != 0:
+        return False  # replicated over tp: count the copy on tp rank 0
+    if grads_sharded_over_dp:
+        return True
+    if meta.expert_dim is not None:
+        return topo.edp_comm.rank == 0  # experts are replicated over edp only
+    return topo.dp_rank == 0
+
+
+def global_grad_norm(named_params, topo, grads_sharded_over_dp: bool = False) -> float:
+    """L2 norm of the whole model's gradient, each parameter counted once. Collective over
+    the world communicator."""
+    named_params = list(named_params)
+    device = named_params[0][1].device if named_params else "cpu"
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for _, p in named_params:
+        if p.grad is not None and counted_here(p.hp, topo, grads_sharded_over_dp):
+            local += p.grad.detach().double().pow(2).sum()
+    return math.sqrt(topo.world.allreduce(float(local)))
+
+
+@torch.no_grad()
+def clip_(named_params, max_norm: float, norm: float) -> float:
+    """Scale gradients so that the global norm is at most ``max_norm``; returns the scale."""
+    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
+        return 1.0
+    scale = max_norm / (norm + 1e-6)
+    for _, p in named_params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return scale
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16: the loss is multiplied by ``scale`` before backward;
+    a step whose gradient is not finite is skipped and the scale halved; after
+    ``growth_interval`` good steps in a row it doubles. Disabled: scale 1, never skips."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 100):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.good_steps, self.skipped = 0, 0
+
+    def update(self, finite: bool) -> bool:
+        """Record a step's outcome; True when the step should be applied."""
+        if not self.enabled:
+            return True
+        if not finite:
+            self.scale, self.good_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
+            return False
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2
+        return True
+
+    def metrics(self) -> dict:
+        return {"loss_scale": self.scale, "skipped_steps": self.skipped} if self.enabled else {}
+
+
+class ScaledOptimizer:
+    """The loss-scaling interface train.py uses, shared by AdamW and ZeroAdamW (which set
+    ``self.scaler``)."""
+
+    scaler: LossScaler
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scaler_admits(self, norm: float) -> bool:
+        """float16: False for a non-finite gradient (the step is skipped, the loss scale
+        halved: expected, not a fault). Always True otherwise."""
+        return self.scaler.update(math.isfinite(norm))
+
+    def metrics(self) -> dict:
+        return self.scaler.metrics()
+
+
+class AdamW(ScaledOptimizer):
+    """Decoupled weight decay on matrices (ndim >= 2); norms are not decayed.
+
+    ``state[name] = {"exp_avg", "exp_avg_sq"[, "master"]}``; ``step_count`` is global.
+    """
+
+    def __init__(self, named_params, ocfg: OptimConfig, topo=None, scaler=None):
+        self.cfg, self.topo = ocfg, topo
+        self.scaler = scaler or LossScaler(enabled=False)
+        self.params = list(named_params)
+        self.step_count = 0
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in self.params:
+            st_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            st = {"exp_avg": torch.zeros_like(p, dtype=st_dtype),
+                  "exp_avg_sq": torch.zeros_like(p, dtype=st_dtype)}
+            if p.dtype not in (torch.float32, torch.float64):
+                st["master"] = p.detach().to(torch.float32).clone()
+            self.state[name] = st
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Unscale the gradients (float16), then their global norm. Collective (world)."""
+        if self.scaler.enabled:
+            for _, p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / self.scaler.scale)
+        return global_grad_norm(self.params, self.topo)
+
+    def clip_and_step(self, lr: float, norm: float) -> None:
+        clip_(self.params, self.cfg.grad_clip, norm)
+        self.step(lr)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        c = self.cfg
+        self.step_count += 1
+        t = self.step_count
+        bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
+        for name, p in self.params:
+            if p.grad is None:
+                continue
+            st = self.state[name]
+            w = st.get("master", p)
+            g = p.grad.to(w.dtype)
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            m.mul_(c.beta1).add_(g, alpha=1 - c.beta1)
+            v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
+            if c.weight_decay and p.dim() >= 2:
+                w.mul_(1 - lr * c.weight_decay)
+            denom = (v / bc2).sqrt_().add_(c.eps)
+            w.addcdiv_(m, denom, value=-lr / bc1)
+            if w is not p:
+                p.copy_(w)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for st in self.state.values()
+                   for t in st.values())

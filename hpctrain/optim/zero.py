@@ -1,0 +1,151 @@
+"""ZeRO-1/2: AdamW on this rank's shard of every gradient bucket.
+
+:class:`~hpctrain.parallel.data.GradBuffers` (``zero`` = 1 or 2) leaves in each bucket the
+reduced gradient of this rank's contiguous shard (``bucket.shard``, float32, or float64 for
+float64 models). :class:`ZeroAdamW` keeps, for that shard only, the Adam moments and, for
+16-bit parameters, the float32 master weights, updates the shard, and all-gathers the updated
+values back into every replica of the parameters. Dense buckets shard over ``topo.dp_comm``,
+expert buckets over ``topo.edp_comm`` (each bucket carries its group).
+
+Memory per rank for Ψ parameters over a group of d ranks: zero 0 keeps 2Ψ moments (+Ψ fp32
+master for 16-bit parameters); ZeRO keeps them divided by d (plus one bucket of padding).
+The update is element-wise identical to :class:`~hpctrain.optim.adamw.AdamW`; only the order of the
+gradient sum over ranks differs, so ZeRO equals plain data parallelism to rounding.
+
+The gradient norm sums every rank's shard (each element of a parameter lives in exactly one
+shard of its group) and counts tp-replicated parameters on tp rank 0 only (invariant 2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..parallel.data import GradBuffers, shard_dtype
+from .adamw import AdamW, LossScaler, ScaledOptimizer, counted_here
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def build_optimizer(named_params, ocfg, topo, grads: GradBuffers, dtype: str):
+    """AdamW (zero 0) or ZeroAdamW (zero 1/2) with the dtype's loss scaler."""
+    scaler = LossScaler(enabled=(dtype == "float16"), init_scale=ocfg.loss_scale)
+    if ocfg.zero:
+        return ZeroAdamW(grads, ocfg, topo, scaler)
+    return AdamW(named_params, ocfg, topo=topo, scaler=scaler)
+
+
+class ZeroAdamW(ScaledOptimizer):
+    """Sharded AdamW. ``state`` (for checkpoints) is materialised on demand in global-layout
+    per-parameter tensors; reading it is collective over every bucket's group."""
+
+    def __init__(self, grads: GradBuffers, ocfg, topo, scaler: LossScaler | None = None):
+        self.cfg, self.grads, self.topo = ocfg, grads, topo
+        self.scaler = scaler or LossScaler(enabled=False)
+        self.params = grads.named
+        self.step_count = 0
+        self._full: dict | None = None
+        self._masks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (decay, counted)
+        self.shards = [self._init_shard(b) for b in grads.buckets]
+
+    def _init_shard(self, b) -> dict[str, torch.Tensor]:
+        lo, hi = b.shard_range
+        dt, dev = shard_dtype(b.dtype), b.shard.device
+        st = {"exp_avg": torch.zeros(hi - lo, dtype=dt, device=dev),
+              "exp_avg_sq": torch.zeros(hi - lo, dtype=dt, device=dev)}
+        decay = torch.zeros(hi - lo, dtype=dt, device=dev)
+        counted = torch.zeros(hi - lo, dtype=torch.bool, device=dev)
+        for p, a, e, _, _ in self.grads.segments(b):
+            decay[a:e] = 1.0 if p.dim() >= 2 else 0.0
+            counted[a:e] = counted_here(p.hp, self.topo, grads_sharded_over_dp=True)
+        if b.dtype in _LOW:
+            st["master"] = self._gather_params(b, dt)
+        self._masks.append((decay, counted))
+        return st
+
+    def _gather_params(self, b, dt) -> torch.Tensor:
+        """This rank's shard of the bucket's current parameter values, as ``dt``."""
+        lo, hi = b.shard_range
+        w = torch.zeros(hi - lo, dtype=dt, device=b.shard.device)
+        for p, a, e, plo, phi in self.grads.segments(b):
+            w[a:e] = p.detach().reshape(-1)[plo:phi].to(dt)
+        return w
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Unscale the shards (float16), then the global norm. Collective over the world."""
+        if self.scaler.enabled:
+            for b in self.grads.buckets:
+                b.shard.mul_(1.0 / self.scaler.scale)
+        local = torch.zeros((), dtype=torch.float64)
+        for b, (_, counted) in zip(self.grads.buckets, self._masks):
+            local += b.shard.double().pow(2)[counted].sum()
+        return math.sqrt(self.topo.world.allreduce(float(local)))
+
+    @torch.no_grad()
+    def clip_and_step(self, lr: float, norm: float) -> None:
+        """Clip the shards, update them, all-gather the parameters. Collective over every
+        bucket's group."""
+        c = self.cfg
+        if c.grad_clip > 0 and math.isfinite(norm) and norm > c.grad_clip:
+            for b in self.grads.buckets:
+                b.shard.mul_(c.grad_clip / (norm + 1e-6))
+        self._absorb_full()
+        self.step_count += 1
+        for b, st, (decay, _) in zip(self.grads.buckets, self.shards, self._masks):
+            self._update(b, st, decay, lr)
+            self._allgather_params(b, st)
+
+    def _update(self, b, st, decay, lr: float) -> None:
+        c, t = self.cfg, self.step_count
+        bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
+        w = st["master"] if "master" in st else self._gather_params(b, b.shard.dtype)
+        g, m, v = b.shard, st["exp_avg"], st["exp_avg_sq"]
+        m.mul_(c.beta1).add_(g, alpha=1 - c.beta1)
+        v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
+        if c.weight_decay:
+            w.mul_(1 - lr * c.weight_decay * decay)
+        denom = (v / bc2).sqrt_().add_(c.eps)
+        w.addcdiv_(m, denom, value=-lr / bc1)
+        st["_w"] = w
+
+    def _allgather_params(self, b, st) -> None:
+        """Every rank's updated shard -> the full bucket -> the parameters (one bucket of
+        temporary memory). Collective over ``b.group``."""
+        w = st.pop("_w")
+        full = torch.empty(b.numel, dtype=b.dtype, device=w.device)
+        b.group.allgather(w.to(b.dtype), full)
+        for p, off in zip(b.params, b.offsets):
+            p.copy_(full[off:off + p.numel()].view_as(p))
+
+    # -- checkpoint interface (same names and shapes as AdamW.state) ----------------------
+    @property
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-parameter state in the parameter's local shape, gathered over each bucket's
+        group. Collective. Values written into it (checkpoint load) are taken back into the
+        shards before the next update."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for b, st in zip(self.grads.buckets, self.shards):
+            for key, shard in st.items():
+                full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
+                b.group.allgather(shard, full)
+                for name, p, off in zip(b.names, b.params, b.offsets):
+                    out.setdefault(name, {})[key] = full[off:off + p.numel()].view_as(p)
+        self._full = out
+        return out
+
+    def _absorb_full(self) -> None:
+        if self._full is None:
+            return
+        for b, st in zip(self.grads.buckets, self.shards):
+            lo, hi = b.shard_range
+            for key, shard in st.items():
+                full = torch.zeros(b.numel, dtype=shard.dtype, device=shard.device)
+                for name, p, off in zip(b.names, b.params, b.offsets):
+                    full[off:off + p.numel()] = self._full[name][key].reshape(-1)
+                shard.copy_(full[lo:hi])
+        self._full = None
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for st in self.shards for t in st.values())

@@ -1,0 +1,79 @@
+"""Hierarchical data-parallel gradient reduction across nodes.
+
+``topology.dp_reduction = "hierarchical"``: a gradient bucket summed over a dp group that
+spans nodes is reduced in three steps: reduce-scatter within the node, all-reduce of each
+shard across nodes (between ranks with the same node-local rank), all-gather within the
+node. Each node's link then carries one copy of the bucket per node rather than one per
+rank. The two-level groups are built with the gradient buffers (:func:`reducer`); nodes
+holding unequal numbers of a group's ranks fall back to the flat all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import comm
+
+
+@dataclass
+class Hierarchy:
+    """A group split in two levels: ``local`` (its ranks on this node) and ``cross`` (its
+    ranks with the same local rank, one per node). ``uniform``: every node holds the same
+    number of the group's ranks (else the reduction falls back to flat)."""
+
+    group: comm.Group
+    local: comm.Group
+    cross: comm.Group
+    uniform: bool
+
+
+def build_hierarchy(group: comm.Group, node_color: int | None = None) -> Hierarchy:
+    """Split ``group`` by node (``node_color`` overrides the shared-memory node, for tests that
+    pretend one machine is several nodes). Collective over ``group``."""
+    if node_color is None:
+        local = comm.node_local(group, axis=f"{group.axis}-local")
+    else:
+        local = comm.split(group, node_color, group.rank, f"{group.axis}-local")
+    cross = comm.split(group, local.rank, group.rank, f"{group.axis}-cross")
+    sizes = group.allgather_obj(local.size)
+    return Hierarchy(group, local, cross, len(set(sizes)) == 1)
+
+
+def reduce_hierarchical(h: Hierarchy, flat: torch.Tensor) -> None:
+    """Sum ``flat`` (1-D, in place) over ``h.group`` in three steps: reduce-scatter over
+    ``local``, all-reduce of this rank's shard over ``cross``, all-gather over ``local``.
+    Collective over ``h.group``; equal to ``h.group.allreduce_(flat)`` up to summation order."""
+    if h.group.size == 1:
+        return
+    if not h.uniform or h.local.size == 1 or h.cross.size == 1:
+        h.group.allreduce_(flat)  # one level only: the flat collective is the hierarchy
+        return
+    n, k = flat.numel(), h.local.size
+    shard_n = -(-n // k)
+    padded = flat if shard_n * k == n else torch.cat(
+        [flat, flat.new_zeros(shard_n * k - n)])  # (k * shard_n,)
+    shard = flat.new_empty(shard_n)
+    h.local.reduce_scatter(padded, shard)  # this node's sum of block local.rank
+    h.cross.allreduce_(shard)  # the global sum of that block
+    h.local.allgather(shard, padded)  # every block, on every rank of the node
+    if padded is not flat:
+        flat.copy_(padded[:n])
+
+
+def levels(topo) -> dict[str, Hierarchy] | None:
+    """The two-level split of ``dp_comm`` and ``edp_comm`` when ``topology.dp_reduction =
+    "hierarchical"``, else None. Collective over each."""
+    if topo.cfg.dp_reduction != "hierarchical":
+        return None
+    return {"dp": build_hierarchy(topo.dp_comm), "edp": build_hierarchy(topo.edp_comm)}
+
+
+def reducer(topo):
+    """The per-bucket callable for ``GradBuffers(hierarchical=...)``, or None (flat dp).
+    Collective over dp_comm and edp_comm (builds :func:`levels`)."""
+    split = levels(topo)
+    if split is None:
+        return None
+    return lambda bucket: reduce_hierarchical(split[bucket.group.axis], bucket.flat)

@@ -1,0 +1,16 @@
+"""Evidence of every stage: what a step used, changed and cost, and why a run stopped.
+
+- ``metrics.py``: :class:`Timers` (exclusive seconds per category), :class:`RunLog`
+  (metrics.jsonl, train.log), :class:`Telemetry` (step breakdown, MFU, stragglers).
+- ``trace.py``: the Chrome/Perfetto trace of phases, schedule actions and communication.
+- ``watchdog.py``: a stuck rank ends the job, naming the rank, its coordinates and the op.
+- ``flops.py``: model FLOPs per token and the matmul probe (MFU's denominator).
+- ``memory.py``: the plan's memory estimate and the measured meter.
+- ``fault_injection.py``: faults for tests (kill, stall, poison, slow, raise).
+"""
+
+from .fault_injection import Faults
+from .memory import Meter
+from .metrics import RunLog, Telemetry, Timers
+
+__all__ = ["Faults", "Meter", "RunLog", "Telemetry", "Timers"]

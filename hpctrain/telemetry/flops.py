@@ -1,0 +1,76 @@
+"""Model FLOPs per token and the peak a rank can reach (for MFU).
+
+Model FLOPs count the multiply-adds the model *needs* (2 FLOPs each), not what the hardware
+did: activation recomputation, padding and communication are not counted, so
+``MFU = achieved model FLOP/s / peak FLOP/s`` is comparable across layouts.
+
+Per token, forward, with ``C = d_model``, ``F = ffn_dim``, ``V = vocab_size``, ``T = seq_len``,
+``L = n_layers``, ``E = num_experts``, ``k = top_k``::
+
+    attention projections   2 * 4 * C^2                 (wq, wk, wv, wo)
+    attention core          2 * 2 * C * ctx             (QK^T and AV over ctx keys)
+                            ctx = (T + 1) / 2 causal    (mean keys a query sees; the full-T
+                                                         convention of PaLM's 12*L*C*T counts
+                                                         the masked half too: causal=False)
+    dense MLP               2 * 2 * C * F               (w1, w2)
+    MoE layer               2 * C * E  +  k * 2 * 2 * C * F   (router + the k active experts)
+    LM head                 2 * C * V                   (embedding lookup: 0)
+
+Training = 3 x forward (backward costs two matmuls per forward matmul). MoE layers are the
+blocks ``i`` with ``(i + 1) % moe_every == 0`` (``L // moe_every`` of them, as
+``model.moe.is_moe_layer``) when ``num_experts > 0``; every token is counted with its ``k``
+experts (tokens a capacity limit drops are still counted: the model asks for them).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..config import ModelConfig
+
+
+def moe_layer_count(m: ModelConfig) -> int:
+    """How many of the ``n_layers`` blocks carry a mixture of experts."""
+    if not m.num_experts:
+        return 0
+    return sum(1 for i in range(m.n_layers) if (i + 1) % max(1, m.moe_every) == 0)
+
+
+def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Forward model FLOPs for one token (see the module docstring for the formula)."""
+    C, F, V = m.d_model, m.ffn_dim, m.vocab_size
+    ctx = (seq_len + 1) / 2 if causal else seq_len
+    attention = 2 * 4 * C * C + 2 * 2 * C * ctx
+    dense_mlp = 2 * 2 * C * F
+    moe_mlp = 2 * C * m.num_experts + m.top_k * dense_mlp
+    n_moe = moe_layer_count(m)
+    n_dense = m.n_layers - n_moe
+    return m.n_layers * attention + n_dense * dense_mlp + n_moe * moe_mlp + 2 * C * V
+
+
+def train_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Forward + backward model FLOPs for one token: 3 x forward."""
+    return 3.0 * forward_flops_per_token(m, seq_len, causal)
+
+
+def measure_peak_flops(dtype: torch.dtype, device: str = "cpu", seconds: float = 0.3) -> float:
+    """Best FLOP/s of square matrix multiplies in ``dtype`` on ``device`` (a probe taken at
+    start when ``telemetry.peak_flops`` is 0). Local to this process, no communication."""
+    n = 2048 if device == "cuda" else 384
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    a @ b  # warm-up (kernel selection, page faults)
+    sync()
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        sync()
+        dt = time.perf_counter() - t0
+        best = max(best, 4 * 2 * n**3 / dt)
+    return best if math.isfinite(best) and best > 0 else float("nan")

@@ -1,0 +1,28 @@
+"""Whether a config can run on a world size: every problem at once, before any collective.
+
+``config.problems`` has the arithmetic (layout, model, batch); the checks here need the
+pipeline split (``parallel.pipeline``) or the schedule builder (``schedule.actions``), so they
+live above those modules, and are asked only of an otherwise valid config.
+"""
+
+from __future__ import annotations
+
+from .config import Config, ConfigError, microbatches, problems
+from .parallel.pipeline import layer_ranges
+from .schedule.actions import check_fits
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Raise :class:`ConfigError` listing every reason ``cfg`` cannot run on ``world_size``
+    ranks. Not collective: every rank reaches the same verdict."""
+    errors = problems(cfg, world_size)
+    if not errors:
+        s = cfg.schedule
+        try:  # does the microbatch count fit the schedule; do the boundaries cut the layers
+            check_fits(s.kind, cfg.topology.pp, microbatches(cfg),
+                       s.virtual_stages if s.kind == "interleaved" else 1)
+            layer_ranges(cfg)
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
