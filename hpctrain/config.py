@@ -1,15 +1,17 @@
 """Configuration: one frozen dataclass per section, TOML presets, dotted overrides, validation.
 
 A run is described by a TOML file (see ``share/configs/``) plus ``--set section.key=value``
-overrides. Unknown keys and wrong types are rejected with the list of valid keys; layouts
-that cannot work (``dp*tp*pp != world size``, a batch that does not split) are listed by
-:func:`problems` and rejected by :func:`hpctrain.validate.validate` before any collective is
-called, with the arithmetic in the message. Imports nothing of hpctrain: plain data.
+overrides. Unknown keys, wrong types and non-finite numbers are rejected here, with the list
+of valid keys; values and layouts that cannot work (``dp*tp*pp != world size``, a negative
+learning rate) are listed by :func:`hpctrain.checks.problems` and rejected by
+:func:`hpctrain.validate.validate` before any collective is called, with the key, the value
+and the rule (or the arithmetic) in the message. Imports nothing of hpctrain: plain data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,6 +28,12 @@ REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says why and how to fix it."""
+
+
+class InputError(ConfigError):
+    """What a valid configuration points at cannot be used: the data file (missing, damaged,
+    not hpctrain's, ids past the vocabulary), the run or checkpoint directory. Raised
+    deliberately before any collective, alike on every rank."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +144,10 @@ class CheckpointConfig:
 class TelemetryConfig:
     trace: bool = False
     trace_steps: str = "1-3"  # step window kept in trace.json
-    watchdog_s: float = 0.0  # 0: off
+    # Watchdog (docs/telemetry.md): a rank without progress for max(watchdog_s, watchdog_factor
+    # x its slowest step so far) ends the job, naming the stuck rank (checkpoints get 10x).
+    watchdog_s: float = 600.0  # the floor in seconds; 0: the watchdog is off
+    watchdog_factor: float = 10.0  # x the slowest step (saves, evaluations included); 0: fixed
     peak_flops: float = 0.0  # per rank; 0 = measure at start
     max_skips: int = 3  # consecutive non-finite/spiking steps before on_skips; 0: never
     on_skips: str = "rollback"  # "rollback" to the last checkpoint, or "stop"
@@ -171,11 +182,16 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
         raise ConfigError(f"{where} must be true or false, got {value!r}")
     if isinstance(default, int):
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -2**63 <= value < 2**63:
+                raise ConfigError(f"{where} must be a 64-bit integer, got {value!r}")
             return value
         raise ConfigError(f"{where} must be an integer, got {value!r}")
     if isinstance(default, float):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            number = float(value) if abs(value) < 2**1023 else math.inf  # huge TOML ints
+            if not math.isfinite(number):
+                raise ConfigError(f"{where} must be a finite number, got {value!r}")
+            return number
         raise ConfigError(f"{where} must be a number, got {value!r}")
     if isinstance(default, str):
         if isinstance(value, str):
@@ -233,10 +249,13 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
+            why = "is not a file" if p.exists() else "does not exist"
+            raise ConfigError(f"config file {p} {why}")
         try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from e
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from e
     for text in overrides:
         section, key, value = parse_override(text)
@@ -270,115 +289,3 @@ def dumps_toml(cfg: Config) -> str:
 def microbatches(cfg: Config) -> int:
     t = cfg.train
     return t.global_batch_size // (cfg.topology.dp * t.micro_batch_size)
-
-
-def problems(cfg: Config, world_size: int) -> list[str]:
-    """Every arithmetic reason why ``cfg`` cannot run on ``world_size`` ranks (messages show
-    the arithmetic); [] when none. Pure: the checks that need the pipeline split or the
-    schedule live in :func:`hpctrain.validate.validate`, which calls this first."""
-    top = cfg.topology
-    bad = [f"topology.{a} must be >= 1" for a in ("dp", "tp", "pp", "ep") if getattr(top, a) < 1]
-    if bad:
-        return bad
-    errors: list[str] = []
-
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            errors.append(msg)
-
-    _check_layout(cfg, world_size, need)
-    _check_model(cfg, need)
-    _check_batch(cfg, need)
-    _check_schedule(cfg, need)
-    return errors
-
-
-def _check_layout(cfg: Config, world_size: int, need) -> None:
-    top, o = cfg.topology, cfg.optim
-    n = top.dp * top.tp * top.pp
-    need(
-        n == world_size,
-        f"layout dp*tp*pp = {top.dp}*{top.tp}*{top.pp} = {n} but the world has {world_size} "
-        f"ranks; set topology.dp/tp/pp so that the product is {world_size}",
-    )
-    need(top.dp % top.ep == 0, f"topology.ep={top.ep} must divide topology.dp={top.dp} "
-         "(expert parallelism is carved out of data parallelism)")
-    need(top.placement in ("auto", "naive"), "topology.placement must be auto or naive")
-    need(top.dp_reduction in ("flat", "hierarchical"),
-         "topology.dp_reduction must be flat or hierarchical")
-    need(top.dp_reduction == "flat" or (o.zero == 0 and not o.overlap),
-         "topology.dp_reduction=hierarchical needs optim.zero=0 and optim.overlap=false")
-    need(o.zero in (0, 1, 2), "optim.zero must be 0, 1 or 2")
-    need(o.reduction in REDUCTIONS, f"optim.reduction={o.reduction!r}; valid: "
-         + ", ".join(REDUCTIONS))
-    need(o.reduction == "bucketed" or (o.zero == 0 and not o.overlap
-                                       and top.dp_reduction == "flat"),
-         f"optim.reduction={o.reduction} needs optim.zero=0, optim.overlap=false and "
-         "topology.dp_reduction=flat (it replaces the bucketed reduction they use)")
-    need(o.bucket_mb > 0, "optim.bucket_mb must be > 0")
-    need(0 <= cfg.data.val_fraction < 1, "data.val_fraction must be in [0, 1)")
-    need(cfg.telemetry.on_skips in ("rollback", "stop"),
-         "telemetry.on_skips must be rollback or stop")
-
-
-def _check_model(cfg: Config, need) -> None:
-    top, m, t = cfg.topology, cfg.model, cfg.train
-    need(m.dtype in ("float32", "float64", "bfloat16", "float16"),
-         f"model.dtype={m.dtype!r}; valid: float32, float64, bfloat16, float16")
-    need(m.device in ("cpu", "cuda"), f"model.device={m.device!r}; valid: cpu, cuda")
-    need(m.n_layers >= 1 and m.d_model >= 1 and m.n_heads >= 1 and m.vocab_size >= 2,
-         "model.n_layers, d_model, n_heads must be >= 1 and vocab_size >= 2")
-    need(m.d_model % max(m.n_heads, 1) == 0,
-         f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
-    need(m.n_heads % top.tp == 0,
-         f"model.n_heads={m.n_heads} is not divisible by topology.tp={top.tp} "
-         "(attention is split by heads)")
-    need(m.ffn_dim % top.tp == 0,
-         f"model.d_ff={m.ffn_dim} is not divisible by topology.tp={top.tp} "
-         "(the MLP is split on its hidden dimension)")
-    if top.sequence_parallel:
-        need(t.seq_len % top.tp == 0,
-             f"train.seq_len={t.seq_len} is not divisible by topology.tp={top.tp} "
-             "(sequence parallelism splits the sequence over tp)")
-    if m.tie_embeddings:
-        need(top.pp == 1, "model.tie_embeddings needs topology.pp=1 (the embedding and the "
-             "head would live on different pipeline stages)")
-    if m.num_experts:
-        need(m.num_experts % top.ep == 0,
-             f"model.num_experts={m.num_experts} is not divisible by topology.ep={top.ep}")
-        need(m.top_k in (1, 2) and m.top_k <= m.num_experts, "model.top_k must be 1 or 2")
-        need(m.moe_every >= 1, "model.moe_every must be >= 1")
-    else:
-        need(top.ep == 1, "topology.ep > 1 needs an MoE model (model.num_experts > 0)")
-
-
-def _check_batch(cfg: Config, need) -> None:
-    top, t = cfg.topology, cfg.train
-    per_step = top.dp * t.micro_batch_size
-    need(t.global_batch_size >= 1 and t.micro_batch_size >= 1 and t.seq_len >= 1,
-         "train.global_batch_size, micro_batch_size and seq_len must be >= 1")
-    need(
-        per_step > 0 and t.global_batch_size % per_step == 0,
-        f"train.global_batch_size={t.global_batch_size} is not divisible by "
-        f"dp*micro_batch_size = {top.dp}*{t.micro_batch_size} = {per_step}",
-    )
-    need(t.steps >= 0, "train.steps must be >= 0")
-    need(t.eval_every >= 0 and t.patience >= 0, "train.eval_every and patience must be >= 0")
-    need(t.eval_batches >= 1 or not t.eval_every, "train.eval_batches must be >= 1")
-    need(not (t.patience or t.target_val_loss) or t.eval_every,
-         "train.patience / target_val_loss need train.eval_every > 0 (they act on evaluations)")
-
-
-def _check_schedule(cfg: Config, need) -> None:
-    """Pipeline arithmetic (whether the microbatch count fits the schedule is asked by
-    ``hpctrain.validate`` of an otherwise valid config)."""
-    top, m, s = cfg.topology, cfg.model, cfg.schedule
-    need(s.kind in ("gpipe", "1f1b", "interleaved", "zb-h1"),
-         f"schedule.kind={s.kind!r}; valid: gpipe, 1f1b, interleaved, zb-h1")
-    v = s.virtual_stages if s.kind == "interleaved" else 1
-    need(s.virtual_stages >= 1, "schedule.virtual_stages must be >= 1")
-    need(not (s.moe_overlap and m.recompute), "schedule.moe_overlap cannot be combined with "
-         "model.recompute (the forward is cut into segments at the expert all-to-alls)")
-    need(m.n_layers >= top.pp * v,
-         f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "
-         "stage needs at least one layer")

@@ -5,8 +5,12 @@ Layout of a dataset file written by ``hpctrain prepare``::
 
     /train/tokens   uint8 or uint16 (N,)   documents concatenated
     /val/tokens     the held-out documents (chosen by a hash of each document, not by position)
-    attrs: tokenizer, vocab_size, content_hash (sha256 of all tokens), documents, sources,
-           val_fraction, created_by
+    attrs: tokenizer, vocab_size, max_token_id (the largest id in either split),
+           content_hash (sha256 of all tokens), documents, sources, val_fraction, created_by
+
+Before a run (every rank, no collective) :func:`summarize` reads what a file says about itself
+(files prepared before ``max_token_id`` was recorded are read for it) and :func:`fit_problems`
+says whether a model can train on it: the vocabulary must cover the largest id.
 
 Sampling (invariant 3): step ``s`` draws ``global_batch_size`` start offsets from a
 generator seeded by ``(seed, s)``; sequence ``i`` of the global batch is
@@ -16,16 +20,23 @@ generator seeded by ``(seed, s)``; sequence ``i`` of the global batch is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 TOKENIZER = "bytes"  # byte-level: token = byte value, vocabulary 256
+SPLITS = ("train", "val")
+
+
+class DataError(ValueError):
+    """A data file that cannot be used (missing, unreadable, not hpctrain's): one line that
+    names the file and what is wrong. Raised deliberately, alike on every rank."""
 
 
 def stdlib_documents(limit_bytes: int) -> list[tuple[str, bytes]]:
@@ -50,8 +61,11 @@ def stdlib_documents(limit_bytes: int) -> list[tuple[str, bytes]]:
 
 def is_validation(doc: bytes, val_fraction: float) -> bool:
     """A document's split depends on its content only (stable across re-preparation)."""
-    h = int.from_bytes(hashlib.sha256(doc).digest()[:8], "little")
-    return (h % 1_000_000) < val_fraction * 1_000_000
+    return _split_key(doc) < val_fraction * 1_000_000
+
+
+def _split_key(doc: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(doc).digest()[:8], "little") % 1_000_000
 
 
 def split_documents(docs: list[bytes], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -81,30 +95,35 @@ def read_sources(paths: list[str]) -> list[tuple[str, bytes]]:
         elif p.is_file():
             out.append((str(p), p.read_bytes()))
         else:
-            raise FileNotFoundError(f"prepare: {s} is neither a file nor a directory")
+            raise DataError(f"{s} is neither a file nor a directory")
     return out
 
 
 def prepare(sources: list[str], out: str, val_fraction: float = 0.05) -> dict:
-    """Write a dataset file from text files (byte-level tokens). Returns its attributes."""
+    """Write a dataset file from text files (byte-level tokens). Returns its attributes.
+    Sources that are not there, or an ``out`` that cannot be written: :class:`DataError`."""
     import h5py
 
     docs = read_sources(sources)
     if not docs:
-        raise ValueError("prepare: no input documents")
+        raise DataError(f"no input documents in {', '.join(sources)}")
     train, val = split_documents([d for _, d in docs], val_fraction)
     attrs = {
-        "tokenizer": TOKENIZER, "vocab_size": 256, "content_hash": content_hash(train, val),
+        "tokenizer": TOKENIZER, "vocab_size": 256, "max_token_id": _max_id(train, val),
+        "content_hash": content_hash(train, val),
         "documents": len(docs), "val_fraction": val_fraction,
         "sources": "\n".join(name for name, _ in docs)[:60000],
         "created_by": "hpctrain prepare",
     }
     tmp = Path(out).with_name(Path(out).name + ".tmp")
-    with h5py.File(tmp, "w") as f:
-        f.create_dataset("train/tokens", data=train)
-        f.create_dataset("val/tokens", data=val)
-        f.attrs.update(attrs)
-    tmp.replace(out)
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.create_dataset("train/tokens", data=train)
+            f.create_dataset("val/tokens", data=val)
+            f.attrs.update(attrs)
+        tmp.replace(out)
+    except OSError as e:
+        raise DataError(f"cannot write {out}: {_line(e)}") from None
     return attrs
 
 
@@ -119,7 +138,8 @@ class TokenSource:
 def load_tokens(path: str, split: str = "train", corpus_mb: float = 2.0,
                 val_fraction: float = 0.05) -> TokenSource:
     """The tokens of ``split`` from a prepared file, or from the embedded corpus when
-    ``path`` is empty. Every rank reads for itself (read-only, no collective)."""
+    ``path`` is empty. Every rank reads for itself (read-only, no collective). A file that is
+    missing, damaged or not hpctrain's raises :class:`DataError`."""
     if not path:
         docs = stdlib_documents(int(corpus_mb * 2**20))
         train, val = split_documents([d for _, d in docs], val_fraction)
@@ -127,18 +147,124 @@ def load_tokens(path: str, split: str = "train", corpus_mb: float = 2.0,
                    "tokenizer": TOKENIZER, "content_hash": content_hash(train, val),
                    "documents": len(docs), "val_fraction": val_fraction}
         return TokenSource(train if split == "train" else val, lineage)
-    import h5py
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"data.path={path} does not exist (make one with "
-                                "`hpctrain prepare FILES --out DATA.h5`)")
-    with h5py.File(path, "r") as f:
-        if f"{split}/tokens" not in f:
-            raise ValueError(f"{path} has no {split}/tokens dataset")
-        tokens = f[f"{split}/tokens"][...]
+    with _open(path) as f:
+        tokens = _read(_tokens_of(f, path, split), path)
         lineage = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
     lineage["source"] = str(Path(path).resolve())
     return TokenSource(tokens, lineage)
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    """What a run must know about its data before it starts (:func:`summarize`)."""
+
+    where: str  # "data.path=FILE" or "the embedded corpus (...)"
+    tokenizer: str
+    max_id: int  # the largest token id in either split; -1 when there are none
+    tokens: dict = field(default_factory=dict)  # split -> number of tokens
+
+
+def summarize(path: str, corpus_mb: float = 2.0, val_fraction: float = 0.05) -> DataSummary:
+    """The tokenizer, largest token id and tokens per split of a run's data, from the file's
+    attributes (a file prepared before ``max_token_id`` was recorded is read for it); the
+    embedded corpus is read once per process. No collective. Raises :class:`DataError`."""
+    if not path:
+        return _embedded_summary(int(corpus_mb * 2**20), val_fraction)
+    with _open(path) as f:
+        sets = {split: _tokens_of(f, path, split) for split in SPLITS}
+        max_id = f.attrs.get("max_token_id")
+        if max_id is None:  # prepared before it was recorded
+            max_id = _max_id(*(_read(d, path) for d in sets.values()))
+        elif not isinstance(max_id, (int, np.integer)):
+            raise DataError(f"data.path={path}: attribute max_token_id={max_id!r} is not an "
+                            "integer (not written by `hpctrain prepare`?)")
+        tokenizer = f.attrs.get("tokenizer", "unrecorded")
+        if isinstance(tokenizer, bytes):
+            tokenizer = tokenizer.decode(errors="replace")
+        return DataSummary(f"data.path={path}", str(tokenizer), int(max_id),
+                           {k: int(d.shape[0]) for k, d in sets.items()})
+
+
+def fit_problems(s: DataSummary, vocab_size: int, seq_len: int, eval_every: int) -> list[str]:
+    """Why a model with ``vocab_size`` rows cannot train on this data ([] when it can): every
+    token id must have a row, and each split used needs one sequence (seq_len + 2 tokens)."""
+    out = []
+    if s.max_id >= vocab_size:
+        out.append(f"{s.where}: largest token id {s.max_id} (tokenizer {s.tokenizer}) needs "
+                   f"model.vocab_size >= {s.max_id + 1}, got model.vocab_size={vocab_size}")
+    need = seq_len + 2
+    if s.tokens["train"] < need:
+        out.append(f"{s.where}: the train split has {s.tokens['train']} tokens, fewer than "
+                   f"seq_len+2 = {need}")
+    if eval_every and s.tokens["val"] < need:
+        out.append(f"{s.where}: the validation split has {s.tokens['val']} tokens, fewer than "
+                   f"seq_len+2 = {need}: raise data.val_fraction or data.corpus_mb, or set "
+                   "train.eval_every = 0")
+    return out
+
+
+def _max_id(*arrays: np.ndarray) -> int:
+    return max((int(a.max()) for a in arrays if a.size), default=-1)
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_stats(limit_bytes: int) -> tuple[tuple[int, int, int], ...]:
+    """(tokens, largest id, split key) of each embedded document, read once per process."""
+    return tuple((len(d), _max_id(np.frombuffer(d, dtype=np.uint8)), _split_key(d))
+                 for _, d in stdlib_documents(limit_bytes))
+
+
+@functools.lru_cache(maxsize=16)
+def _embedded_summary(limit_bytes: int, val_fraction: float) -> DataSummary:
+    counts = {"train": 0, "val": 0}
+    for n, _, key in _stdlib_stats(limit_bytes):
+        counts["val" if key < val_fraction * 1_000_000 else "train"] += n
+    top = max((m for _, m, _ in _stdlib_stats(limit_bytes)), default=-1)
+    return DataSummary(f"the embedded corpus (data.corpus_mb={limit_bytes / 2**20:g})",
+                       TOKENIZER, top, counts)
+
+
+def _open(path: str):
+    """The prepared file, open for reading; a missing or unreadable one is a DataError."""
+    import h5py
+
+    p = Path(path)
+    if not p.is_file():
+        why = "is not a file" if p.exists() else "does not exist"
+        raise DataError(f"data.path={path} {why} (make one with "
+                        "`hpctrain prepare FILES --out DATA.h5`)")
+    try:
+        return h5py.File(p, "r")
+    except OSError as e:
+        raise DataError(f"data.path={path} cannot be read as HDF5 (truncated, damaged or "
+                        f"another format): {_line(e)}") from None
+
+
+def _tokens_of(f, path: str, split: str):
+    """The ``split/tokens`` dataset, checked to be what ``hpctrain prepare`` writes."""
+    import h5py
+
+    group = f.get(split, getclass=True)
+    d = f[split].get("tokens") if group is h5py.Group else None
+    if not isinstance(d, h5py.Dataset):
+        raise DataError(f"data.path={path} is not an hpctrain data file: no {split}/tokens "
+                        "dataset (make one with `hpctrain prepare FILES --out DATA.h5`)")
+    if d.ndim != 1 or d.dtype.kind != "u":
+        raise DataError(f"data.path={path}: {split}/tokens must be a 1-d array of unsigned "
+                        f"integer token ids, got shape {d.shape} of {d.dtype}")
+    return d
+
+
+def _read(d, path: str) -> np.ndarray:
+    try:
+        return d[...]
+    except OSError as e:
+        raise DataError(f"data.path={path}: {d.name} cannot be read (damaged?): "
+                        f"{_line(e)}") from None
+
+
+def _line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 class Sampler:

@@ -60,32 +60,45 @@ def activation_shape(cfg, topo) -> tuple[int, int, int]:
 def forward_only(chunks, microbatches, topo, cfg) -> float:
     """Sum of token losses of ``microbatches`` (non-zero on the last stage only). Chunk k of
     this rank is virtual stage ``pp_rank + k*pp``; its input comes from pp rank
-    ``(pp_rank - 1) % pp`` and its output goes to ``(pp_rank + 1) % pp``."""
+    ``(pp_rank - 1) % pp`` and its output goes to ``(pp_rank + 1) % pp``. Tags: see
+    :func:`eval_tag`."""
     pp, r = topo.pp_size, topo.pp_rank
     prev, nxt = (r - 1) % pp, (r + 1) % pp
     shape = activation_shape(cfg, topo)
+    tag_ub = topo.pp_comm.tag_ub
     sends, total = [], 0.0
-    for j, (x, y) in enumerate(microbatches):
+    for x, y in microbatches:
         for k, chunk in enumerate(chunks):
             stage = r + k * pp
             if chunk.first:
                 h = x
             else:
                 h = torch.empty(shape, dtype=next(chunk.parameters()).dtype, device=x.device)
-                topo.pp_comm.irecv(h, prev, tag=_tag(j, stage)).wait()
+                topo.pp_comm.irecv(h, prev, tag=eval_tag(stage, tag_ub)).wait()
             out = chunk(h, y if chunk.last else None)
             if chunk.last:
                 total += float(out)
             else:
                 out = out.contiguous()
-                sends.append(topo.pp_comm.isend(out, nxt, tag=_tag(j, stage + 1)))
+                sends.append(topo.pp_comm.isend(out, nxt, tag=eval_tag(stage + 1, tag_ub)))
     for s in sends:
         s.wait()
     return total
 
 
-def _tag(microbatch: int, stage: int) -> int:
-    return 1_000_000 + microbatch * 1024 + stage
+def eval_tag(stage: int, tag_ub: int) -> int:
+    """MPI tag of the activation that virtual stage ``stage`` receives: ``stage`` modulo
+    ``tag_ub + 1`` (``Group.tag_ub``, at least 32767), whatever the number of microbatches.
+
+    Why a tag per stage (not per microbatch) is enough, and even a wrapped one: every rank
+    posts its sends and its receives in the same global order, microbatch by microbatch,
+    then by stage, and waits for each receive before it goes on. On one link (source, dest,
+    tag) the two sides therefore post the same (microbatch, stage) sequence, and MPI's
+    non-overtaking rule matches the i-th send with the i-th receive. Evaluation never meets
+    the pipeline runner's messages (tags ``schedule.actions.link``) on ``pp_comm``: it runs
+    between steps, after ``run_step`` has waited for all its sends and consumed every receive
+    (it checks), and it waits for all its own sends before returning."""
+    return stage % (tag_ub + 1)
 
 
 @dataclass

@@ -127,8 +127,11 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
 def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict,
             run_dir: Path) -> tuple[int, dict]:
     """5 (restore). Continue from a checkpoint if asked (a damaged one falls back to the one
-    before); the data stream follows the step. Records the run's lineage. Returns (steps
-    already done, the attributes every checkpoint of this run records). Collective."""
+    before); the data stream follows the step. Records the run's lineage. A checkpoint this
+    run cannot continue (another model's shapes, a missing tensor; another data content hash,
+    data seed or global batch size unless ``data.allow_changed``) raises a LineageError
+    alike on every rank, before any step. Returns (steps already done, the attributes every
+    checkpoint of this run records). Collective."""
     resumed = saver.restore(cfg.checkpoint.resume, params, optimizer)
     start = 0
     if resumed is not None:
@@ -149,11 +152,14 @@ def train_step(tr: Trainer, step: int) -> dict:
     with timers("data"):
         microbatches = tr.sampler.local(step)
 
-    # 2. Compute: forward and backward of every microbatch (the schedule).
+    # 2. Compute: forward and backward of every microbatch (the schedule). The token loss
+    #    and the MoE auxiliary losses get the same factor, float16's loss scale included:
+    #    every gradient is divided by that scale before the norm (optimizer.grad_norm).
     tr.grads.zero()
+    scale = optimizer.loss_scale / tr.global_tokens
+    set_loss_scale(tr.chunks, scale)
     with timers("compute"), tr.meter.activations():
-        loss_sum, tr.pipeline_timing = run_step(tr.chunks, microbatches, topo, cfg,
-                                                optimizer.loss_scale / tr.global_tokens,
+        loss_sum, tr.pipeline_timing = run_step(tr.chunks, microbatches, topo, cfg, scale,
                                                 timers)
     tr.faults.inject(step + 1, tr.params, timers)  # tests only: kill, stall, poison, slow
 

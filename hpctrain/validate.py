@@ -1,13 +1,16 @@
 """Whether a config can run on a world size: every problem at once, before any collective.
 
-``config.problems`` has the arithmetic (layout, model, batch); the checks here need the
-pipeline split (``parallel.pipeline``) or the schedule builder (``schedule.actions``), so they
-live above those modules, and are asked only of an otherwise valid config.
+``checks.problems`` has the rules of single keys and the arithmetic (layout, model, batch);
+the checks here need the pipeline split (``parallel.pipeline``) or the schedule builder
+(``schedule.actions``), so they live above those modules, and are asked only of an otherwise
+valid config. What the config points at (the data file, the run directory) is checked by
+``hpctrain train`` and ``hpctrain plan`` after this (``hpctrain.data.fit_problems``).
 """
 
 from __future__ import annotations
 
-from .config import Config, ConfigError, microbatches, problems
+from .checks import problems
+from .config import Config, ConfigError, microbatches
 from .parallel.pipeline import layer_ranges
 from .schedule.actions import check_fits
 
@@ -21,7 +24,8 @@ def validate(cfg: Config, world_size: int) -> None:
         try:  # does the microbatch count fit the schedule; do the boundaries cut the layers
             check_fits(s.kind, cfg.topology.pp, microbatches(cfg),
                        s.virtual_stages if s.kind == "interleaved" else 1)
-            layer_ranges(cfg)
+            if s.boundaries.strip():  # balanced splits always cut (n_layers >= stages)
+                layer_ranges(cfg)
         except ValueError as e:
             errors.append(str(e))
     if errors:

@@ -54,12 +54,15 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 PIP="$PY -m pip --disable-pip-version-check -q"
-stamp="$VENV/.hpctrain-base-$(echo "$TORCH_SPEC" | tr -c 'a-zA-Z0-9.=' _)"
+# The stamp names the torch build and the package list: a changed list installs again.
+BASE_PKGS="numpy cython pkgconfig mpi4py>=4 pytest pytest-mpi pytest-timeout hypothesis ruff
+  matplotlib safetensors"
+stamp="$VENV/.hpctrain-base-$(echo "$TORCH_SPEC $BASE_PKGS" | cksum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ]; then
   say "installing $TORCH_SPEC, numpy, mpi4py, test tools"
   $PIP install --upgrade pip setuptools wheel >/dev/null
-  $PIP install "$TORCH_SPEC" numpy cython pkgconfig "mpi4py>=4" \
-      pytest pytest-mpi pytest-timeout ruff matplotlib safetensors
+  # shellcheck disable=SC2086  # BASE_PKGS is a word list
+  $PIP install "$TORCH_SPEC" $BASE_PKGS
   touch "$stamp"
 fi
 if ! "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then

@@ -5,7 +5,12 @@ bytes in C order (little-endian, the file dtype), fed in blocks of whole rows al
 It is computed after the collective write is closed, by reading the file back (datasets
 dealt round-robin over the ranks), so it does not depend on how ranks cut the array into
 hyperslabs: any layout, and any single process (``hpctrain inspect --verify``), recomputes
-the same number. The file's ``checksum`` attribute names the scheme.
+the same number. The file's ``checksum`` attribute names the scheme. Datasets are created
+without fill (``fill_time="never"``), so the writer first checks that the ranks wrote every
+element (store.py); only then does a checksum certify the contents.
+
+**Durability.** :func:`fsync_file`, :func:`replace_durably` and :func:`write_durably`: data
+synced before a rename, the directory synced after it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,40 @@ def crc32_dataset(dset) -> int:
         block = np.ascontiguousarray(dset[r:r + step], dtype=dset.dtype.newbyteorder("<"))
         crc = zlib.crc32(block.reshape(-1).view(np.uint8), crc)  # no copy of the bytes
     return crc
+
+
+def fsync_file(path) -> None:
+    """Force ``path``'s data to stable storage. On a parallel file system each client caches
+    its own writes: every process that wrote part of the file calls this."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory) -> None:
+    """Make the directory's entries (a rename into it) durable."""
+    fsync_file(directory)
+
+
+def replace_durably(src, dst) -> None:
+    """Rename ``src`` (its data already fsynced) over ``dst``; the rename itself is made
+    durable by syncing the directory."""
+    os.replace(src, dst)
+    fsync_dir(Path(dst).parent)
+
+
+def write_durably(path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically and durably: ``.NAME.tmp`` written and fsynced,
+    renamed over ``path``, the directory synced."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    replace_durably(tmp, path)
 
 
 def dataset_names(f) -> list[str]:

@@ -12,11 +12,12 @@ the global array. Two kinds exist:
 
 Extending to a new parallelism means describing its local tensors as boxes here; the file
 format does not change. The optimizer protocol read here is generic:
-``optimizer.state[name] -> {key: tensor}``; a tensor of the parameter's local shape is a
-shard like the parameter; a 1-D tensor is a flat shard when ``optimizer.flat_shard(name)``
-returns ``(a, b)`` (ZeRO). ``optimizer.step_count`` is the global step counter.
-``optimizer.state`` is read once per save/load on every rank (hpctrain.optim.zero materialises it
-collectively, and takes values written into it back before its next update).
+``optimizer.local_state()`` (or, without it, ``optimizer.state``) ``[name] -> {key: tensor}``,
+this rank's own tensors, no communication; a tensor is a flat shard when
+``optimizer.flat_shard(name)`` returns ``(a, b)`` (ZeRO: a 1-D view of the shard holding the
+local parameter's flattened elements [a, b)), otherwise it has the parameter's local shape
+and is a shard like the parameter. Loading writes into these tensors in place.
+``optimizer.step_count`` is the global step counter.
 
 :func:`transfer` moves one piece between memory and an open h5py dataset with the HDF5
 low-level API so that ranks holding nothing still take part in a collective transfer
@@ -141,7 +142,8 @@ def flat_piece(path, tensor, meta, local_shape, a, b, topo, writes) -> Piece:
 def pieces_of(named_params, optimizer, topo) -> list[Piece]:
     """Every piece this rank holds: parameters, then their optimizer state."""
     flat_shard = getattr(optimizer, "flat_shard", None)
-    state = optimizer.state  # read once: ZeRO materialises it collectively on each access
+    local_state = getattr(optimizer, "local_state", None)
+    state = local_state() if local_state is not None else optimizer.state
     out = []
     for name, p in named_params:
         meta = p.hp
@@ -149,19 +151,45 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
         first_tp = meta.tp_dim is not None or topo.tp_rank == 0
         out.append(shard_piece(f"model/{name}", p.detach(), meta, topo,
                                first_tp and group.rank == 0))
+        rng = flat_shard(name) if flat_shard is not None else None
         for key, t in state.get(name, {}).items():
             path = f"optim/{name}/{key}"
-            if tuple(t.shape) == tuple(p.shape):
+            if rng is not None and t.dim() == 1 and t.numel() == rng[1] - rng[0]:
+                # every rank of the group writes its own shard (tp-replicated: tp rank 0)
+                out.append(flat_piece(path, t, meta, p.shape, *rng, topo, first_tp))
+            elif rng is None and tuple(t.shape) == tuple(p.shape):
                 out.append(shard_piece(path, t, meta, topo, first_tp and group.rank == 0))
-                continue
-            rng = flat_shard(name) if flat_shard is not None else None
-            if rng is None or t.dim() != 1:
+            else:
                 raise ValueError(f"cannot checkpoint optimizer state {path}: shape "
                                  f"{tuple(t.shape)} is neither the parameter's local shape "
-                                 f"{tuple(p.shape)} nor a flat shard (optimizer.flat_shard)")
-            a, b = rng
-            out.append(flat_piece(path, t, meta, p.shape, a, b, topo, first_tp))
+                                 f"{tuple(p.shape)} nor its flat shard {rng}")
     return out
+
+
+def uncovered(specs, counts) -> list[str]:
+    """Datasets of ``specs`` ``[(path, shape, dtype)]`` whose elements written by all ranks
+    together (``counts``, in ``specs`` order) are not their size: with one writer per element,
+    a dataset is whole exactly when its count is its size."""
+    return [f"{path} ({int(n)} of {int(np.prod(shape))} elements)"
+            for (path, shape, _), n in zip(specs, counts) if int(n) != int(np.prod(shape))]
+
+
+def misfits(f, pieces: dict) -> list[str]:
+    """This rank's pieces that an open checkpoint ``f`` lacks or holds in another shape."""
+    out = []
+    for dpath, piece in pieces.items():
+        if dpath not in f:
+            out.append(f"the checkpoint has no dataset {dpath}")
+        elif tuple(f[dpath].shape) != piece.global_shape:
+            out.append(f"{dpath}: checkpoint shape {tuple(f[dpath].shape)} != model shape "
+                       f"{piece.global_shape}")
+    return out
+
+
+def unknown_params(f, paths) -> list[str]:
+    """Parameters in ``f`` that the model (``paths``: every rank's datasets) does not have."""
+    return [f"this model has no parameter {p}"
+            for p in sorted({f"model/{n}" for n in f["model"]} - set(paths))]
 
 
 def transfer(dset, piece: Piece | None, write: bool, collective: bool,

@@ -18,10 +18,15 @@ at least ``COLLECTIVE_MIN_BYTES`` use collective I/O (every rank takes part, pos
 an empty selection), smaller ones independent I/O by their one writer. Loading reads the
 hyperslabs the *current* layout owns, so any layout restores any checkpoint.
 
-Commit is atomic: the file is written as ``.step_N.h5.tmp``, closed collectively, read back
-for per-dataset checksums, fsynced, renamed by rank 0, and only then is ``latest`` (a
-one-line text file, itself replaced atomically) pointed at it. A crash mid-save leaves
-``latest`` naming the previous file; the stale ``.tmp`` is removed by the next save.
+Commit is atomic and durable: the file is written as ``.step_N.h5.tmp``; the ranks check
+that together they wrote every element of every dataset (datasets have no fill value), flush
+it collectively (``H5Fflush``: ``MPI_File_sync``) and close it, and *every* rank fsyncs it
+(each client's cached writes reach the disk); it is read back for per-dataset checksums,
+stamped and fsynced by rank 0, renamed, the directory synced, and only then is ``latest`` (a
+one-line text file, written to ``.latest.tmp``, fsynced, renamed, the directory synced)
+pointed at it. A crash mid-save leaves ``latest`` naming the previous file; the stale
+``.tmp`` is removed by the next save. ZeRO shards are written and read by their owners
+directly (no rank gathers the optimizer state).
 
 Without MPI in h5py (or with ``HPCTRAIN_CKPT_SERIAL=1``) ranks write the same format in
 turn. ``HDF5_USE_FILE_LOCKING`` defaults to FALSE (see integrity.disable_file_locking).
@@ -43,18 +48,29 @@ import torch
 from .. import comm
 from ..config import CheckpointConfig
 from . import integrity as cv
-from .layout import Piece, pieces_of, transfer
+from .layout import Piece, misfits, pieces_of, transfer, uncovered, unknown_params
+from .lineage import LineageError
 
 FORMAT = cv.FORMAT
 LATEST = "latest"
 COLLECTIVE_MIN_BYTES = 64 << 10  # smaller datasets: independent I/O by their one writer
 ALIGN_MIN_BYTES = 64 << 10  # objects at least this large start at a multiple of `alignment`
 SERIAL_ENV = "HPCTRAIN_CKPT_SERIAL"
+SCALER = "loss_scaler_"  # attribute prefix of the float16 loss scaler's state
 KILL_RANK_ENV, KILL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_KILL_RANK", "HPCTRAIN_FAULT_CKPT_KILL_STEP"
 
 
 class CorruptCheckpoint(RuntimeError):
     """A checkpoint that fails verification (truncated, flipped bytes, not ours)."""
+
+
+class CheckpointMismatch(LineageError):
+    """A sound checkpoint this run cannot continue (another model's shapes, a missing
+    tensor). Raised alike on every rank; the CLI prints it once and exits 2."""
+
+
+class IncompleteCheckpoint(RuntimeError):
+    """The ranks did not write every element of a dataset: the file is not committed."""
 
 
 def step_name(step: int) -> str:
@@ -161,24 +177,13 @@ class Checkpointer:
         specs = self._specs(pieces.values())
         meta = world.bcast_obj(self._attrs(step, optimizer, attrs) if world.rank == 0
                                else None)  # identical attributes on every rank (HDF5 rule)
-        if self.mpio:
-            with self._open(tmp, "w") as f:
-                self._create(f, specs, meta)
-                nbytes = self._fill(f, specs, pieces, step, collective=True)
-        else:
-            nbytes = 0
-
-            def turn(first: bool) -> None:
-                nonlocal nbytes
-                with self._open(tmp, "w" if first else "r+") as f:
-                    if first:
-                        self._create(f, specs, meta)
-                    nbytes = self._fill(f, specs, pieces, step, collective=False)
-
-            self._serially(turn)
+        written = self._write(tmp, specs, pieces, meta, step)
+        self._check_coverage(tmp, specs, written)
+        cv.fsync_file(tmp)  # every rank: its own writes on disk before rank 0 renames
         world.barrier()
         t_write = time.perf_counter() - t0
         self._commit(tmp, final, [s[0] for s in specs])
+        nbytes = sum(n * np.dtype(dt).itemsize for n, (_, _, dt) in zip(written, specs))
         total = world.allreduce(float(nbytes))
         dt = time.perf_counter() - t0
         self.metrics.update({"ckpt_save_s": dt, "ckpt_save_bytes": total,
@@ -196,25 +201,61 @@ class Checkpointer:
             raise ValueError(f"ranks disagree on the shape/dtype of {dup[:5]}")
         return specs
 
+    def _write(self, tmp: Path, specs, pieces: dict, meta: dict, step: int) -> list[int]:
+        """Create and fill ``tmp`` (collectively, or ranks in turn); returns the elements this
+        rank wrote per dataset of ``specs``."""
+        if self.mpio:
+            with self._open(tmp, "w") as f:
+                self._create(f, specs, meta)
+                written = self._fill(f, specs, pieces, step, collective=True)
+                f.flush()  # collective H5Fflush: MPI_File_sync on every rank
+        else:
+            written = [0] * len(specs)
+
+            def turn(first: bool) -> None:
+                nonlocal written
+                with self._open(tmp, "w" if first else "r+") as f:
+                    if first:
+                        self._create(f, specs, meta)
+                    written = self._fill(f, specs, pieces, step, collective=False)
+                    f.flush()
+
+            self._serially(turn)
+        self.topo.world.barrier()
+        return written
+
+    def _check_coverage(self, tmp: Path, specs, written: list[int]) -> None:
+        """Datasets have no fill value, so an element nobody wrote holds whatever the disk
+        held and a checksum would certify it: refuse to commit unless the ranks together wrote
+        every element of every dataset (each element has one writer). Collective."""
+        world = self.topo.world
+        short = uncovered(specs, world.allreduce_array(np.asarray(written, dtype=np.int64)))
+        if short:
+            if world.rank == 0:
+                tmp.unlink(missing_ok=True)
+            raise IncompleteCheckpoint(f"not committing {tmp.name}: the ranks wrote "
+                                       f"{len(short)} dataset(s) incompletely: "
+                                       + "; ".join(short[:5]))
+
     @staticmethod
     def _create(f, specs, meta: dict) -> None:
         for path, shape, dt in specs:  # no fill: every element is written once, by its owner
             f.create_dataset(path, shape=shape, dtype=np.dtype(dt), fill_time="never")
         f.attrs.update(meta)
 
-    def _fill(self, f, specs, pieces: dict, step: int, collective: bool) -> int:
+    def _fill(self, f, specs, pieces: dict, step: int, collective: bool) -> list[int]:
         """Write the hyperslabs this rank owns, every dataset in ``specs`` order (the same on
-        all ranks, as collective I/O requires); returns the bytes written."""
-        nbytes = 0
+        all ranks, as collective I/O requires); returns the elements written per dataset."""
+        written = []
         for i, (path, shape, dt) in enumerate(specs):
             if i == len(specs) // 2:
                 _fault(self.topo.world.rank, step)
             piece = pieces.get(path)
             big = int(np.prod(shape)) * np.dtype(dt).itemsize >= self.collective_min_bytes
             transfer(f[path], piece, write=True, collective=collective and big)
-            if piece is not None and piece.writes:
-                nbytes += piece.nbytes
-        return nbytes
+            mine = piece is not None and piece.writes
+            written.append(piece.nbytes // piece.dtype.itemsize if mine else 0)
+        return written
 
     def _serially(self, fn) -> None:
         """Ranks take turns (serial fallback when h5py has no MPI)."""
@@ -225,17 +266,16 @@ class Checkpointer:
             world.barrier()
 
     def _commit(self, tmp: Path, final: Path, names: list[str]) -> None:
-        """Checksums (read back round-robin), fsync, rename, ``latest``, prune."""
+        """Checksums (read back round-robin); rank 0 stamps them, fsyncs, renames (directory
+        synced), points ``latest`` at the file (durably) and prunes. Collective."""
         world = self.topo.world
         mine = cv.compute_checksums(tmp, names[world.rank::world.size])
         sums = {k: v for part in world.allgather_obj(mine) for k, v in part.items()}
         if world.rank == 0:
             cv.stamp(tmp, sums)
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-            self._point_latest(final.name)
-            self._fsync_dir()
+            cv.fsync_file(tmp)  # the stamped attributes
+            cv.replace_durably(tmp, final)
+            cv.write_durably(self.dir / LATEST, final.name + "\n")
             self._prune(keep_name=final.name)
         world.barrier()
 
@@ -250,21 +290,11 @@ class Checkpointer:
                "layout": json.dumps({"dims(pp,dp_outer,ep,tp)": list(self.topo.dims),
                                      "mpi_hints": dict(self.cfg.mpi_hints),
                                      "alignment": self.cfg.alignment})}
+        if getattr(optimizer, "scaler", None) is not None:  # {} unless float16
+            out.update({SCALER + k: v for k, v in optimizer.scaler.state_dict().items()})
         out.update({k: v for k, v in attrs.items() if v is not None})
         # Plain str/int/float only (a str subclass such as torch's version becomes '<U').
         return {k: (str(v) if isinstance(v, str) else v) for k, v in out.items()}
-
-    def _point_latest(self, name: str) -> None:
-        tmp = self.dir / f".{LATEST}.tmp"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, self.dir / LATEST)
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def _prune(self, keep_name: str) -> None:
         if self.cfg.keep <= 0:
@@ -325,11 +355,14 @@ class Checkpointer:
         paths = sorted(set().union(*world.allgather_obj(set(pieces))))
         with self._open(path, "r") as f:
             attrs = {k: cv._plain(v) for k, v in f.attrs.items()}
-            errors = self._mismatches(f, pieces, path)
-            errors = [e for part in world.allgather_obj(errors) for e in part]
-            if errors:
-                raise ValueError("checkpoint does not fit this model:\n  " +
-                                 "\n  ".join(errors[:10]))
+            if f.attrs.get("format") != FORMAT or "model" not in f:
+                raise CheckpointMismatch(f"{path} is not an hpctrain checkpoint")
+            errors = [e for part in world.allgather_obj(misfits(f, pieces)) for e in part]
+            errors = errors or unknown_params(f, paths)  # the same on every rank
+            if errors:  # before anything is read: every rank refuses alike
+                raise CheckpointMismatch(
+                    f"refusing to resume from {path}: it does not fit this model "
+                    f"({len(errors)} problem(s): {'; '.join(errors[:3])})")
             nbytes = 0
             with torch.no_grad():
                 for dpath in paths:
@@ -342,24 +375,14 @@ class Checkpointer:
                 attrs["rng_restored"] = self._load_rng(f, attrs)
         if hasattr(optimizer, "step_count"):
             optimizer.step_count = int(attrs["optim_step"])
+        if getattr(optimizer, "scaler", None) is not None:  # float16 dynamic loss scale
+            optimizer.scaler.load_state_dict({k[len(SCALER):]: v for k, v in attrs.items()
+                                              if k.startswith(SCALER)})
         total = world.allreduce(float(nbytes))
         dt = time.perf_counter() - t0
         self.metrics.update({"ckpt_load_s": dt, "ckpt_load_bytes": total,
                              "ckpt_load_GBps": total / dt / 1e9})
         return attrs
-
-    @staticmethod
-    def _mismatches(f, pieces: dict, path) -> list[str]:
-        if f.attrs.get("format") != FORMAT:
-            return [f"{path} is not an hpctrain checkpoint"]
-        out = []
-        for dpath, piece in pieces.items():
-            if dpath not in f:
-                out.append(f"{path} has no dataset {dpath}")
-            elif tuple(f[dpath].shape) != piece.global_shape:
-                out.append(f"{dpath}: checkpoint shape {f[dpath].shape} != model shape "
-                           f"{piece.global_shape}")
-        return out
 
     def _load_rng(self, f, attrs) -> bool:
         """Per-rank RNG states are only meaningful on the layout that made them: restore

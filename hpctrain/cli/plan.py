@@ -52,36 +52,47 @@ def _wrap(text: str, width: int, indent: str) -> list[str]:
     return lines + [indent + line]
 
 
+SIMULATED_MAX = 256  # microbatches x virtual stages per rank; the simulation grows as its square
+
+
 def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
-    """The pipeline part of the plan: partition, per-rank actions, simulated bubble."""
+    """The pipeline part of the plan: partition, per-rank actions, simulated bubble (above
+    ``SIMULATED_MAX`` chunk-microbatches per rank: the partition and the 1F1B reference)."""
     from ..config import microbatches
     from ..parallel.pipeline import layer_ranges
     from ..schedule.actions import from_config
     from ..schedule.simulate import simulate
 
     top, s = cfg.topology, cfg.schedule
-    m = microbatches(cfg)
-    sched = from_config(cfg, m)
-    result = simulate(sched, costs)
+    m, p = microbatches(cfg), top.pp
+    v = s.virtual_stages if s.kind == "interleaved" else 1
     ranges = layer_ranges(cfg)
-    lines = [f"schedule {s.kind}: pp={top.pp}, {sched.virtual} virtual stage(s) per rank, "
+    lines = [f"schedule {s.kind}: pp={p}, {v} virtual stage(s) per rank, "
              f"{m} microbatches per step (global_batch_size {cfg.train.global_batch_size} / "
              f"(dp {top.dp} x micro_batch_size {cfg.train.micro_batch_size}))"]
-    for r in range(sched.pp):
-        stages = list(range(r, sched.stages, sched.pp))
-        layers = ", ".join(f"{ranges[x].start}-{ranges[x].stop - 1}" for x in stages)
-        extra = (" + embedding" if r == 0 else "") + (" + head, loss" if r == sched.pp - 1
-                                                      else "")
-        lines.append(f"pp rank {r}: stage(s) {stages}, layers {layers}{extra}; "
+    reference = f"1F1B reference (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f}"
+    if m * v > SIMULATED_MAX:
+        lines += [_stages_line(r, p, v, ranges) for r in range(p)]
+        return lines + [f"not simulated: {m * v} chunk-microbatches per rank > "
+                        f"{SIMULATED_MAX} (the simulation grows as their square); {reference}"]
+    sched = from_config(cfg, m)
+    result = simulate(sched, costs)
+    for r in range(p):
+        lines.append(f"{_stages_line(r, p, v, ranges)}; "
                      f"bubble {result.bubble_per_rank[r]:.3f}, "
                      f"peak in-flight microbatches {result.peak_inflight[r]}")
         lines += _wrap(sched.text(r), width, "    ")
-    p = sched.pp
-    shown = " ".join(f"{k}={v:g}" for k, v in (costs or {"F": 1, "B": 1, "W": 1}).items())
+    shown = " ".join(f"{k}={x:g}" for k, x in (costs or {"F": 1, "B": 1, "W": 1}).items())
     lines.append(f"simulated (costs {shown}): makespan {result.makespan:g}, "
-                 f"bubble fraction {result.bubble:.4f} "
-                 f"(1F1B reference (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f})")
+                 f"bubble fraction {result.bubble:.4f} ({reference})")
     return lines
+
+
+def _stages_line(r: int, pp: int, virtual: int, ranges: list[range]) -> str:
+    stages = list(range(r, pp * virtual, pp))
+    layers = ", ".join(f"{ranges[x].start}-{ranges[x].stop - 1}" for x in stages)
+    extra = (" + embedding" if r == 0 else "") + (" + head, loss" if r == pp - 1 else "")
+    return f"pp rank {r}: stage(s) {stages}, layers {layers}{extra}"
 
 
 def memory_section(cfg, memory_per_rank: str = "") -> list[str]:
@@ -116,23 +127,41 @@ def plan_section(cfg, nodes: int, ranks_per_node: int) -> list[str]:
 
 
 def run(args) -> int:
-    from ..config import ConfigError, load
+    from ..config import ConfigError, InputError, load
+    from ..telemetry.memory import parse_bytes
     from ..validate import validate
+    from .train import data_problems
 
+    try:  # the command line's own values
+        costs = _costs(args.costs)
+        if args.memory_per_rank:
+            parse_bytes(args.memory_per_rank)
+        if args.world_size < 1 or args.nodes < 0 or args.ranks_per_node < 0:
+            raise ValueError("--world-size must be >= 1, --nodes and --ranks-per-node >= 0")
+    except ValueError as e:
+        print(f"hpctrain plan: {e}", file=sys.stderr)
+        return 2
     try:
         cfg = load(args.config, args.overrides)
         validate(cfg, args.world_size)
-        costs = _costs(args.costs)
-        t = cfg.topology
-        lines = [f"{args.world_size} ranks: dp={t.dp} (ep={t.ep}) x tp={t.tp} x pp={t.pp}"
-                 f"{' + sequence parallel' if t.sequence_parallel else ''}"]
-        lines += schedule_section(cfg, args.width, costs)
-        lines += memory_section(cfg, args.memory_per_rank)
-        if args.nodes:
-            lines += plan_section(cfg, args.nodes,
-                                  args.ranks_per_node or args.world_size // args.nodes)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+        problems = data_problems(cfg, missing_ok=True)  # the data, when it is here
+        if problems:
+            raise InputError("invalid input:\n  - " + "\n  - ".join(problems)
+                              if len(problems) > 1 else problems[0])
+    except ConfigError as e:
         print(f"hpctrain plan: {e}", file=sys.stderr)
         return 2
+    t = cfg.topology
+    lines = [f"{args.world_size} ranks: dp={t.dp} (ep={t.ep}) x tp={t.tp} x pp={t.pp}"
+             f"{' + sequence parallel' if t.sequence_parallel else ''}"]
+    lines += schedule_section(cfg, args.width, costs)
+    lines += memory_section(cfg, args.memory_per_rank)
+    if args.nodes:
+        try:  # topology.crossing: the nodes must hold the world
+            lines += plan_section(cfg, args.nodes,
+                                  args.ranks_per_node or args.world_size // args.nodes)
+        except ValueError as e:
+            print(f"hpctrain plan: {e}", file=sys.stderr)
+            return 2
     print("\n".join(lines))
     return 0

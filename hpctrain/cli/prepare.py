@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def add_arguments(p) -> None:
     p.add_argument("sources", nargs="*", help="text files or directories (default: the "
@@ -17,16 +19,24 @@ def run(args) -> int:
     import tempfile
     from pathlib import Path
 
-    from ..data import prepare, stdlib_documents
+    from ..data import DataError, prepare, stdlib_documents
 
-    if not 0 <= args.val_fraction < 1:
-        raise SystemExit("hpctrain prepare: --val-fraction must be in [0, 1)")
+    if not 0 <= args.val_fraction < 1 or not 0 < args.corpus_mb < float("inf"):
+        print(f"hpctrain prepare: --val-fraction={args.val_fraction} must be in [0, 1) and "
+              f"--corpus-mb={args.corpus_mb} > 0", file=sys.stderr)
+        return 2
     sources = args.sources
     with tempfile.TemporaryDirectory() as tmp:
         if not sources:  # the embedded corpus, written out as documents
             for i, (name, data) in enumerate(stdlib_documents(int(args.corpus_mb * 2**20))):
                 (Path(tmp) / f"{i:05d}_{name.replace('/', '_')}").write_bytes(data)
             sources = [tmp]
-        attrs = prepare(sources, args.out, args.val_fraction)
-    print(f"wrote {args.out}: {attrs['documents']} documents, hash {attrs['content_hash'][:16]}")
+        try:
+            attrs = prepare(sources, args.out, args.val_fraction)
+        except DataError as e:
+            print(f"hpctrain prepare: {e}", file=sys.stderr)
+            return 2
+    print(f"wrote {args.out}: {attrs['documents']} documents, largest token id "
+          f"{attrs['max_token_id']} (tokenizer {attrs['tokenizer']}), "
+          f"hash {attrs['content_hash'][:16]}")
     return 0

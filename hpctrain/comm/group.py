@@ -123,9 +123,22 @@ class Group:
         self.recorder = recorder if recorder is not None else Recorder()
         self.size = mpi_comm.Get_size()
         self.rank = mpi_comm.Get_rank()
+        self._tag_ub: int | None = None
 
     def __repr__(self) -> str:
         return f"Group({self.axis}, rank {self.rank}/{self.size})"
+
+    @property
+    def tag_ub(self) -> int:
+        """The largest point-to-point tag this communicator accepts (``MPI_TAG_UB``; the
+        standard guarantees at least 32767). The attribute is predefined on
+        ``MPI_COMM_WORLD``; a derived communicator that does not carry it has the world's."""
+        if self._tag_ub is None:
+            ub = self.mpi.Get_attr(MPI.TAG_UB)
+            if ub is None:
+                ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+            self._tag_ub = int(ub) if ub is not None else 32767
+        return self._tag_ub
 
     # -- helpers -----------------------------------------------------------------------
     def _run(self, op: str, nbytes: int, fn, peer: int = -1):

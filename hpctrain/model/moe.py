@@ -21,8 +21,9 @@ ranks process as microbatch ``j`` (``data.Sampler``). A one-rank run with
   ``N_j * k`` assignments routed to ``e`` and ``P_e`` = mean router probability of ``e`` over
   the ``N_j`` tokens. Router z-loss: ``z_j = mean_t logsumexp(logits_t)^2``.
   The objective is ``mean token CE + sum_layers mean_j (aux_coef * aux_j + z_coef * z_j)``.
-  Since train.py scales losses by ``1 / global tokens`` and ``N_j * microbatches`` = global
-  tokens, each rank injects the gradient of ``loss_scale * (aux_coef * E * sum_e f_e *
+  Since train.py scales losses by ``1 / global tokens`` (times float16's loss scale, which
+  every gradient is divided by later) and ``N_j * microbatches`` = global tokens, each rank
+  injects the gradient of ``loss_scale * (aux_coef * E * sum_e f_e *
   sum_{local t} p_te + z_coef * sum_{local t} lse_t^2)``: only ``f_e`` (counts, no gradient)
   needs the gather; the rest is local and sums to the global objective.
 * Capacity (``capacity_factor > 0``): each expert accepts at most
@@ -137,7 +138,9 @@ class MoE(nn.Module):
             (E, H, C), expert_dim=0, sp_partial=partial, std=cfg.init_std), dtype)
         self.w2 = _param((self.E_local, C, H), ParamMeta(
             (E, C, H), expert_dim=0, sp_partial=partial, std=resid_std), dtype)
-        self.loss_scale = 0.0  # 1 / global tokens; set by parallel.moe_exchange.set_loss_scale
+        # (float16 loss scale) / global tokens, the token loss's factor; set every step by
+        # train.train_step through parallel.moe_exchange.set_loss_scale
+        self.loss_scale = 0.0
         self.stats = MoEStats(E)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C), same on all tp

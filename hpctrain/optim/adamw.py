@@ -2,7 +2,10 @@
 
 AdamW is written out (rather than ``torch.optim``) so that its state is plain named tensors
 with the parameter's global shape, which the checkpoint stores and reshards, and so that
-ZeRO can shard it. Low-precision parameters (bfloat16) keep float32 master weights.
+ZeRO can shard it. Low-precision parameters (bfloat16, float16) keep float32 master weights
+and read float32 gradients: the "main grads" that ``parallel.data.GradBuffers`` accumulates
+and reduces (:func:`~hpctrain.parallel.data.main_grad`; ``p.grad`` itself for 32/64 bits), so
+the norm, clipping and update never see a gradient rounded to 16 bits.
 
 The global gradient norm counts each parameter exactly once (invariant 2): a parameter
 contributes on this rank only if this rank holds a distinct piece of it, i.e. it is the
@@ -18,6 +21,7 @@ import math
 import torch
 
 from ..config import OptimConfig
+from ..parallel.data import main_grad
 
 
 def lr_at(step: int, ocfg: OptimConfig, total_steps: int) -> float:
@@ -49,8 +53,9 @@ def global_grad_norm(named_params, topo, grads_sharded_over_dp: bool = False) ->
     device = named_params[0][1].device if named_params else "cpu"
     local = torch.zeros((), dtype=torch.float64, device=device)
     for _, p in named_params:
-        if p.grad is not None and counted_here(p.hp, topo, grads_sharded_over_dp):
-            local += p.grad.detach().double().pow(2).sum()
+        g = main_grad(p)
+        if g is not None and counted_here(p.hp, topo, grads_sharded_over_dp):
+            local += g.detach().double().pow(2).sum()
     return math.sqrt(topo.world.allreduce(float(local)))
 
 
@@ -61,8 +66,9 @@ def clip_(named_params, max_norm: float, norm: float) -> float:
         return 1.0
     scale = max_norm / (norm + 1e-6)
     for _, p in named_params:
-        if p.grad is not None:
-            p.grad.mul_(scale)
+        g = main_grad(p)
+        if g is not None:
+            g.mul_(scale)
     return scale
 
 
@@ -91,6 +97,21 @@ class LossScaler:
 
     def metrics(self) -> dict:
         return {"loss_scale": self.scale, "skipped_steps": self.skipped} if self.enabled else {}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint records (plain numbers): the scale, the growth tracker (good
+        steps in a row) and the skipped-step count. Empty when disabled."""
+        if not self.enabled:
+            return {}
+        return {"scale": float(self.scale), "good_steps": int(self.good_steps),
+                "skipped": int(self.skipped)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`'s record; an empty record (a checkpoint made
+        without float16) or a disabled scaler keeps the current state."""
+        if self.enabled and state:
+            self.scale = float(state["scale"])
+            self.good_steps, self.skipped = int(state["good_steps"]), int(state["skipped"])
 
 
 class ScaledOptimizer:
@@ -137,8 +158,9 @@ class AdamW(ScaledOptimizer):
         """Unscale the gradients (float16), then their global norm. Collective (world)."""
         if self.scaler.enabled:
             for _, p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(1.0 / self.scaler.scale)
+                g = main_grad(p)
+                if g is not None:
+                    g.mul_(1.0 / self.scaler.scale)
         return global_grad_norm(self.params, self.topo)
 
     def clip_and_step(self, lr: float, norm: float) -> None:
@@ -152,11 +174,12 @@ class AdamW(ScaledOptimizer):
         t = self.step_count
         bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
         for name, p in self.params:
-            if p.grad is None:
+            g = main_grad(p)
+            if g is None:
                 continue
             st = self.state[name]
             w = st.get("master", p)
-            g = p.grad.to(w.dtype)
+            g = g.to(w.dtype)  # float32 main grads of 16-bit parameters: no copy
             m, v = st["exp_avg"], st["exp_avg_sq"]
             m.mul_(c.beta1).add_(g, alpha=1 - c.beta1)
             v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)

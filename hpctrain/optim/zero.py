@@ -13,7 +13,12 @@ The update is element-wise identical to :class:`~hpctrain.optim.adamw.AdamW`; on
 gradient sum over ranks differs, so ZeRO equals plain data parallelism to rounding.
 
 The gradient norm sums every rank's shard (each element of a parameter lives in exactly one
-shard of its group) and counts tp-replicated parameters on tp rank 0 only (invariant 2).
+shard of its group) and counts tp-replicated parameters on tp rank 0 only (invariant 2),
+summing on the shards' device (one number crosses to the host for the world all-reduce).
+
+Checkpoints never gather the state: each rank saves and loads its own shards as hyperslabs of
+the global datasets (:meth:`ZeroAdamW.local_state`, :meth:`ZeroAdamW.flat_shard`,
+``checkpoint/layout.py``), and a load writes straight into the shards.
 """
 
 from __future__ import annotations
@@ -37,17 +42,17 @@ def build_optimizer(named_params, ocfg, topo, grads: GradBuffers, dtype: str):
 
 
 class ZeroAdamW(ScaledOptimizer):
-    """Sharded AdamW. ``state`` (for checkpoints) is materialised on demand in global-layout
-    per-parameter tensors; reading it is collective over every bucket's group."""
+    """Sharded AdamW. Checkpoints read and write each rank's shards in place
+    (:meth:`local_state`, :meth:`flat_shard`); ``state`` is a gathered copy (collective)."""
 
     def __init__(self, grads: GradBuffers, ocfg, topo, scaler: LossScaler | None = None):
         self.cfg, self.grads, self.topo = ocfg, grads, topo
         self.scaler = scaler or LossScaler(enabled=False)
         self.params = grads.named
         self.step_count = 0
-        self._full: dict | None = None
         self._masks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (decay, counted)
         self.shards = [self._init_shard(b) for b in grads.buckets]
+        self._ranges = {n: (plo, phi) for _, n, _, _, plo, phi in self._overlaps()}
 
     def _init_shard(self, b) -> dict[str, torch.Tensor]:
         lo, hi = b.shard_range
@@ -78,9 +83,11 @@ class ZeroAdamW(ScaledOptimizer):
         if self.scaler.enabled:
             for b in self.grads.buckets:
                 b.shard.mul_(1.0 / self.scaler.scale)
-        local = torch.zeros((), dtype=torch.float64)
+        device = self.grads.buckets[0].shard.device if self.grads.buckets else "cpu"
+        local = torch.zeros((), dtype=torch.float64, device=device)  # on the shards' device
         for b, (_, counted) in zip(self.grads.buckets, self._masks):
-            local += b.shard.double().pow(2)[counted].sum()
+            sq = b.shard.double().pow(2)
+            local += torch.where(counted, sq, torch.zeros_like(sq)).sum()
         return math.sqrt(self.topo.world.allreduce(float(local)))
 
     @torch.no_grad()
@@ -91,7 +98,6 @@ class ZeroAdamW(ScaledOptimizer):
         if c.grad_clip > 0 and math.isfinite(norm) and norm > c.grad_clip:
             for b in self.grads.buckets:
                 b.shard.mul_(c.grad_clip / (norm + 1e-6))
-        self._absorb_full()
         self.step_count += 1
         for b, st, (decay, _) in zip(self.grads.buckets, self.shards, self._masks):
             self._update(b, st, decay, lr)
@@ -119,12 +125,31 @@ class ZeroAdamW(ScaledOptimizer):
         for p, off in zip(b.params, b.offsets):
             p.copy_(full[off:off + p.numel()].view_as(p))
 
-    # -- checkpoint interface (same names and shapes as AdamW.state) ----------------------
+    # -- checkpoint interface ---------------------------------------------------------
+    def _overlaps(self):
+        """(bucket state, name, shard lo, shard hi, param lo, param hi) for each parameter
+        that overlaps this rank's shard (see GradBuffers.segments)."""
+        for b, st in zip(self.grads.buckets, self.shards):
+            names = {id(p): n for n, p in zip(b.names, b.params)}
+            for p, lo, hi, plo, phi in self.grads.segments(b):
+                yield st, names[id(p)], lo, hi, plo, phi
+
+    def local_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What checkpoints save and load, without communication: for each parameter that
+        overlaps this rank's shard, 1-D *views* of the shard's state holding its flattened
+        elements :meth:`flat_shard` ``(a, b)``. A load writes straight into the shards."""
+        return {name: {key: t[lo:hi] for key, t in st.items()}
+                for st, name, lo, hi, _, _ in self._overlaps()}
+
+    def flat_shard(self, name: str) -> tuple[int, int] | None:
+        """[a, b) of the flattened local parameter ``name`` held in this rank's shard."""
+        return self._ranges.get(name)
+
     @property
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-parameter state in the parameter's local shape, gathered over each bucket's
-        group. Collective. Values written into it (checkpoint load) are taken back into the
-        shards before the next update."""
+        """The whole state in each parameter's local shape: a *copy* gathered over every
+        bucket's group (collective; diagnostics and tests). Checkpoints use
+        :meth:`local_state`, which never gathers."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for b, st in zip(self.grads.buckets, self.shards):
             for key, shard in st.items():
@@ -132,20 +157,7 @@ class ZeroAdamW(ScaledOptimizer):
                 b.group.allgather(shard, full)
                 for name, p, off in zip(b.names, b.params, b.offsets):
                     out.setdefault(name, {})[key] = full[off:off + p.numel()].view_as(p)
-        self._full = out
         return out
-
-    def _absorb_full(self) -> None:
-        if self._full is None:
-            return
-        for b, st in zip(self.grads.buckets, self.shards):
-            lo, hi = b.shard_range
-            for key, shard in st.items():
-                full = torch.zeros(b.numel, dtype=shard.dtype, device=shard.device)
-                for name, p, off in zip(b.names, b.params, b.offsets):
-                    full[off:off + p.numel()] = self._full[name][key].reshape(-1)
-                shard.copy_(full[lo:hi])
-        self._full = None
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.shards for t in st.values())

@@ -6,6 +6,13 @@ parameters: ``topo.dp_comm``; expert parameters: ``topo.edp_comm``), so autograd
 microbatch gradients in place and a bucket is handed to MPI without a copy. Buckets are cut in
 reverse parameter order (the order backward produces gradients) at ``bucket_mb``.
 
+16-bit parameters (bfloat16, float16) accumulate and reduce in float32, as Megatron's "main
+grads" do: the flat buffer is float32 and each parameter's view into it is ``p.main_grad``;
+autograd still produces a 16-bit ``p.grad`` per microbatch (transient), which a
+post-accumulate hook adds into ``p.main_grad`` (exact) and frees. The optimizer, the gradient
+norm and clipping read :func:`main_grad`. For float32/float64 the main grad IS ``p.grad`` (no
+second buffer, no hook, bit-identical to before).
+
 The loss is scaled by 1/(global tokens) before backward, so the *sum* over ranks is exactly the
 gradient of the global mean loss (no division after the reduction).
 
@@ -16,8 +23,9 @@ Modes (``optim.zero``, ``optim.overlap``):
   rank's fp32 gradient shard ``bucket.shard`` (float64 for float64 models); the flat buffer
   stays, the reduced full gradient never exists.
 - zero 2: no persistent flat buffer. A post-accumulate hook moves each microbatch's gradient
-  into a per-bucket staging buffer and frees ``p.grad``; a bucket is reduce-scattered into its
-  shard (and its staging freed) as soon as all its parameters have this microbatch's gradient.
+  into a per-bucket staging buffer (float32 for 16-bit models) and frees ``p.grad``; a bucket
+  is reduce-scattered into its shard (and its staging freed) as soon as all its parameters
+  have this microbatch's gradient. Microbatches are summed in the float32 shard.
 - overlap (zero 0/1): the same hooks post a bucket's nonblocking reduction as soon as all its
   gradients of the LAST microbatch are final; :meth:`reduce` waits for all of them.
 - without overlap, ``optim.reduction`` picks how zero 0 sums: ``bucketed`` (default: one
@@ -36,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import comm
+
+_LOW = (torch.bfloat16, torch.float16)  # accumulated and reduced in float32 main grads
 
 
 @dataclass
@@ -59,8 +69,17 @@ class Bucket:
 
 
 def shard_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Reduced gradients, master weights and Adam states: float64 stays, else float32."""
+    """Accumulated and reduced gradients, master weights and Adam states: float64 stays,
+    else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def main_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer reads: a 16-bit parameter's float32 ``p.main_grad`` (zero
+    0/1 :class:`GradBuffers`), else ``p.grad`` itself."""
+    if p.dtype in _LOW and hasattr(p, "main_grad"):
+        return p.main_grad
+    return p.grad
 
 
 class GradBuffers:
@@ -95,8 +114,8 @@ class GradBuffers:
         self._count = {id(p): 0 for _, p in self.named}  # gradients accumulated this step
         self._pending: list = []  # (handle, bucket, recv or None)
         self.posted_early = 0  # reductions posted from hooks, i.e. during backward
-        if self.overlap:
-            for _, p in self.named:
+        for _, p in self.named:  # 16-bit: into the float32 main grad after every backward
+            if self.overlap or p.dtype in _LOW:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _build(self, items, group: comm.Group, limit: int) -> None:
@@ -121,15 +140,19 @@ class GradBuffers:
                 n += p.numel()
             buckets.append(Bucket(group, None, [m for m, _ in members], [p for _, p in members],
                                   offsets, -(-n // pad) * pad, dtype))
-        if self.zero_level < 2:  # one flat buffer; every .grad a view into it
-            flat = torch.zeros(sum(b.numel for b in buckets), dtype=dtype,
+        if self.zero_level < 2:  # one flat buffer; every main grad a view into it
+            flat = torch.zeros(sum(b.numel for b in buckets), dtype=shard_dtype(dtype),
                                device=items[0][1].device)
             self.flats.append(flat)
             start = 0
             for b in buckets:
                 b.flat = flat[start:start + b.numel]
                 for p, off in zip(b.params, b.offsets):
-                    p.grad = b.flat[off:off + p.numel()].view_as(p)
+                    view = b.flat[off:off + p.numel()].view_as(p)
+                    if dtype in _LOW:
+                        p.main_grad, p.grad = view, None
+                    else:
+                        p.grad = view
                 start += b.numel
         if self.zero_level:
             for b in buckets:
@@ -149,20 +172,26 @@ class GradBuffers:
         self.posted_early = 0
         for k in self._count:
             self._count[k] = 0
-        if self.zero_level == 2:
-            for _, p in self.named:
+        for _, p in self.named:
+            if self.zero_level == 2 or p.dtype in _LOW:
                 p.grad = None
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        """Post-accumulate hook: count the gradient, stage it (zero 2), post what is ready."""
-        self._count[id(p)] += 1
+        """Post-accumulate hook: move the gradient into the float32 main grad (16-bit, zero
+        0/1) or the staging buffer (zero 2) and free ``p.grad``; with overlap, count it and
+        post what is ready."""
         if self.zero_level == 2:
             b, off = self._where[id(p)]
             if b.staging is None:
-                b.staging = torch.zeros(b.numel, dtype=b.dtype, device=p.device)
+                b.staging = torch.zeros(b.numel, dtype=shard_dtype(b.dtype), device=p.device)
             b.staging[off:off + p.numel()].add_(p.grad.reshape(-1))
             p.grad = None
-        self._post_ready()
+        elif p.dtype in _LOW:
+            p.main_grad.add_(p.grad)
+            p.grad = None
+        if self.overlap:
+            self._count[id(p)] += 1
+            self._post_ready()
 
     def _targets(self) -> list[int]:
         """The microbatch counts at which buckets are reduced, in posting order."""
@@ -191,8 +220,7 @@ class GradBuffers:
             return
         send = b.flat
         if self.zero_level == 2:
-            send = b.staging if b.staging is not None else torch.zeros(
-                b.numel, dtype=b.dtype, device=b.shard.device)
+            send = b.staging if b.staging is not None else b.shard.new_zeros(b.numel)
             b.staging = None  # freed when the reduction completes
         recv = torch.empty_like(b.shard)
         self._pending.append((b.group.ireduce_scatter(send, recv), b, recv))
@@ -235,7 +263,7 @@ class GradBuffers:
                     self.topo.tp_comm.allreduce_(b.shard[lo:hi])
         else:
             for p in self.sp_params:
-                self.topo.tp_comm.allreduce_(p.grad)
+                self.topo.tp_comm.allreduce_(main_grad(p))
 
     # -- shard geometry (ZeRO) -----------------------------------------------------------
     def segments(self, b: Bucket):
@@ -264,7 +292,7 @@ class GradBuffers:
         """The naive baseline (``optim.reduction = "per-parameter"``): one blocking all-reduce
         per parameter. Collective over dp_comm, edp_comm and tp_comm."""
         for p in self.sp_params:
-            self.topo.tp_comm.allreduce_(p.grad)
+            self.topo.tp_comm.allreduce_(main_grad(p))
         for _, p in self.named:
             group = self.topo.edp_comm if p.hp.expert_dim is not None else self.topo.dp_comm
-            group.allreduce_(p.grad)
+            group.allreduce_(main_grad(p))

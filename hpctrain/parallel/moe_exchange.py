@@ -187,8 +187,10 @@ def moe_layers(chunks) -> dict[int, MoE]:
 
 
 def set_loss_scale(chunks, loss_scale: float) -> None:
-    """The factor train.py applies to the loss (1 / global tokens); the MoE layers inject
-    their auxiliary-loss gradients with it. Not collective."""
+    """The factor train.py applies to the token loss this step (optimizer loss scale / global
+    tokens; the scale is 1 unless float16); the MoE layers inject their auxiliary-loss
+    gradients with it, so the later division by the loss scale treats both alike. Not
+    collective."""
     for layer in moe_layers(chunks).values():
         layer.loss_scale = loss_scale
 

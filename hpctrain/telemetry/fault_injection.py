@@ -21,6 +21,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from ..parallel.data import main_grad
+
 KINDS = ("kill", "stall", "poison", "slow", "raise")
 ENV = "HPCTRAIN_FAULTS"
 
@@ -74,7 +76,10 @@ class Faults:
                 with timers("compute"):
                     time.sleep(f.seconds or 3600)
             elif f.kind == "poison":
-                _, p = next((n, p) for n, p in named_params if p.grad is not None)
-                p.grad.view(-1)[0] = float("nan")
+                grads = [g for g in (main_grad(p) for _, p in named_params) if g is not None]
+                if not grads:
+                    raise RuntimeError("poison fault: no gradient buffer to poison (optim.zero=2 "
+                                       "keeps gradients in shards)")
+                grads[0].view(-1)[0] = float("nan")  # what the optimizer reads
             elif f.kind == "raise":
                 raise RuntimeError(f"injected fault: rank {self.rank} raises at step {step}")

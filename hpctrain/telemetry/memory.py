@@ -4,8 +4,9 @@
 
 - parameters: this rank's elements (blocks of its stage, embedding/head on the first/last
   stage, split over tp; expert weights split over ep) x dtype size;
-- gradients: zero 0/1 a flat buffer of the parameter dtype; zero 1 also a reduced shard
-  (float32, float64 for float64) of 1/dp; zero 2 only the shard plus one staging bucket;
+- gradients, all float32 (float64 for float64; 16-bit models accumulate in float32 "main
+  grads", their transient 16-bit ``p.grad`` is not counted): zero 0/1 a flat buffer; zero 1
+  also a reduced shard of 1/dp; zero 2 only the shard plus one staging bucket;
 - optimizer state: Adam's two moments (+ a float32 master copy for 16-bit parameters), all
   divided by dp under ZeRO;
 - activations: what autograd saves per microbatch, times the microbatches in flight on the
@@ -118,12 +119,12 @@ def estimate(cfg: Config) -> Estimate:
     P = max(per_rank)
     d = top.dp
     e = Estimate(params=P * ps)
-    if o.zero == 0:
-        e.grads = P * ps
+    if o.zero == 0:  # gradients accumulate in float32 (float64): ss, not ps
+        e.grads = P * ss
     elif o.zero == 1:
-        e.grads = P * ps + P * ss // d
-    else:
-        e.grads = P * ss // d + min(P * ps, int(o.bucket_mb * 2**20))
+        e.grads = P * ss + P * ss // d
+    else:  # buckets are cut at bucket_mb of parameter bytes; staging holds them as ss
+        e.grads = P * ss // d + min(P * ps, int(o.bucket_mb * 2**20)) * ss // ps
     states = 2 * ss + (4 if ps == 2 else 0)
     e.optimizer = P * states // (d if o.zero else 1)
     B, M = cfg.train.micro_batch_size, microbatches(cfg)

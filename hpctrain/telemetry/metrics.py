@@ -201,11 +201,14 @@ class Telemetry:
         if tc.watchdog_s > 0:
             from .watchdog import Watchdog
 
-            self.watchdog = Watchdog(tc.watchdog_s, topo, self.run_dir, self.timers)
+            self.watchdog = Watchdog(tc.watchdog_s, topo, self.run_dir, self.timers,
+                                     tc.watchdog_factor, t.eval_batches if t.eval_every else 1)
+        dog = (f"max({tc.watchdog_s:g} s, {tc.watchdog_factor:g} x slowest step)"
+               if tc.watchdog_factor else f"{tc.watchdog_s:g} s")
         log.info(f"model {self.flops_per_token / 1e6:,.2f} MFLOP/token (train), peak "
                  f"{self.peak / 1e12:.3g} TFLOP/s per rank "
                  f"({'telemetry.peak_flops' if tc.peak_flops else 'matmul probe'})"
-                 + (f", watchdog {tc.watchdog_s:g} s" if self.watchdog else "")
+                 + (f", watchdog {dog}" if self.watchdog else ", watchdog off")
                  + (f", trace steps {tc.trace_steps}" if self.tracer else ""))
 
     def begin_step(self, step: int) -> None:
@@ -222,6 +225,8 @@ class Telemetry:
         if self.tracer:
             self.tracer.end_step()
         step_s = record["step_time_s"]
+        if self.watchdog:
+            self.watchdog.end_step(step_s)
         comm_s, comm_bytes = self.topo.recorder.take()
         phases = self.timers.take()
         # The pipeline runner's per-action detail (pp_F, pp_idle...) lies inside 'compute'
@@ -266,13 +271,16 @@ class Telemetry:
                               "min_busy_s": min(busy)}}
 
     def close(self) -> None:
-        """Merge the trace (collective over the world), then stop the watchdog."""
-        if self.tracer:
-            path = self.tracer.close()
-            if path:
-                self.log.info(f"trace: {path} (open in Perfetto)")
-        if self.watchdog:
-            self.watchdog.close()
+        """Merge the trace (collective over the world, still watched), then stop the
+        watchdog (also when the merge fails)."""
+        try:
+            if self.tracer:
+                path = self.tracer.close()
+                if path:
+                    self.log.info(f"trace: {path} (open in Perfetto)")
+        finally:
+            if self.watchdog:
+                self.watchdog.close()
 
 
 def _median(sorted_values: list[float]) -> float:

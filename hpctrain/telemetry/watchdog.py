@@ -1,25 +1,42 @@
 """Never hang silently (invariant 5): a watchdog thread per rank.
 
-From the first step to the end of training, a daemon thread checks every ``poll`` seconds
-whether this rank has made no progress for ``timeout_s`` (progress: a timer phase, a
-schedule action or a communication completed; so a long step that keeps moving is fine, one
-stuck phase is not) or one communication has been in flight that long. The ``checkpoint`` phase gets
-``CHECKPOINT_FACTOR`` times the timeout (parallel file systems are slow, not stuck). If so,
-this rank writes to ``RUN_DIR/watchdog/``:
+From the first step to the end of training, a daemon thread wakes every ``poll`` seconds (1 s
+at most) and checks whether this rank has made no progress for the limit (progress: a timer
+phase, a schedule action or a communication completed; so a long step that keeps moving is
+fine, one stuck phase is not) or one communication has been in flight that long.
+
+The limit (:func:`limit_s`) is ``max(floor, factor x the slowest step so far)``:
+``telemetry.watchdog_s`` (default 600 s) and ``telemetry.watchdog_factor`` (default 10). A
+step's time includes its evaluation and checkpoint, and the longest gap without progress
+inside a step, or the longest a communication stays in flight, is shorter than the step,
+so once a step has been seen the limit is ``factor`` times anything that step contained. The
+floor covers what comes before: the first step (warm-up; progress still comes with every
+schedule action) and a first evaluation or save. Two phases do long work without progress
+events and may come first long after the slowest step seen: ``checkpoint`` gets
+``CHECKPOINT_FACTOR`` times the limit (parallel file systems are slow, not stuck) and
+``eval`` one limit per held-out batch (``train.eval_batches``: each is a forward pass of a
+global batch, less than a training step). ``factor = 0`` pins the limit to the floor (the
+fault tests). If the limit passes, this rank writes to ``RUN_DIR/watchdog/``:
 
   ``rank<R>.json``   its flight recorder: step, phase, the last N operations of
                      ``topo.recorder.ring`` (op, axis, peer rank and grid coordinates,
                      bytes, state, age)
   ``rank<R>.stack``  the Python stack of every thread (``faulthandler``)
 
-then waits ``grace`` seconds for the other ranks' records. The lowest rank that wrote one
-reads them all, prints ONE message naming the suspects (ranks with no communication in
-flight while others wait: stalled in compute, or wrote nothing at all: dead or stuck outside
-Python) and the operations the others are waiting in, writes it to ``summary.txt``, and
-aborts the whole job (``comm.abort``, exit code :data:`EXIT_CODE`). Every other rank aborts
-by itself after a second grace period, so the job ends even when rank 0 is the dead one.
+then waits ``grace`` seconds (a quarter of the limit, 2 to 120 s) for the other ranks'
+records. The lowest rank that wrote one reads them all, prints ONE message naming the
+suspects (ranks with no communication in flight while others wait: stalled in compute, or
+wrote nothing at all: dead or stuck outside Python) and the operations the others are
+waiting in, writes it to ``summary.txt``, and aborts the whole job (``comm.abort``, exit
+code :data:`EXIT_CODE`). Every other rank aborts by itself after a second grace period, so
+the job ends even when rank 0 is the dead one.
 
-The thread uses no MPI except the final abort (the main thread may sit inside a collective).
+The thread uses no MPI except the final abort (the main thread may sit inside a
+collective). It is a daemon that sleeps between checks (``poll``: a tenth of the floor, at
+most 1 s) and only reads the ring and a few numbers, so ordinary runs do not pay for it;
+:meth:`Watchdog.close` (``Telemetry.close`` at the end of the run) stops and joins it
+within one poll. After an exception the job ends through ``python -m mpi4py`` (an abort);
+if a rank's process ends without ``close``, the thread ends with it (a daemon).
 """
 
 from __future__ import annotations
@@ -39,6 +56,17 @@ EXIT_CODE = 3
 CHECKPOINT_FACTOR = 10
 
 
+def limit_s(floor: float, factor: float, slowest_step_s: float, phase: str,
+            eval_batches: int = 1) -> float:
+    """Seconds without progress after which a rank in ``phase`` counts as stuck."""
+    base = max(floor, factor * slowest_step_s)
+    if phase == "checkpoint":
+        return base * CHECKPOINT_FACTOR
+    if phase == "eval":
+        return base * max(1, eval_batches)
+    return base
+
+
 def peer_coords(topo, axis: str, peer: int) -> str:
     """Grid coordinates of rank ``peer`` of this rank's ``axis`` communicator."""
     if peer < 0:
@@ -54,14 +82,18 @@ def peer_coords(topo, axis: str, peer: int) -> str:
 
 class Watchdog:
     """Arms at the first :meth:`begin_step` and stays armed until :meth:`close` (the
-    between-step reductions are watched too). Not collective."""
+    between-step reductions are watched too); :meth:`end_step` reports each step's seconds.
+    ``timeout_s`` is the floor of the limit, ``factor`` the multiple of the slowest step.
+    Not collective."""
 
-    def __init__(self, timeout_s: float, topo, run_dir: Path, timers, ring_ops: int = 64):
-        self.timeout = float(timeout_s)
+    def __init__(self, timeout_s: float, topo, run_dir: Path, timers, factor: float = 0.0,
+                 eval_batches: int = 1, ring_ops: int = 64):
+        self.floor, self.factor, self.eval_batches = float(timeout_s), factor, eval_batches
+        self.slowest = 0.0  # seconds of the slowest step so far
         self.topo, self.timers, self.ring_ops = topo, timers, ring_ops
         self.dir = Path(run_dir) / "watchdog"
         self.rank = topo.world.rank
-        self.grace = max(2.0, 0.25 * self.timeout)
+        self.poll = min(1.0, max(0.05, self.floor / 10))
         self.step, self.t_step, self.armed = 0, 0.0, False
         self.last_progress = time.perf_counter()
         timers.listeners.append(lambda *_: self._progress())
@@ -78,25 +110,34 @@ class Watchdog:
         self.step, self.t_step = step, time.perf_counter()
         self.last_progress, self.armed = self.t_step, True
 
+    def end_step(self, step_s: float) -> None:
+        """A step took ``step_s`` seconds (evaluation and checkpoint included)."""
+        self.slowest = max(self.slowest, step_s)
+
+    def limit(self) -> float:
+        """The limit now, for the phase this rank is in."""
+        return limit_s(self.floor, self.factor, self.slowest, self.timers.current,
+                       self.eval_batches)
+
     def close(self) -> None:
+        """Stop and join the thread (within one poll). Idempotent."""
         self.armed = False
-        self.topo.recorder.listeners.remove(self._on_comm)
+        if self._on_comm in self.topo.recorder.listeners:
+            self.topo.recorder.listeners.remove(self._on_comm)
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
     # -- the thread --------------------------------------------------------------------
     def _run(self) -> None:
-        poll = min(1.0, max(0.05, self.timeout / 10))
-        while not self._stop.wait(poll):
+        while not self._stop.wait(self.poll):
             if not self.armed:
                 continue
-            now = time.perf_counter()
+            now, limit = time.perf_counter(), self.limit()
             ops = list(self.topo.recorder.ring)[-self.ring_ops:]
-            stuck = [r for r in ops if not r.completed and now - r.posted > self.timeout]
-            limit = self.timeout * (CHECKPOINT_FACTOR if self.timers.current == "checkpoint"
-                                    else 1)
+            stuck = [r for r in ops if not r.completed and now - r.posted > limit]
             if now - self.last_progress > limit or stuck:
-                self._fire(now, ops)
+                self._fire(now, ops, limit)
                 return
 
     def _record(self, now: float, ops) -> dict:
@@ -107,24 +148,25 @@ class Watchdog:
                 "host": self.topo.hostname, "pid": os.getpid(), "step": self.step,
                 "phase": self.timers.current, "step_age_s": round(now - self.t_step, 3),
                 "idle_s": round(now - self.last_progress, 3),
-                "timeout_s": self.timeout, "ops": rows}
+                "timeout_s": round(self.limit(), 3), "ops": rows}
 
-    def _fire(self, now: float, ops) -> None:
+    def _fire(self, now: float, ops, limit: float) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        grace = max(2.0, min(0.25 * limit, 120.0))
         rec = self._record(now, ops)
         tmp = self.dir / f".rank{self.rank}.json.tmp"
         tmp.write_text(json.dumps(rec, indent=1))
         tmp.replace(self.dir / f"rank{self.rank}.json")  # readers see whole records only
         with open(self.dir / f"rank{self.rank}.stack", "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
-        time.sleep(self.grace)
+        time.sleep(grace)
         records = read_records(self.dir, self.topo.world.size)
         if min(records) == self.rank:
-            msg = summarise(records, self.topo.world.size, self.timeout)
+            msg = summarise(records, self.topo.world.size, limit)
             (self.dir / "summary.txt").write_text(msg + "\n")
             print(msg, file=sys.stderr, flush=True)
         else:
-            time.sleep(self.grace)  # the summariser aborts us; if it is dead, abort anyway
+            time.sleep(grace)  # the summariser aborts us; if it is dead, abort anyway
         comm.abort(EXIT_CODE)
         os._exit(EXIT_CODE)
 

@@ -41,3 +41,129 @@ def test_prepare_then_train_on_it(tmp_path):
     assert (tmp_path / "run" / "config.toml").read_text().count("[topology]") == 1
     assert "step 3/3" in run.stdout and "tok/s" in run.stdout and "ETA" in run.stdout
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def _refused(proc, command: str = "train") -> str:
+    """Exit 2, one message on stderr (said once, by rank 0), no traceback; the message."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.stderr.count(f"hpctrain {command}: ") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+def _all_bytes(tmp_path, name="all_bytes.h5"):
+    """A prepared file whose tokens reach id 255 (byte 0xFF never occurs in UTF-8 text)."""
+    src = tmp_path / "bin"
+    src.mkdir(exist_ok=True)
+    for i in range(8):
+        (src / f"{i}.bin").write_bytes(bytes(range(256)) * 8)
+    out = tmp_path / name
+    hpctrain(["prepare", str(src), "--out", str(out)])
+    return out
+
+
+def test_vocabulary_smaller_than_the_data_is_refused(tmp_path):
+    """At tp=1 an id past the vocabulary was an IndexError in the loss; at tp>1 a target
+    outside every shard counted as logit 0 (a wrong loss, silently). Refused before any
+    collective, by train and by plan, with the file, its largest id and the vocabulary."""
+    data = _all_bytes(tmp_path)
+    sets = ["--set", f'data.path="{data}"', "--set", "model.vocab_size=255"]
+    err = _refused(hpctrain(["train", TINY, "--run-dir", str(tmp_path / "r1"), *sets],
+                            check=False))
+    assert f"data.path={data}: largest token id 255" in err and "model.vocab_size=255" in err
+    assert not (tmp_path / "r1").exists()
+    err = _refused(hpctrain(["plan", TINY, "--world-size", "1", *sets], check=False), "plan")
+    assert "largest token id 255" in err
+    # tp = 2 (the silent case) under mpirun: every rank refuses, rank 0 says it once.
+    proc = mpirun(2, ["-m", "hpctrain", "train", TINY, "--run-dir", str(tmp_path / "r2"),
+                      "--set", "topology.tp=2", *sets], check=False, timeout=60)
+    assert "largest token id 255" in _refused(proc)
+    # The embedded corpus: its largest id (computed from its tokens) against vocab 100.
+    err = _refused(hpctrain(["plan", TINY, "--world-size", "1", "--set",
+                             "model.vocab_size=100"], check=False), "plan")
+    assert "the embedded corpus" in err and "model.vocab_size=100" in err
+    hpctrain(["plan", TINY, "--world-size", "1", "--set", "model.vocab_size=256", *sets[:2]])
+
+
+def test_old_data_file_without_the_attribute(tmp_path):
+    """Prepared before max_token_id was recorded: the largest id is computed from the tokens."""
+    import h5py
+
+    data = _all_bytes(tmp_path)
+    with h5py.File(data, "a") as f:
+        del f.attrs["max_token_id"]
+    err = _refused(hpctrain(["train", TINY, "--run-dir", str(tmp_path / "r"), "--set",
+                             f'data.path="{data}"', "--set", "model.vocab_size=200"],
+                            check=False))
+    assert "largest token id 255" in err and "model.vocab_size >= 256" in err
+
+
+def _damaged_inputs(tmp_path) -> dict:
+    """name -> (extra CLI args, what stderr must say). The run directory is tmp_path/run."""
+    import h5py
+    import numpy as np
+
+    data = _all_bytes(tmp_path)
+    raw = data.read_bytes()
+    (tmp_path / "truncated.h5").write_bytes(raw[: len(raw) // 3])
+    with h5py.File(tmp_path / "foreign.h5", "w") as f:
+        f.create_dataset("weights", data=np.ones((3, 3)))
+    (tmp_path / "a_file").write_text("not a directory\n")
+    d = lambda p: ["--set", f'data.path="{p}"']  # noqa: E731
+    return {
+        "truncated": (d(tmp_path / "truncated.h5"), "cannot be read as HDF5"),
+        "foreign": (d(tmp_path / "foreign.h5"), "is not an hpctrain data file"),
+        "missing data": (d(tmp_path / "nope.h5"), "nope.h5 does not exist"),
+        "run dir is a file": (["--run-dir", str(tmp_path / "a_file")], "is not a directory"),
+        "run dir under a file": (["--run-dir", str(tmp_path / "a_file" / "run")],
+                                 "is not a directory"),
+        "checkpoint dir is a file": (["--set", f'checkpoint.dir="{tmp_path / "a_file"}"'],
+                                     "is not a directory"),
+        "missing resume": (["--set", f'checkpoint.resume="{tmp_path / "nock.h5"}"'],
+                           "no checkpoint there"),
+        "missing config": (["--config", str(tmp_path / "nope.toml")], "does not exist"),
+    }
+
+
+def test_damaged_inputs_are_refused_and_nothing_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text("# an earlier run's\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    for name, (extra, says) in _damaged_inputs(tmp_path).items():
+        args = ["train", TINY, "--run-dir", str(run_dir)]
+        if extra[0] == "--config":
+            args[1] = extra[1]
+        elif extra[0] == "--run-dir":
+            args[3] = extra[1]
+        else:
+            args += extra
+        err = _refused(hpctrain(args, check=False))
+        assert says in err, (name, err)
+        assert len(err.strip().splitlines()) == 1, (name, err)
+        assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before, name
+        assert (tmp_path / "a_file").read_text() == "not a directory\n"
+
+
+def test_damaged_data_on_every_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text("# an earlier run's\n")
+    extra, says = _damaged_inputs(tmp_path)["truncated"]
+    proc = mpirun(2, ["-m", "hpctrain", "train", TINY, "--run-dir", str(run_dir),
+                      "--set", "topology.dp=2", *extra], check=False, timeout=60)
+    assert says in _refused(proc)
+    assert (run_dir / "config.toml").read_text() == "# an earlier run's\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml"]
+
+
+def test_prepare_reports_bad_sources_in_one_line(tmp_path):
+    for args, says in [([str(tmp_path / "nope.txt")], "neither a file nor a directory"),
+                       ([str(tmp_path)], "no input documents")]:
+        p = hpctrain(["prepare", *args, "--out", str(tmp_path / "x.h5")], check=False)
+        assert p.returncode == 2 and p.stderr.startswith("hpctrain prepare: "), p.stderr
+        assert says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    (tmp_path / "a.txt").write_text("some text\n" * 10)
+    p = hpctrain(["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "d.h5")])
+    assert "largest token id 120" in p.stdout  # 'x'

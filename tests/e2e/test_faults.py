@@ -15,6 +15,9 @@ from launch import assert_same, baseline, mpirun, read_params, read_run, rel_err
 pytestmark = pytest.mark.e2e
 
 WATCHDOG_S = 8
+# A fixed limit of WATCHDOG_S (watchdog_factor=0): the default would raise it to 10x the
+# slowest step, and these tests count on the watchdog firing after WATCHDOG_S.
+PINNED = "telemetry.watchdog_factor=0"
 MARGIN_S = 60  # start-up of 2 ranks on a loaded machine, grace periods, abort
 
 
@@ -28,7 +31,7 @@ def launch(run_dir, n, *overrides, timeout, mpirun_args=()):
 def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, session_dir):
     run_dir = tmp_path / "killed"
     proc = launch(run_dir, 2, "topology.dp=2", "checkpoint.every=2",
-                     f"telemetry.watchdog_s={WATCHDOG_S}", 'telemetry.faults="kill@1:3"',
+                     f"telemetry.watchdog_s={WATCHDOG_S}", PINNED, 'telemetry.faults="kill@1:3"',
                      timeout=WATCHDOG_S + MARGIN_S)  # a hang raises TimeoutExpired
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
@@ -48,7 +51,7 @@ def test_killed_rank_under_a_launcher_that_waits_is_ended_by_the_watchdog(tmp_pa
     # all-reduce until its watchdog names the dead rank and aborts. (In this mode mpirun
     # reports exit status 0 whatever the ranks return, so only the ending is checked.)
     run_dir = tmp_path / "killed_recovery"
-    proc = launch(run_dir, 2, "topology.dp=2", f"telemetry.watchdog_s={WATCHDOG_S}",
+    proc = launch(run_dir, 2, "topology.dp=2", f"telemetry.watchdog_s={WATCHDOG_S}", PINNED,
                   'telemetry.faults="kill@1:2"', timeout=WATCHDOG_S + MARGIN_S,
                   mpirun_args=("--enable-recovery",))
     msg = (run_dir / "watchdog" / "summary.txt").read_text()
@@ -60,7 +63,7 @@ def test_killed_rank_under_a_launcher_that_waits_is_ended_by_the_watchdog(tmp_pa
 
 def test_stalled_rank_is_named_by_the_watchdog(tmp_path):
     run_dir = tmp_path / "stalled"
-    proc = launch(run_dir, 2, "topology.dp=2", f"telemetry.watchdog_s={WATCHDOG_S}",
+    proc = launch(run_dir, 2, "topology.dp=2", f"telemetry.watchdog_s={WATCHDOG_S}", PINNED,
                      'telemetry.faults="stall@1:2:600"', timeout=WATCHDOG_S + MARGIN_S)
     assert proc.returncode != 0
     msg = (run_dir / "watchdog" / "summary.txt").read_text()
@@ -113,3 +116,22 @@ def test_exception_on_one_rank_aborts_all(tmp_path):
     assert "injected fault: rank 1 raises at step 2" in proc.stderr
     assert not (tmp_path / "raise" / "checkpoints" / "latest").exists()
     assert len(read_run(tmp_path / "raise").metrics) == 1
+
+
+@pytest.mark.parametrize("factor", [10, 0])
+def test_slow_steps_raise_the_watchdog_limit(tmp_path, factor):
+    # Every step is slowed by 0.6 s, then step 3 pauses 4.5 s without progress: longer than
+    # the 3 s floor, shorter than 10 x the slowest step (>= 6 s). The adaptive limit lets the
+    # run finish; pinned (factor 0) the same pause fires the watchdog.
+    run_dir = tmp_path / f"factor{factor}"
+    proc = launch(run_dir, 1, "train.steps=4", "telemetry.watchdog_s=3",
+                  f"telemetry.watchdog_factor={factor}",
+                  'telemetry.faults="slow@0:1:0.6;stall@0:3:4.5"', timeout=MARGIN_S + 30)
+    fired = (run_dir / "watchdog" / "summary.txt").is_file()
+    if factor:
+        assert proc.returncode == 0 and not fired, proc.stderr[-3000:]
+        assert len(read_run(run_dir).metrics) == 4
+        assert "watchdog max(3 s, 10 x slowest step)" in proc.stdout
+    else:
+        assert proc.returncode != 0 and fired, proc.stderr[-3000:]
+        assert "no progress for 3 s" in proc.stderr

@@ -6,7 +6,8 @@ The demo model (4x128, seq 128, 4 ranks) takes minutes per run on the shared 2-c
 machine, so this uses the tiny preset at 2 layers (same code paths, 50 steps).
 
 float16: dynamic loss scaling. A deliberately huge initial scale overflows; those steps are
-skipped (no update, scale halved) until the scale fits, then the model trains.
+skipped (no update, scale halved) until the scale fits, then the model trains; and the MoE
+auxiliary losses are scaled like the token loss (their gradients match float32).
 """
 
 import math
@@ -52,3 +53,26 @@ def test_fp16_loss_scaling_skips_overflow_and_trains(tmp_path):
     assert not math.isfinite(m[0]["grad_norm"])  # the huge initial scale overflows
     assert all(math.isfinite(x) for x in run.losses)
     assert run.losses[-3:].mean() < run.losses[:3].mean() - 0.05  # and it still trains
+
+
+MOE = ("model.num_experts=4", "model.moe_every=1", "train.steps=1")
+
+
+def test_fp16_moe_auxiliary_losses_keep_their_weight(tmp_path):
+    """float16 multiplies the token loss by the loss scale before backward and divides every
+    gradient by it after; the MoE aux/z-loss gradients must be scaled alike, or they end up
+    ``loss_scale`` times too small. Heavy aux/z coefficients make them most of the step-1
+    gradient: float16 must match float32 there (a float32 run without them shows they matter).
+    The initial scale 1024 keeps step 1 finite."""
+    heavy = ("model.aux_loss_coef=1.0", "model.z_loss_coef=1.0")
+    f16 = train_cli(tmp_path / "f16", 1, *SMALL, *MOE, *heavy, 'model.dtype="float16"',
+                    "optim.loss_scale=1024")
+    f32 = train_cli(tmp_path / "f32", 1, *SMALL, *MOE, *heavy, 'model.dtype="float32"')
+    light = train_cli(tmp_path / "light", 1, *SMALL, *MOE, 'model.dtype="float32"',
+                      "model.aux_loss_coef=0.0", "model.z_loss_coef=0.0")
+    assert f16.metrics[0]["loss_scale"] == 1024 and f16.metrics[0]["skipped_steps"] == 0
+    n16, n32, n0 = f16.grad_norms[0], f32.grad_norms[0], light.grad_norms[0]
+    assert abs(n32 - n0) > 0.2 * n32, (n32, n0)  # the aux/z terms dominate the gradient
+    assert abs(n16 - n32) <= 0.01 * n32, f"float16 grad norm {n16} vs float32 {n32} " \
+                                          f"(without aux/z losses: {n0})"
+    assert f16.metrics[0]["moe_z_loss"] == pytest.approx(f32.metrics[0]["moe_z_loss"], 1e-2)

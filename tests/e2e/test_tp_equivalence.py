@@ -5,7 +5,7 @@ shape read back from the checkpoint each layout wrote)."""
 import os
 
 import pytest
-from launch import assert_same, baseline, train_cli
+from launch import TINY, assert_same, baseline, train_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -56,11 +56,19 @@ def test_tp_float32_equals_one_rank(tmp_path, session_dir):
 
 
 def test_vocab_not_divisible_by_tp(tmp_path, session_dir):
-    # 255 rows over tp=2: 128 + 127 and one padding row that must never count, in the loss,
-    # the gradient norm, the update or the checkpoint (global shape (255, C)). Tied
-    # embeddings send the head's gradient into the same padded table.
-    common = ("model.vocab_size=255", "model.tie_embeddings=true")
+    # The smallest odd vocabulary that covers the data's largest token id (a smaller one is
+    # refused before the run: tests/e2e/test_cli.py), so targets fall in both shards, the
+    # last row included. Over tp=2: (V+1)/2 + (V-1)/2 rows and one padding row that must
+    # never count, in the loss, the gradient norm, the update or the checkpoint (global
+    # shape (V, C)). Tied embeddings send the head's gradient into the same padded table.
+    from hpctrain.config import load
+    from hpctrain.data import summarize
+
+    data = load(TINY).data
+    top = summarize(data.path, data.corpus_mb, data.val_fraction).max_id
+    V = top + 1 if (top + 1) % 2 else top + 2
+    common = (f"model.vocab_size={V}", "model.tie_embeddings=true")
     ref = baseline(session_dir, *common)
-    assert ref.params["model/embed"].shape[0] == 255
-    run = train_cli(tmp_path / "v255", 2, "topology.tp=2", SP, *common)
-    assert_same(run, ref, rel=1e-9, what="vocab 255, tp=2, sp")
+    assert ref.params["model/embed"].shape[0] == V and V % 2 == 1
+    run = train_cli(tmp_path / f"v{V}", 2, "topology.tp=2", SP, *common)
+    assert_same(run, ref, rel=1e-9, what=f"vocab {V} (largest id {top}), tp=2, sp")

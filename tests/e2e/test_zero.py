@@ -5,6 +5,7 @@ losses, gradient norms, final parameters and the checkpointed optimizer state eq
 one-rank run (invariant 1, rel <= 1e-9), and each rank holds 1/dp of the optimizer state.
 """
 
+import h5py
 import pytest
 from launch import TINY, assert_same, baseline, read_params, rel_err, train_cli
 
@@ -52,15 +53,48 @@ def test_zero_equals_one_rank(tmp_path, session_dir, zero, dp, overlap):
 
 
 def test_zero_resume_continues_exactly(tmp_path, session_dir):
-    """Save at step 3 under ZeRO-2, resume under ZeRO-1 on 2 ranks: same as one rank."""
+    """Save at step 3 under ZeRO-2 on 4 ranks; resume in a fresh run directory under ZeRO-1
+    on 2 ranks: its first recorded step is 4 (a resume, not a restart) and steps 4-5, the
+    final parameters and the optimizer state equal the one-rank run's."""
     ref = baseline(session_dir)
-    d = tmp_path / "run"
-    train_cli(d, 4, "topology.dp=4", "optim.zero=2", "train.steps=3", "optim.decay_steps=5")
-    run = train_cli(d, 2, "topology.dp=2", "optim.zero=1", "train.steps=5",
-                    "optim.decay_steps=5", 'checkpoint.resume="auto"')
-    assert run.metrics[-1]["step"] == 5
+    first = train_cli(tmp_path / "first", 4, "topology.dp=4", "optim.zero=2", "train.steps=3",
+                      "optim.decay_steps=5")
+    assert [m["step"] for m in first.metrics] == [1, 2, 3]
+    assert rel_err(first.losses, ref.losses[:3]) <= 1e-9
+    saved = first.run_dir / "checkpoints" / "step_00000003.h5"
+    run = train_cli(tmp_path / "resumed", 2, "topology.dp=2", "optim.zero=1", "train.steps=5",
+                    "optim.decay_steps=5", f"checkpoint.resume={saved}")
+    assert [m["step"] for m in run.metrics] == [4, 5], "not resumed at step 4"
+    assert rel_err(run.losses, ref.losses[3:]) <= 1e-9, (run.losses, ref.losses)
+    assert rel_err(run.grad_norms, ref.grad_norms[3:]) <= 1e-9
+    assert set(run.params) == set(ref.params)
     for name, value in ref.params.items():
         assert rel_err(run.params[name], value) <= 1e-9, name
+    ref_state, state = _optim_state(ref), _optim_state(run)
+    assert set(state) == set(ref_state) and ref_state
+    for name, value in ref_state.items():
+        assert rel_err(state[name], value) <= 1e-9, name
+
+
+def test_skipped_step_after_resume_keeps_the_loaded_state(tmp_path):
+    """Resume under ZeRO-1, the first step is skipped (a poisoned gradient: the numeric
+    guard applies no update), then saved: the file holds the loaded moments, bit for bit,
+    not the shards as they were before the load."""
+    z = ("topology.dp=2", "optim.zero=1")
+    first = train_cli(tmp_path / "first", 2, *z, "train.steps=3")
+    saved = first.run_dir / "checkpoints" / "step_00000003.h5"
+    run = train_cli(tmp_path / "resumed", 2, *z, "train.steps=4", "checkpoint.every=1",
+                    f"checkpoint.resume={saved}", 'telemetry.faults="poison@0:4"')
+    assert [(m["step"], m["skipped"]) for m in run.metrics] == [(4, True)], run.metrics
+    after = run.run_dir / "checkpoints" / "step_00000004.h5"
+    want, got = read_params(saved, ""), read_params(after, "")
+    want.pop("rng/torch"), got.pop("rng/torch")
+    assert set(got) == set(want) and any(k.startswith("optim/") for k in want)
+    for name, value in want.items():
+        assert (got[name] == value).all(), f"{name} changed across a skipped step"
+    assert any((v != 0).any() for k, v in want.items() if k.endswith("exp_avg_sq"))
+    with h5py.File(after, "r") as f:
+        assert f.attrs["step"] == 4 and f.attrs["optim_step"] == 3
 
 
 def test_zero2_with_tp(tmp_path, session_dir):

@@ -137,3 +137,23 @@ def test_non_contiguous_rejected(world):
     t = torch.zeros(4, 4)[:, 0]
     with pytest.raises(ValueError, match="contiguous"):
         _buffer(t)
+
+
+def test_tag_ub_of_every_axis_and_its_top_tag_works(world):
+    from mpi4py import MPI
+
+    from hpctrain.config import TopologyConfig
+    from hpctrain.topology import Topology
+
+    ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    assert world.tag_ub == ub >= 32767  # the least the MPI standard allows
+    topo = Topology(TopologyConfig(pp=world.size), world)  # Split, Create_cart, Cart_sub
+    for g in (topo.pp_comm, topo.dp_comm, topo.tp_comm, topo.node_comm):
+        assert g.tag_ub == ub, g
+    n, r = world.size, world.rank
+    got = torch.empty(2)
+    hr = topo.pp_comm.irecv(got, source=(r - 1) % n, tag=topo.pp_comm.tag_ub)
+    hs = topo.pp_comm.isend(torch.full((2,), float(r)), dest=(r + 1) % n,
+                            tag=topo.pp_comm.tag_ub)
+    comm.wait_all([hs, hr])
+    assert got.tolist() == [float((r - 1) % n)] * 2

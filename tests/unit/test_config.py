@@ -104,8 +104,8 @@ def test_unknown_key_lists_valid_keys():
     (["schedule.kind=\"zigzag\""], 1, r"schedule.kind='zigzag'"),
     (["topology.pp=8", "schedule.kind=\"interleaved\"", "schedule.virtual_stages=2"], 8,
      r"n_layers=8 < pp\*virtual_stages = 8\*2"),
-    (["optim.zero=3"], 1, r"optim.zero must be 0, 1 or 2"),
-    (["topology.tp=0"], 1, r"topology.tp must be >= 1"),
+    (["optim.zero=3"], 1, r"optim.zero=3 must be 0, 1 or 2"),
+    (["topology.tp=0"], 1, r"topology.tp=0 must be >= 1"),
     (["optim.reduction=\"ring\""], 1, r"optim.reduction='ring'; valid: bucketed, "),
     (["topology.dp=2", "optim.zero=1", "optim.reduction=\"per-parameter\""], 2,
      r"optim.reduction=per-parameter needs optim.zero=0"),
@@ -124,3 +124,84 @@ def test_all_errors_reported_together():
 
 def test_defaults_are_a_valid_config():
     validate(Config(), 1)
+
+
+# Values that are accepted by the types but cannot mean anything: each is refused before any
+# collective with the key, the value and the rule (each case alone on an otherwise valid
+# config, so the message is the only error).
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.lr=-0.1"], "optim.lr=-0.1 must be >= 0"),
+    (["optim.beta1=1.0"], "optim.beta1=1.0 must be in [0, 1)"),
+    (["optim.beta1=-0.5"], "optim.beta1=-0.5 must be in [0, 1)"),
+    (["optim.beta2=1.5"], "optim.beta2=1.5 must be in [0, 1)"),
+    (["optim.eps=0"], "optim.eps=0.0 must be > 0"),
+    (["optim.eps=-1e-8"], "optim.eps=-1e-08 must be > 0"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be >= 0"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps=-1 must be >= 0"),
+    (["optim.decay_steps=-5"], "optim.decay_steps=-5 must be >= 0"),
+    (["optim.grad_clip=-1"], "optim.grad_clip=-1.0 must be >= 0"),
+    (["optim.loss_scale=-2"], "optim.loss_scale=-2.0 must be > 0"),
+    (["optim.min_lr=0.5"], "optim.min_lr=0.5 must be <= optim.lr=0.002"),
+    (["optim.min_lr=-1e-4"], "optim.min_lr=-0.0001 must be >= 0"),
+    (["model.d_ff=-64"], "model.d_ff=-64 must be >= 0"),
+    (["model.init_std=-0.02"], "model.init_std=-0.02 must be >= 0"),
+    (["model.norm_eps=0"], "model.norm_eps=0.0 must be > 0"),
+    (["model.norm_eps=-1e-5"], "model.norm_eps=-1e-05 must be > 0"),
+    (["model.num_experts=-1"], "model.num_experts=-1 must be >= 0"),
+    (["model.num_experts=4", "model.capacity_factor=-1"],
+     "model.capacity_factor=-1.0 must be >= 0"),
+    (["model.num_experts=4", "model.moe_every=9"],
+     "model.moe_every=9 > model.n_layers=8: no layer would have experts"),
+    (["model.num_experts=4", "model.aux_loss_coef=-1"], "model.aux_loss_coef=-1.0 must be >= 0"),
+    (["model.num_experts=4", "model.z_loss_coef=-1"], "model.z_loss_coef=-1.0 must be >= 0"),
+    (["model.num_experts=4", "model.top_k=3"], "model.top_k=3 must be 1 or 2"),
+    (["data.corpus_mb=-1"], "data.corpus_mb=-1.0 must be > 0"),
+    (["data.val_fraction=1.5"], "data.val_fraction=1.5 must be in [0, 1)"),
+    (["schedule.virtual_stages=2"],
+     "schedule.virtual_stages=2 is used only by schedule.kind='interleaved'"),
+    (["schedule.kind=\"zb-h1\"", "schedule.virtual_stages=4"],
+     "schedule.virtual_stages=4 is used only by schedule.kind='interleaved', not 'zb-h1'"),
+    (["train.log_every=-1"], "train.log_every=-1 must be >= 0"),
+    (["train.max_wall_s=-1"], "train.max_wall_s=-1.0 must be >= 0"),
+    (["train.slurm_margin_s=-1"], "train.slurm_margin_s=-1.0 must be >= 0"),
+    (["train.seed=-1"], "train.seed=-1 must be in [0, 2**63)"),
+    (["train.seed=9223372036854775808"], "train.seed must be a 64-bit integer, got 922337"),
+    (["model.d_model=1e400"], "model.d_model must be an integer"),
+    (["optim.lr=1" + "0" * 400], "optim.lr must be a finite number"),
+    (["train.eval_every=1", "train.target_val_loss=-1"],
+     "train.target_val_loss=-1.0 must be >= 0"),
+    (["checkpoint.keep=-1"], "checkpoint.keep=-1 must be >= 0"),
+    (["checkpoint.every=-2"], "checkpoint.every=-2 must be >= 0"),
+    (["checkpoint.alignment=-4096"], "checkpoint.alignment=-4096 must be >= 0"),
+    (["optim.lr=nan"], "optim.lr must be a finite number, got nan"),
+    (["optim.lr=inf"], "optim.lr must be a finite number, got inf"),
+    (["data.corpus_mb=-inf"], "data.corpus_mb must be a finite number, got -inf"),
+])
+def test_values_that_cannot_mean_anything(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        validate(load(TINY, overrides), 1)
+    assert message in str(e.value), str(e.value)
+
+
+def test_holes_are_reported_together_with_the_rest():
+    with pytest.raises(ConfigError) as e:
+        validate(load(TINY, ["optim.lr=-1", "optim.eps=0", "model.norm_eps=0",
+                             "topology.tp=3"]), 2)
+    text = str(e.value)
+    for part in ("optim.lr=-1.0 must be >= 0", "optim.eps=0.0 must be > 0",
+                 "model.norm_eps=0.0 must be > 0", "n_heads=8", "world has 2"):
+        assert part in text, text
+
+
+@pytest.mark.parametrize("overrides", [
+    ["optim.lr=0", "optim.min_lr=0"],  # a frozen model is a legal (if useless) run
+    ["optim.beta1=0", "optim.beta2=0"],
+    ["model.d_ff=0"],  # 0: 4 * d_model
+    ["model.num_experts=4", "model.moe_every=8"],  # one expert layer, the last
+    ["model.num_experts=0", "model.moe_every=99"],  # ignored by a dense model
+    ["checkpoint.keep=0"],  # keep every checkpoint
+    ["train.log_every=0"],  # treated as 1
+    ["topology.pp=2", "schedule.kind=\"interleaved\"", "schedule.virtual_stages=2"],
+])
+def test_edges_that_stay_valid(overrides):
+    validate(load(TINY, overrides), 2 if "topology.pp=2" in overrides else 1)

@@ -4,7 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain.data import Sampler, is_validation, load_tokens, prepare, stdlib_documents
+from hpctrain.data import (
+    DataError,
+    Sampler,
+    fit_problems,
+    is_validation,
+    load_tokens,
+    prepare,
+    stdlib_documents,
+    summarize,
+)
 
 TOKENS = np.arange(5000, dtype=np.int64) % 251
 
@@ -66,10 +75,102 @@ def test_prepare_roundtrip_and_split_by_document(tmp_path):
 
 
 def test_prepare_missing_source(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(DataError, match="nope.txt is neither a file nor a directory"):
         prepare([str(tmp_path / "nope.txt")], str(tmp_path / "x.h5"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no input documents"):
+        prepare([str(tmp_path / "empty")], str(tmp_path / "x.h5"))
+    (tmp_path / "a.txt").write_text("text\n")
+    with pytest.raises(DataError, match="cannot write"):
+        prepare([str(tmp_path / "a.txt")], str(tmp_path / "a.txt" / "x.h5"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "empty"]
 
 
 def test_load_missing_dataset_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="hpctrain prepare"):
+    with pytest.raises(DataError, match="hpctrain prepare"):
         load_tokens(str(tmp_path / "none.h5"))
+
+
+def _prepared(tmp_path, payload: bytes, name="data.h5") -> str:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    for i in range(20):
+        (src / f"d{i:02d}.bin").write_bytes(payload + bytes([i]))
+    out = tmp_path / name
+    prepare([str(src)], str(out), val_fraction=0.2)
+    return str(out)
+
+
+def test_prepare_records_tokenizer_and_largest_id(tmp_path):
+    path = _prepared(tmp_path, b"hello \xf0\x9f\x99\x82 world\n" * 50)
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        assert f.attrs["tokenizer"] == "bytes" and int(f.attrs["max_token_id"]) == 0xF0
+    s = summarize(path)
+    assert (s.tokenizer, s.max_id) == ("bytes", 0xF0)
+    assert s.tokens["train"] + s.tokens["val"] == 20 * (len(b"hello \xf0\x9f\x99\x82 world\n")
+                                                        * 50 + 1)
+
+
+def test_a_file_without_the_attribute_is_read_for_its_largest_id(tmp_path):
+    """Files prepared before max_token_id was recorded: computed from the tokens."""
+    import h5py
+
+    path = _prepared(tmp_path, bytes(range(256)) * 4)
+    with h5py.File(path, "a") as f:
+        del f.attrs["max_token_id"]
+    assert summarize(path).max_id == 255
+    assert "largest token id 255" in " ".join(fit_problems(summarize(path), 255, 16, 0))
+
+
+def test_embedded_corpus_largest_id_is_computed_from_its_tokens():
+    s = summarize("", corpus_mb=0.2)
+    train, val = load_tokens("", "train", corpus_mb=0.2), load_tokens("", "val", corpus_mb=0.2)
+    assert s.max_id == max(int(train.tokens.max()), int(val.tokens.max()))
+    assert s.tokens == {"train": len(train.tokens), "val": len(val.tokens)}
+    assert s.tokenizer == "bytes" and "embedded corpus" in s.where
+    assert summarize("", corpus_mb=0.2) is s  # cached: validation does not read it again
+
+
+def test_vocabulary_must_cover_the_data(tmp_path):
+    path = _prepared(tmp_path, bytes(range(200)) * 4)
+    s = summarize(path)
+    assert fit_problems(s, 201, 16, 0) == []  # ids 0..199 plus the document numbers < 20
+    (msg,) = fit_problems(s, 199, 16, 0)
+    assert path in msg and "largest token id 199" in msg and "model.vocab_size=199" in msg
+    assert "model.vocab_size >= 200" in msg
+    assert fit_problems(s, 200, 16, 0) == []
+
+
+def test_too_few_tokens_for_the_sequence_length(tmp_path):
+    s = summarize(_prepared(tmp_path, b"ab"))
+    (msg,) = fit_problems(s, 256, 64, 0)
+    assert "train split has" in msg and "seq_len+2 = 66" in msg
+    assert any("validation split" in m for m in fit_problems(s, 256, 16, 5))
+
+
+def test_damaged_and_foreign_files_are_refused(tmp_path):
+    import h5py
+
+    good = _prepared(tmp_path, b"some text\n" * 200)
+    data = open(good, "rb").read()
+    cut = tmp_path / "truncated.h5"
+    cut.write_bytes(data[: len(data) // 2])
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f.create_dataset("images", data=np.zeros((4, 4)))
+    floats = tmp_path / "floats.h5"
+    with h5py.File(floats, "w") as f:
+        f.create_dataset("train/tokens", data=np.zeros(100))
+        f.create_dataset("val/tokens", data=np.zeros(100))
+    text = tmp_path / "text.h5"
+    text.write_text("not hdf5 at all\n")
+    for path, why in [(cut, "cannot be read as HDF5"), (foreign, "not an hpctrain data file"),
+                      (floats, "integer token ids"), (text, "cannot be read as HDF5"),
+                      (tmp_path / "none.h5", "does not exist")]:
+        for call in (lambda p: summarize(str(p)), lambda p: load_tokens(str(p))):
+            with pytest.raises(DataError) as e:
+                call(path)
+            assert str(path) in str(e.value) and why in str(e.value), str(e.value)
+            assert "\n" not in str(e.value)

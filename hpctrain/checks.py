@@ -1,0 +1,189 @@
+"""The configuration's rules: every reason a :class:`~hpctrain.config.Config` cannot run on a
+world size, as messages that name the key, its value and the rule (``optim.eps=0.0 must be >
+0``) or show the arithmetic (``dp*tp*pp = 2*1*1 = 2 but the world has 4 ranks``).
+
+Pure, no MPI, imports only ``config``: :func:`hpctrain.validate.validate` calls
+:func:`problems` first, on every rank, before any collective, and reports everything it finds
+at once. Types and unknown keys are refused earlier, when the config is read
+(:func:`hpctrain.config.load`); what needs the pipeline split or the schedule builder is asked
+by ``validate`` of a config that passes these.
+"""
+
+from __future__ import annotations
+
+from .config import REDUCTIONS, Config
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def problems(cfg: Config, world_size: int) -> list[str]:
+    """Every reason why ``cfg`` cannot run on ``world_size`` ranks; [] when none."""
+    top = cfg.topology
+    bad = [f"topology.{a}={getattr(top, a)} must be >= 1" for a in ("dp", "tp", "pp", "ep")
+           if getattr(top, a) < 1]
+    if bad:
+        return bad
+    errors: list[str] = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    for check in (_check_layout, _check_model, _check_experts, _check_batch, _check_optim,
+                  _check_schedule, _check_run):
+        check(cfg, world_size, need)
+    return errors
+
+
+def _value(cfg: Config, name: str):
+    section, key = name.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _at_least(cfg: Config, need, lo, *names: str) -> None:
+    """``name=value must be >= lo`` for each of ``names`` (dotted keys)."""
+    for name in names:
+        v = _value(cfg, name)
+        need(v >= lo, f"{name}={v!r} must be >= {lo}")
+
+
+def _above(cfg: Config, need, lo, *names: str) -> None:
+    """``name=value must be > lo`` for each of ``names``."""
+    for name in names:
+        v = _value(cfg, name)
+        need(v > lo, f"{name}={v!r} must be > {lo}")
+
+
+def _fraction(cfg: Config, need, *names: str) -> None:
+    """``name=value must be in [0, 1)`` for each of ``names``."""
+    for name in names:
+        v = _value(cfg, name)
+        need(0 <= v < 1, f"{name}={v!r} must be in [0, 1)")
+
+
+def _one_of(cfg: Config, need, valid, name: str) -> None:
+    v = _value(cfg, name)
+    need(v in valid, f"{name}={v!r}; valid: {', '.join(str(x) for x in valid)}")
+
+
+def _check_layout(cfg: Config, world_size: int, need) -> None:
+    top, o = cfg.topology, cfg.optim
+    n = top.dp * top.tp * top.pp
+    need(
+        n == world_size,
+        f"layout dp*tp*pp = {top.dp}*{top.tp}*{top.pp} = {n} but the world has {world_size} "
+        f"ranks; set topology.dp/tp/pp so that the product is {world_size}",
+    )
+    need(top.dp % top.ep == 0, f"topology.ep={top.ep} must divide topology.dp={top.dp} "
+         "(expert parallelism is carved out of data parallelism)")
+    _one_of(cfg, need, ("auto", "naive"), "topology.placement")
+    _one_of(cfg, need, ("flat", "hierarchical"), "topology.dp_reduction")
+    need(top.dp_reduction == "flat" or (o.zero == 0 and not o.overlap),
+         "topology.dp_reduction=hierarchical needs optim.zero=0 and optim.overlap=false")
+    need(o.zero in (0, 1, 2), f"optim.zero={o.zero} must be 0, 1 or 2")
+    _one_of(cfg, need, REDUCTIONS, "optim.reduction")
+    need(o.reduction == "bucketed" or (o.zero == 0 and not o.overlap
+                                       and top.dp_reduction == "flat"),
+         f"optim.reduction={o.reduction} needs optim.zero=0, optim.overlap=false and "
+         "topology.dp_reduction=flat (it replaces the bucketed reduction they use)")
+    _above(cfg, need, 0, "optim.bucket_mb")
+
+
+def _check_model(cfg: Config, world_size: int, need) -> None:
+    top, m, t = cfg.topology, cfg.model, cfg.train
+    _one_of(cfg, need, DTYPES, "model.dtype")
+    _one_of(cfg, need, ("cpu", "cuda"), "model.device")
+    _at_least(cfg, need, 1, "model.n_layers", "model.d_model", "model.n_heads")
+    _at_least(cfg, need, 2, "model.vocab_size")
+    _at_least(cfg, need, 0, "model.d_ff", "model.init_std")
+    _above(cfg, need, 0, "model.norm_eps")
+    need(m.d_model % max(m.n_heads, 1) == 0,
+         f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    need(m.n_heads % top.tp == 0,
+         f"model.n_heads={m.n_heads} is not divisible by topology.tp={top.tp} "
+         "(attention is split by heads)")
+    need(m.ffn_dim % top.tp == 0,
+         f"model.d_ff={m.ffn_dim} is not divisible by topology.tp={top.tp} "
+         "(the MLP is split on its hidden dimension)")
+    if top.sequence_parallel:
+        need(t.seq_len % top.tp == 0,
+             f"train.seq_len={t.seq_len} is not divisible by topology.tp={top.tp} "
+             "(sequence parallelism splits the sequence over tp)")
+    if m.tie_embeddings:
+        need(top.pp == 1, "model.tie_embeddings needs topology.pp=1 (the embedding and the "
+             "head would live on different pipeline stages)")
+
+
+def _check_experts(cfg: Config, world_size: int, need) -> None:
+    top, m = cfg.topology, cfg.model
+    _at_least(cfg, need, 0, "model.num_experts")
+    if m.num_experts <= 0:
+        need(top.ep == 1, "topology.ep > 1 needs an MoE model (model.num_experts > 0)")
+        return
+    need(m.num_experts % top.ep == 0,
+         f"model.num_experts={m.num_experts} is not divisible by topology.ep={top.ep}")
+    need(m.top_k in (1, 2) and m.top_k <= m.num_experts,
+         f"model.top_k={m.top_k} must be 1 or 2 and <= model.num_experts={m.num_experts}")
+    _at_least(cfg, need, 1, "model.moe_every")
+    need(m.moe_every <= m.n_layers,
+         f"model.moe_every={m.moe_every} > model.n_layers={m.n_layers}: no layer would have "
+         f"experts (model.num_experts={m.num_experts}); lower moe_every or set num_experts=0")
+    _at_least(cfg, need, 0, "model.capacity_factor", "model.aux_loss_coef",
+              "model.z_loss_coef")
+
+
+def _check_batch(cfg: Config, world_size: int, need) -> None:
+    top, t = cfg.topology, cfg.train
+    per_step = top.dp * t.micro_batch_size
+    _at_least(cfg, need, 1, "train.global_batch_size", "train.micro_batch_size",
+              "train.seq_len")
+    need(
+        per_step > 0 and t.global_batch_size % per_step == 0,
+        f"train.global_batch_size={t.global_batch_size} is not divisible by "
+        f"dp*micro_batch_size = {top.dp}*{t.micro_batch_size} = {per_step}",
+    )
+    _at_least(cfg, need, 0, "train.steps", "train.eval_every", "train.patience",
+              "train.target_val_loss")
+    need(t.eval_batches >= 1 or not t.eval_every,
+         f"train.eval_batches={t.eval_batches} must be >= 1 (train.eval_every={t.eval_every})")
+    need(not (t.patience or t.target_val_loss) or t.eval_every,
+         "train.patience / target_val_loss need train.eval_every > 0 (they act on evaluations)")
+    need(0 <= t.seed < 2**63, f"train.seed={t.seed} must be in [0, 2**63)")
+
+
+def _check_optim(cfg: Config, world_size: int, need) -> None:
+    o = cfg.optim
+    _at_least(cfg, need, 0, "optim.lr", "optim.min_lr", "optim.weight_decay",
+              "optim.warmup_steps", "optim.decay_steps", "optim.grad_clip")
+    need(o.min_lr <= o.lr or o.min_lr < 0 or o.lr < 0,
+         f"optim.min_lr={o.min_lr!r} must be <= optim.lr={o.lr!r} (the learning rate decays "
+         "from lr to min_lr)")
+    _fraction(cfg, need, "optim.beta1", "optim.beta2")
+    _above(cfg, need, 0, "optim.eps", "optim.loss_scale")
+
+
+def _check_schedule(cfg: Config, world_size: int, need) -> None:
+    """Pipeline arithmetic (whether the microbatch count fits the schedule is asked by
+    ``hpctrain.validate`` of an otherwise valid config)."""
+    top, m, s = cfg.topology, cfg.model, cfg.schedule
+    _one_of(cfg, need, KINDS, "schedule.kind")
+    _at_least(cfg, need, 1, "schedule.virtual_stages")
+    need(s.kind == "interleaved" or s.virtual_stages <= 1,
+         f"schedule.virtual_stages={s.virtual_stages} is used only by "
+         f"schedule.kind='interleaved', not {s.kind!r}: set it to 1 or use interleaved")
+    v = s.virtual_stages if s.kind == "interleaved" else 1
+    need(not (s.moe_overlap and m.recompute), "schedule.moe_overlap cannot be combined with "
+         "model.recompute (the forward is cut into segments at the expert all-to-alls)")
+    need(m.n_layers >= top.pp * v,
+         f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "
+         "stage needs at least one layer")
+
+
+def _check_run(cfg: Config, world_size: int, need) -> None:
+    """Data, checkpoints, logging and stopping: the housekeeping keys."""
+    _above(cfg, need, 0, "data.corpus_mb")
+    _fraction(cfg, need, "data.val_fraction")
+    _at_least(cfg, need, 0, "checkpoint.every", "checkpoint.keep", "checkpoint.alignment",
+              "train.log_every", "train.max_wall_s", "train.slurm_margin_s")
+    _one_of(cfg, need, ("rollback", "stop"), "telemetry.on_skips")

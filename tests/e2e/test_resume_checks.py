@@ -1,0 +1,137 @@
+"""What a resume refuses and what it carries over, through the real CLI.
+
+Refused (exit 2 on every rank, one line naming what differs, before a step is taken and with
+nothing written into the checkpoint directory): another data seed or global batch size than
+the checkpoint's (unless ``data.allow_changed``, which lineage.json records), a checkpoint of
+another model's shape, a checkpoint that lacks a tensor. Carried over: float16's dynamic loss
+scale and its growth tracker.
+"""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from launch import TINY, mpirun, read_params, train_cli
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A 3-step run's checkpoint directory (tiny preset, seed 1234, global batch 16)."""
+    run = train_cli(tmp_path_factory.mktemp("saved") / "run", 1, "train.steps=3")
+    return run.run_dir / "checkpoints"
+
+
+def _snapshot(d: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def _refused(run_dir: Path, ckpt_dir: Path, *overrides: str, n: int = 2):
+    """Resume from ``ckpt_dir`` (also the directory new checkpoints would go to); returns
+    the stderr lines of the refusal after checking the exit code and that nothing changed."""
+    before = _snapshot(ckpt_dir)
+    args = ["-m", "hpctrain", "train", TINY, "--run-dir", str(run_dir), "--set",
+            f"topology.dp={n}", "--set", "checkpoint.resume=auto", "--set",
+            f"checkpoint.dir={ckpt_dir}"]
+    for o in overrides:
+        args += ["--set", o]
+    proc = mpirun(n, args, check=False, timeout=240)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[:3000], proc.stderr[-2000:])
+    # (python -m mpi4py turns exit status 2 into MPI_Abort(2): Open MPI's banner follows)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("hpctrain train:")]
+    assert len(lines) == 1, proc.stderr  # one clear line (rank 0), every rank exits 2
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl") \
+        .read_text().strip(), "a step was taken"
+    assert _snapshot(ckpt_dir) == before, "the checkpoint directory changed"
+    return lines[0]
+
+
+@pytest.mark.parametrize("override, named", [
+    ("train.seed=99", ("data seed (train.seed) is 1234", "this run's is 99")),
+    ("train.global_batch_size=32", ("train.global_batch_size is 16", "this run's is 32"))])
+def test_resume_with_another_seed_or_global_batch_is_refused(tmp_path, saved, override,
+                                                             named):
+    line = _refused(tmp_path / "run", saved, override)
+    assert "refusing to resume" in line and "data.allow_changed" in line, line
+    for text in named:
+        assert text in line, line
+
+
+def test_allow_changed_resumes_and_records_the_change(tmp_path, saved):
+    run = train_cli(tmp_path / "run", 2, "topology.dp=2", "train.seed=99",
+                    "train.global_batch_size=32", "data.allow_changed=true",
+                    f"checkpoint.resume={saved / 'step_00000003.h5'}")
+    assert [m["step"] for m in run.metrics] == [4, 5]
+    assert "resuming on different data (forced)" in run.stdout and "is 99" in run.stdout
+    forced = json.loads((run.run_dir / "lineage.json").read_text())["forced_data_change"]
+    assert forced["data_seed"] == {"from": 1234, "to": 99}, forced
+    assert forced["global_batch_size"] == {"from": 16, "to": 32}, forced
+    assert "from" not in forced  # the data itself did not change
+    with h5py.File(run.run_dir / "checkpoints" / "step_00000005.h5", "r") as f:
+        assert f.attrs["data_seed"] == 99 and f.attrs["global_batch_size"] == 32
+
+
+@pytest.mark.parametrize("override, problem", [
+    ("model.d_ff=48", "model/blocks.0.mlp.w1: checkpoint shape (64, 32) != model shape "
+                      "(48, 32)"),
+    ("model.n_layers=4", "this model has no parameter model/blocks.4.")])
+def test_checkpoint_of_another_model_is_refused(tmp_path, saved, override, problem):
+    d = tmp_path / "ckpt"
+    shutil.copytree(saved, d)
+    line = _refused(tmp_path / "run", d, override)
+    assert "does not fit this model" in line and problem in line, line
+
+
+def test_checkpoint_missing_a_dataset_is_refused(tmp_path, saved):
+    d = tmp_path / "ckpt"
+    shutil.copytree(saved, d)
+    with h5py.File(d / (d / "latest").read_text().strip(), "r+") as f:
+        del f["optim/blocks.2.attn.wq/exp_avg"]  # the other checksums stay valid
+    line = _refused(tmp_path / "run", d)
+    assert "the checkpoint has no dataset optim/blocks.2.attn.wq/exp_avg" in line, line
+
+
+F16 = ('model.dtype="float16"', "optim.loss_scale=1048576", "topology.dp=2", "optim.zero=1",
+       "train.steps=6")
+
+
+def _scaler_after(metrics) -> dict:
+    """The loss scaler's state after these steps, from their records."""
+    good = 0
+    for prev, x in zip([{"skipped_steps": 0}] + metrics, metrics):
+        good = 0 if x["skipped_steps"] > prev["skipped_steps"] else good + 1
+    return {"loss_scaler_scale": metrics[-1]["loss_scale"], "loss_scaler_good_steps": good,
+            "loss_scaler_skipped": metrics[-1]["skipped_steps"]}
+
+
+def test_fp16_loss_scale_is_saved_and_restored(tmp_path):
+    """float16 with an initial scale that overflows (skipped steps, scale halved) before the
+    save at step 3: 3 steps, save, resume, 3 more equal 6 straight, the scale, its growth
+    tracker and the skip count included."""
+    straight = train_cli(tmp_path / "straight", 2, *F16, "checkpoint.every=3")
+    m = straight.metrics
+    assert m[2]["skipped_steps"] >= 1 and m[2]["loss_scale"] < 1048576, m[:3]
+    step3 = straight.run_dir / "checkpoints" / "step_00000003.h5"
+    with h5py.File(step3, "r") as f:
+        saved = {k: f.attrs[k] for k in f.attrs if k.startswith("loss_scaler_")}
+    assert saved == _scaler_after(m[:3]), (saved, m[:3])
+    resumed = train_cli(tmp_path / "resumed", 2, *F16, f"checkpoint.resume={step3}")
+    keys = ("step", "loss", "grad_norm", "loss_scale", "skipped_steps")
+    assert [[repr(r[k]) for k in keys] for r in resumed.metrics] == \
+        [[repr(r[k]) for k in keys] for r in m[3:]]
+    a = read_params(straight.run_dir / "checkpoints" / "step_00000006.h5", "")
+    b = read_params(resumed.run_dir / "checkpoints" / "step_00000006.h5", "")
+    a.pop("rng/torch"), b.pop("rng/torch")
+    assert set(a) == set(b) and any(k.endswith("/master") for k in a)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    for run in (straight, resumed):
+        with h5py.File(run.run_dir / "checkpoints" / "step_00000006.h5", "r") as f:
+            got = {k: f.attrs[k] for k in f.attrs if k.startswith("loss_scaler_")}
+        assert got == _scaler_after(m), (run.run_dir, got)

@@ -1,0 +1,91 @@
+"""A ZeRO checkpoint under MPI-IO at any world size (run under mpirun; every rank is one dp
+rank): each rank writes and reads only its own shards, and every rank's writes are flushed
+and fsynced before rank 0 renames the file."""
+
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import h5py
+import pytest
+import torch
+
+from hpctrain import comm
+from hpctrain.checkpoint import store
+from hpctrain.config import CheckpointConfig, OptimConfig
+from hpctrain.model.gpt import ParamMeta
+from hpctrain.optim import build_optimizer
+from hpctrain.parallel.data import GradBuffers
+
+pytestmark = pytest.mark.mpi
+
+SHAPES = {"vec": (37,), "mat": (5, 23), "w": (4, 6)}
+
+
+@pytest.fixture(scope="module")
+def topo():
+    world = comm.world()
+    dp = comm.Group(world.mpi.Dup(), "dp")
+    return SimpleNamespace(world=dp, dp_comm=dp, edp_comm=dp, tp_size=1, tp_rank=0,
+                           ep_size=1, ep_rank=0, dp_rank=dp.rank, dp_size=dp.size,
+                           dims=(1, dp.size, 1, 1))
+
+
+def _zero(topo):
+    named = []
+    for name, shape in SHAPES.items():
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+        p.hp = ParamMeta(shape)
+        named.append((name, p))
+    grads = GradBuffers(named, topo, 300 / 2**20, zero=1)
+    return named, build_optimizer(named, OptimConfig(zero=1), topo, grads, "float64")
+
+
+def _shared_dir(topo, tmp_path) -> Path:
+    return Path(topo.world.bcast_obj(str(tmp_path) if topo.world.rank == 0 else None))
+
+
+def test_zero_shards_saved_in_place_and_synced_by_every_rank(topo, tmp_path, monkeypatch):
+    if not store.h5py_has_mpi():
+        pytest.fail("h5py without MPI: this test is about the MPI-IO writer")
+    monkeypatch.delenv(store.SERIAL_ENV, raising=False)
+    named, opt = _zero(topo)
+    for st, b in zip(opt.shards, opt.grads.buckets):  # moments = global element index
+        lo, hi = b.shard_range
+        for k, t in st.items():
+            t.copy_(torch.arange(lo, hi, dtype=t.dtype) + (0.5 if k == "exp_avg_sq" else 0))
+    want = opt.state  # the gathered copy (collective), for comparison only
+    events = []
+    real_fsync, real_replace, real_flush = os.fsync, os.replace, h5py.File.flush
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(
+        (time.monotonic(), "fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name)),
+        real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(
+        (time.monotonic(), "replace", Path(a).name)), real_replace(a, b)))
+    monkeypatch.setattr(h5py.File, "flush", lambda f: (events.append(
+        (time.monotonic(), "flush", "")), real_flush(f)))
+    saver = store.Checkpointer(CheckpointConfig(), topo, _shared_dir(topo, tmp_path),
+                               collective_min_bytes=64)
+    final = saver.save(3, named, opt, {})
+    every = topo.world.allgather_obj(events)
+    tmp = f".{final.name}.tmp"
+    renamed = [t for t, what, name in every[0] if what == "replace" and name == tmp]
+    assert len(renamed) == 1, every[0]
+    for r, ev in enumerate(every):
+        synced = [t for t, what, name in ev if what == "fsync" and name == tmp]
+        flushed = [t for t, what, _ in ev if what == "flush"]
+        assert synced and min(synced) < renamed[0], f"rank {r} did not fsync before the rename"
+        assert flushed and min(flushed) < min(synced), f"rank {r}: no collective flush"
+    with h5py.File(final, "r") as f:  # every rank's shard landed in the global datasets
+        for name in SHAPES:
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = torch.from_numpy(f[f"optim/{name}/{key}"][...])
+                assert torch.equal(got, want[name][key]), (name, key)
+    named2, opt2 = _zero(topo)  # and each rank reads back exactly its own shards
+    saver.load(final, named2, opt2)
+    mine, back = opt.local_state(), opt2.local_state()  # (bucket padding is no state)
+    assert set(mine) == set(back)
+    for name in mine:
+        for k in mine[name]:
+            assert torch.equal(mine[name][k], back[name][k]), (name, k)

@@ -1,0 +1,48 @@
+"""``hpctrain train``'s checks of what a valid config points at (cli/train.check_inputs),
+without MPI: the run and checkpoint directories, the checkpoint to resume from, the data."""
+
+import os
+
+import pytest
+
+from hpctrain.cli import train as cli_train
+from hpctrain.config import InputError, load
+
+TINY = "share/configs/tiny.toml"
+
+
+def test_creatable_and_existing_directories_pass(tmp_path):
+    cli_train.check_inputs(load(TINY), str(tmp_path / "new" / "nested" / "run"))
+    cli_train.check_inputs(load(TINY, [f'checkpoint.dir="{tmp_path}"']), str(tmp_path))
+
+
+def test_a_directory_that_cannot_be_written(tmp_path, monkeypatch):
+    """A read-only parent (root may write anyway, so the permission answer is simulated)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(cli_train.os, "access",
+                        lambda p, mode: False if str(p) == str(ro) else real(p, mode))
+    with pytest.raises(InputError, match=f"--run-dir {ro}/run: {ro} is not writable"):
+        cli_train.check_inputs(load(TINY), str(ro / "run"))
+
+
+def test_every_input_problem_is_reported_together(tmp_path):
+    (tmp_path / "f").write_text("x")
+    cfg = load(TINY, [f'checkpoint.dir="{tmp_path / "f"}"', 'checkpoint.resume="/no/ckpt.h5"',
+                      f'data.path="{tmp_path / "none.h5"}"'])
+    with pytest.raises(InputError) as e:
+        cli_train.check_inputs(cfg, str(tmp_path / "f" / "run"))
+    text = str(e.value)
+    assert text.startswith("invalid input:\n  - ")
+    for part in (f"--run-dir {tmp_path}/f/run: {tmp_path}/f is not a directory",
+                 f"checkpoint.dir={tmp_path}/f exists and is not a directory",
+                 "checkpoint.resume='/no/ckpt.h5': no checkpoint there",
+                 f"data.path={tmp_path}/none.h5 does not exist"):
+        assert part in text, text
+
+
+def test_plan_skips_a_data_file_that_is_not_here():
+    cfg = load(TINY, ['data.path="/elsewhere/data.h5"'])
+    assert cli_train.data_problems(cfg, missing_ok=True) == []
+    assert "does not exist" in cli_train.data_problems(cfg)[0]
