@@ -102,7 +102,6 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
                       topo.dp_size, topo.dp_rank, t.seed, device=device)
     global_tokens = t.global_batch_size * t.seq_len
-    set_loss_scale(chunks, 1.0 / global_tokens)  # MoE auxiliary losses, same scale
     log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, tp) = {topo.dims}, "
              f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "
              f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "

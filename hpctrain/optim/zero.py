@@ -86,8 +86,7 @@ class ZeroAdamW(ScaledOptimizer):
         device = self.grads.buckets[0].shard.device if self.grads.buckets else "cpu"
         local = torch.zeros((), dtype=torch.float64, device=device)  # on the shards' device
         for b, (_, counted) in zip(self.grads.buckets, self._masks):
-            sq = b.shard.double().pow(2)
-            local += torch.where(counted, sq, torch.zeros_like(sq)).sum()
+            local += torch.where(counted, b.shard.double().pow(2), 0.0).sum()
         return math.sqrt(self.topo.world.allreduce(float(local)))
 
     @torch.no_grad()
