@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 status=0
-$PY -m pytest -q -p no:cacheprovider tests/unit tests/e2e "$@" || status=$?
+$PY -m pytest -q -p no:cacheprovider --durations=40 tests/unit tests/e2e "$@" || status=$?
 for n in 1 2 4; do
   echo "== tests/mpi under mpirun -n $n"
   mpirun -n $n --oversubscribe $PY -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi \
