@@ -17,7 +17,8 @@ COMMANDS = {
     "prepare": "turn text files into a token dataset (HDF5) with a held-out split",
     "plan": "print the pipeline schedule per rank, its bubble and in-flight microbatches (no MPI)",
     "inspect": "show a checkpoint's tensors and lineage; --verify recomputes checksums",
-    "export": "export a checkpoint's model as safetensors (with its config alongside)",
+    "export": "export a checkpoint's model as safetensors, or as a Hugging Face directory",
+    "import": "turn a Hugging Face Llama/Mixtral directory into an hpctrain checkpoint",
     "report": "plots and a Markdown summary of where a run's time went (needs matplotlib)",
     "generate": "continue a prompt with a checkpoint's model (any layout's, on one process)",
 }

@@ -134,6 +134,7 @@ class CheckpointConfig:
     dir: str = ""  # "" = RUN_DIR/checkpoints
     every: int = 0  # 0: only at the end (when save_final)
     resume: str = ""  # "" fresh, "auto" latest if any, or a checkpoint path
+    init_from: str = ""  # a new run's parameters from a checkpoint or a Hugging Face directory
     keep: int = 3
     save_final: bool = True
     alignment: int = 0  # HDF5 alignment in bytes (e.g. the Lustre stripe size); 0 = off
