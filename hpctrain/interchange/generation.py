@@ -21,16 +21,30 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+def whole_model(m):
+    """The whole model ``m`` (a ModelConfig) on one process, expert layers included (their
+    token exchange the single-rank identity)."""
+    from ..model import DTYPES, GPTStage, LocalOps
+    from ..model.moe import LocalExchange, MoE, is_moe_layer
+
+    ops, exchange = LocalOps(), LocalExchange()
+    resid_std = m.init_std / (2 * m.n_layers) ** 0.5
+
+    def ffn(layer: int):
+        return MoE(m, ops, exchange, DTYPES[m.dtype], resid_std) \
+            if is_moe_layer(m, layer) else None
+
+    return GPTStage(m, range(m.n_layers), first=True, last=True, ops=ops, ffn_factory=ffn)
+
+
 def load_model(path):
     """(model on one process, config, the checkpoint's lineage JSON)."""
     import h5py
     import torch
 
-    from ..model import GPTStage
-
     with h5py.File(path, "r") as f:
         cfg = from_dict(tomllib.loads(str(cv._plain(f.attrs["config"]))))
-        model = GPTStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
+        model = whole_model(cfg.model)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(torch.from_numpy(f[f"model/{name}"][...]).to(p.dtype))

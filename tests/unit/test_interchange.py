@@ -57,11 +57,9 @@ def test_export_refuses_what_hf_cannot_load():
 def test_every_parameter_maps_to_hf_once():
     """Each parameter of a llama / Mixtral model is named by the map (experts: one entry per
     expert slice), and every HF key once."""
-    from hpctrain.model import GPTStage
-
     for extra in ({}, {"num_experts": 3, "top_k": 2}, {"tie_embeddings": True}):
         m = ModelConfig(arch="llama", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, **extra)
-        names = {n for n, _ in GPTStage(m, range(2), True, True).named_parameters()}
+        names = {n for n, _ in generation.whole_model(m).named_parameters()}
         entries = hf_map.entries(m)
         assert {e.name for e in entries} == names
         assert len({e.key for e in entries}) == len(entries)
@@ -99,11 +97,12 @@ def test_byte_level_tokenizer_is_the_identity_on_bytes():
 
 
 def _llama(seed=0, **extra):
-    from hpctrain.model import GPTStage, init_parameters
+    from hpctrain.model import init_parameters
 
     m = ModelConfig(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64,
                     dtype="float64", init_std=0.2, **extra)
-    model = GPTStage(m, range(2), True, True)
+    model = generation.whole_model(m)
+    assert sum(n.endswith("mlp.w3") for n, _ in model.named_parameters()) == 2
     init_parameters([model], seed)
     return model.eval()
 
