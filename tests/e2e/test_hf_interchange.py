@@ -12,15 +12,31 @@ import pytest
 import torch
 import transformers  # the `hf` extra; scripts/setup.sh installs it
 
-from tests.launch import assert_same, hpctrain, mpirun, read_params, rel_err, train_cli
+from hpctrain.__main__ import main
+from tests.launch import assert_same, mpirun, read_params, rel_err, train_cli
 
 pytestmark = pytest.mark.e2e
 
-LLAMA = ("model.arch=llama", "model.n_layers=4", "model.n_kv_heads=4")
-HF_SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+LLAMA = ("model.arch=llama", "model.n_layers=2", "model.n_kv_heads=4",
+         "train.global_batch_size=8")
+HF_SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
                 rope_theta=10000.0, max_position_embeddings=64, initializer_range=0.1,
                 tie_word_embeddings=False)
+
+
+@pytest.fixture
+def cli(capsys):
+    """The one-process commands (import, export, inspect) through the CLI's own ``main``, in
+    this process (no interpreter start per call): (exit code, stdout, stderr)."""
+
+    def call(*args):
+        capsys.readouterr()
+        rc = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    return call
 
 
 def hf_logits(directory, tokens, dtype=torch.float32):
@@ -53,24 +69,16 @@ def hf_llama(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def imported(hf_llama, tmp_path_factory):
-    """hpctrain import of it, in float64 for the 1e-9 comparison of layouts."""
-    out = tmp_path_factory.mktemp("imp") / "llama64.h5"
-    proc = hpctrain(["import", str(hf_llama), "--out", str(out), "--dtype", "float64"])
-    assert "checkpoint.init_from" in proc.stdout
-    return out
-
-
-def test_import_export_round_trip_is_bit_exact(hf_llama, tmp_path):
+def test_import_export_round_trip_is_bit_exact(hf_llama, tmp_path, cli):
     """export(import(x)) reproduces x's tensors bit for bit, and the import verifies."""
     from safetensors.numpy import load_file
 
     ckpt = tmp_path / "ckpt"
-    hpctrain(["import", str(hf_llama), "--out", str(ckpt)])
-    out = hpctrain(["inspect", str(ckpt), "--verify"]).stdout
-    assert "verify ok" in out
-    hpctrain(["export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "back")])
+    rc, out, _ = cli("import", hf_llama, "--out", ckpt)
+    assert rc == 0 and "checkpoint.init_from" in out
+    rc, out, _ = cli("inspect", ckpt, "--verify")
+    assert rc == 0 and "verify ok" in out
+    assert cli("export", ckpt, "--format", "hf", "--out", tmp_path / "back")[0] == 0
     a, b = load_file(hf_llama / "model.safetensors"), load_file(tmp_path / "back" /
                                                                 "model.safetensors")
     assert set(a) == set(b)
@@ -78,9 +86,11 @@ def test_import_export_round_trip_is_bit_exact(hf_llama, tmp_path):
         assert a[key].dtype == b[key].dtype and a[key].tobytes() == b[key].tobytes(), key
 
 
-def test_imported_model_trains_the_same_on_tp2_pp2(imported, hf_llama, tmp_path):
+def test_imported_model_trains_the_same_on_tp2_pp2(hf_llama, tmp_path, cli):
     """init_from the import: tp2 x pp2 = one rank (float64, 1e-9); then that run's
     checkpoint exported (sharded, float32) gives transformers hpctrain's logits."""
+    imported = tmp_path / "llama64.h5"  # float64 for the 1e-9 comparison of layouts
+    assert cli("import", hf_llama, "--out", imported, "--dtype", "float64")[0] == 0
     sets = (*LLAMA, "train.steps=3", f"checkpoint.init_from={imported}")
     ref = train_cli(tmp_path / "one", 1, *sets)
     run = train_cli(tmp_path / "tp2pp2", 4, *sets, "topology.tp=2", "topology.pp=2")
@@ -94,8 +104,8 @@ def test_imported_model_trains_the_same_on_tp2_pp2(imported, hf_llama, tmp_path)
     # export the tp2 x pp2 run's checkpoint, sharded, and load it in transformers
     ckpt = tmp_path / "tp2pp2" / "checkpoints"
     out = tmp_path / "hf_out"
-    hpctrain(["export", str(ckpt), "--format", "hf", "--out", str(out), "--dtype", "float32",
-              "--max-shard-size", "40KB"])
+    assert cli("export", ckpt, "--format", "hf", "--out", out, "--dtype", "float32",
+               "--max-shard-size", "40KB")[0] == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
     assert len(files) > 2 and all((out / f).stat().st_size < 80_000 for f in files)
@@ -110,19 +120,19 @@ def test_imported_model_trains_the_same_on_tp2_pp2(imported, hf_llama, tmp_path)
     assert mine.abs().max().item() > 0.1  # not trivially small
 
 
-def test_mixtral_export_from_ep2_run(tmp_path):
+def test_mixtral_export_from_ep2_run(tmp_path, cli):
     """An every-block-MoE llama model trained with ep=2 exports as Mixtral (per-expert keys)
     and transformers computes the same logits."""
     from safetensors import safe_open
 
     run = tmp_path / "moe"
-    train_cli(run, 2, *LLAMA, "model.dtype=float32", "model.num_experts=4", "model.top_k=2",
-              "topology.dp=2", "topology.ep=2", "train.steps=2")
+    train_cli(run, 2, *LLAMA, "model.dtype=float32", "model.num_experts=4",
+              "model.top_k=2", "topology.dp=2", "topology.ep=2", "train.steps=1")
     out = tmp_path / "mixtral"
-    hpctrain(["export", str(run / "checkpoints"), "--format", "hf", "--out", str(out)])
+    assert cli("export", run / "checkpoints", "--format", "hf", "--out", out)[0] == 0
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    assert "model.layers.3.block_sparse_moe.experts.3.w2.weight" in keys
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in keys
     assert "model.layers.0.block_sparse_moe.gate.weight" in keys
     x = tokens(1)
     theirs, model = hf_logits(out, x)
@@ -132,8 +142,18 @@ def test_mixtral_export_from_ep2_run(tmp_path):
     err = (theirs - mine).abs().max().item()
     assert err < 1e-5, f"Mixtral and hpctrain logits differ by {err:.2e}"
 
+    # the run's data is byte-level (its lineage says so): the export carries a byte-level
+    # tokenizer that transformers uses as is, and generate decodes with it
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok("héllo")["input_ids"] == list("héllo".encode())
+    rc, text, _ = cli("generate", run / "checkpoints", "--prompt", "def ", "--tokens", 16,
+                      "--tokenizer", out, "--temperature", 0)
+    assert rc == 0 and text.startswith("def ")
+    rc, text, _ = cli("generate", run / "checkpoints", "--tokens", 16, "--benchmark")
+    assert rc == 0 and "same tokens: True" in text and "x; same" in text
 
-def test_refusals_are_one_clear_message(hf_llama, tmp_path):
+
+def test_refusals_are_one_clear_message(hf_llama, tmp_path, cli):
     """What cannot map exits 2 with the reason, no traceback: a gpt-arch checkpoint for
     --format hf; an HF directory with rope scaling; init_from of another model."""
     from hpctrain.config import Config, ModelConfig
@@ -144,23 +164,22 @@ def test_refusals_are_one_clear_message(hf_llama, tmp_path):
     arrays = {n: p.detach().numpy() for n, p in gpt.named_parameters()}
     ckpt = write_checkpoint(tmp_path / "gpt.h5", Config(model=gpt.cfg),
                             file_arrays(arrays, "float32"), {})
-    out = hpctrain(["export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "x")],
-                   check=False)
-    assert out.returncode == 2 and "model.arch = 'gpt'" in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
+    rc, _, err = cli("export", ckpt, "--format", "hf", "--out", tmp_path / "x")
+    assert rc == 2 and "model.arch = 'gpt'" in err, err
+    assert not (tmp_path / "x").exists()
 
     bad = tmp_path / "scaled"
     shutil.copytree(hf_llama, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
     (bad / "config.json").write_text(json.dumps(cfg))
-    out = hpctrain(["import", str(bad), "--out", str(tmp_path / "y.h5")], check=False)
-    assert out.returncode == 2 and "rope scaling" in out.stderr and "Traceback" not in out.stderr
+    rc, _, err = cli("import", bad, "--out", tmp_path / "y.h5")
+    assert rc == 2 and "rope scaling" in err
     assert not (tmp_path / "y.h5").exists()
 
     proc = mpirun(1, ["-m", "hpctrain", "train", "share/configs/tiny.toml", "--run-dir",
                       str(tmp_path / "r"), "--set", "model.arch=llama", "--set",
                       f"checkpoint.init_from={hf_llama}"], check=False)
     assert proc.returncode == 2, proc.stderr
-    assert "model.n_layers = 8, the source has 4" in proc.stderr
+    assert "model.n_layers = 8, the source has 2" in proc.stderr
     assert "Traceback" not in proc.stderr
