@@ -35,6 +35,7 @@ CHOICES = {
     "telemetry.on_skips": ["rollback", "stop", "ignore"],
     "data.path": ["", "/nonexistent/data.h5", "share"],
     "checkpoint.resume": ["", "auto"],
+    "checkpoint.init_from": ["", "/nonexistent/hf_model", "share"],
 }
 GARBAGE = st.sampled_from(['"x"', "[1, 2]", "{a = 1}", "1979-05-27", "true", "''", "1e999",
                            "-inf", "nan", "0x10", "1_000", "'unterminated", "", "  "])
