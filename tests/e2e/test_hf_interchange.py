@@ -183,3 +183,27 @@ def test_refusals_are_one_clear_message(hf_llama, tmp_path, cli):
     assert proc.returncode == 2, proc.stderr
     assert "model.n_layers = 8, the source has 2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_mixtral_import_round_trip_and_logits(tmp_path, cli):
+    """A locally made MixtralForCausalLM (sharded on save) imports; hpctrain computes its
+    logits, and export(import(x)) is x bit for bit."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(1)
+    src = tmp_path / "mixtral"
+    config = transformers.MixtralConfig(**{**HF_SIZES, "rope_theta": 1e6},
+                                        num_local_experts=4, num_experts_per_tok=2)
+    transformers.MixtralForCausalLM(config).save_pretrained(src, max_shard_size="100KB")
+    assert (src / "model.safetensors.index.json").is_file()
+    ckpt = tmp_path / "ckpt.h5"
+    assert cli("import", src, "--out", ckpt)[0] == 0
+    x = tokens(2)
+    theirs, _ = hf_logits(src, x)
+    err = (theirs - own_logits(ckpt, x)).abs().max().item()
+    assert err < 1e-5, f"Mixtral and hpctrain logits differ by {err:.2e}"
+    assert cli("export", ckpt, "--format", "hf", "--out", tmp_path / "back")[0] == 0
+    a = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    b = load_file(tmp_path / "back" / "model.safetensors")
+    assert set(a) == set(b)
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a)
