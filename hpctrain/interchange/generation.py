@@ -38,7 +38,7 @@ def whole_model(m):
 
 
 def load_model(path):
-    """(model on one process, config, the checkpoint's lineage JSON)."""
+    """(model on one process, config, (the checkpoint's lineage JSON, its config TOML))."""
     import h5py
     import torch
 
@@ -48,7 +48,7 @@ def load_model(path):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(torch.from_numpy(f[f"model/{name}"][...]).to(p.dtype))
-        lineage = str(cv._plain(f.attrs.get("lineage", "")))
+        lineage = (str(cv._plain(f.attrs.get("lineage", ""))), str(cv._plain(f.attrs["config"])))
     return model.eval(), cfg, lineage
 
 
@@ -67,11 +67,11 @@ class Codec:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def codec_for(tokenizer_arg: str | None, lineage: str) -> Codec:
-    """``--tokenizer``, else the checkpoint's data lineage, else byte-level."""
+def codec_for(tokenizer_arg: str | None, lineage: tuple[str, str]) -> Codec:
+    """``--tokenizer``, else what the checkpoint's data used, else byte-level."""
     from . import tokenizer
 
-    source = tokenizer_arg or tokenizer.from_lineage(lineage)[0]
+    source = tokenizer_arg or tokenizer.find(*lineage)[0]
     if source and source != tokenizer.BYTES:
         tok, what = tokenizer.load(source, 0)
         return Codec(tok, what)

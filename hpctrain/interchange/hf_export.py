@@ -116,7 +116,7 @@ def export_hf(path: Path, out: Path, dtype: str = "auto", max_shard: str = "5GB"
     dtype = cfg.model.dtype if dtype == "auto" else dtype
     tensors = hf_tensors(cfg, arrays, dtype)
     source, why = (tokenizer_path, "--tokenizer") if tokenizer_path else \
-        tokenizer.from_lineage(str(attrs.get("lineage", "")))
+        tokenizer.find(str(attrs.get("lineage", "")), str(attrs.get("config", "")))
     out.mkdir(parents=True, exist_ok=True)
     max_len = max(cfg.train.seq_len, 2048)
     special, note = tokenizer.write(out, source, cfg.model.vocab_size, max_len)

@@ -6,7 +6,13 @@ bytes exactly."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 BYTES = "bytes"  # data.TOKENIZER: the byte-level vocabulary
 LINEAGE_KEYS = ("tokenizer_json", "tokenizer_path", "tokenizer_file")
@@ -42,22 +48,57 @@ def byte_level():
     return tok if ok else None
 
 
-def from_lineage(lineage_json: str) -> tuple[str | None, str]:
-    """(path of a tokenizer.json, or BYTES, or None; where it came from) from a checkpoint's
-    ``lineage`` attribute."""
+class TokenizerText(str):
+    """A tokenizer.json's text (carried inside a prepared data file) rather than a path."""
+
+
+def _from_data_file(path: str) -> TokenizerText | None:
+    """The ``/tokenizer_json`` dataset of a prepared data file, when it has one."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            d = f.get("tokenizer_json")
+            return None if d is None else TokenizerText(bytes(d[...]).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def find(lineage_json: str, config_toml: str = "") -> tuple[str | None, str]:
+    """(a tokenizer.json path, its text, BYTES, or None; where it came from), from a
+    checkpoint's ``lineage`` and ``config`` attributes: a tokenizer file the data lineage
+    names, the tokenizer.json a prepared data file carries, ``data.tokenizer``, or the
+    byte-level vocabulary of hpctrain's own data."""
     try:
         data = json.loads(lineage_json or "{}").get("data", {})
-    except (ValueError, AttributeError):
+        section = tomllib.loads(config_toml or "").get("data", {})
+    except (ValueError, AttributeError, tomllib.TOMLDecodeError):
         return None, "the checkpoint's lineage is unreadable"
     for key in LINEAGE_KEYS:
         value = data.get(key)
         if value and Path(str(value)).is_file():
             return str(value), f"data lineage {key}"
-    if data.get("tokenizer") == BYTES:
+    for where in (data.get("source"), section.get("path")):
+        if where and Path(str(where)).is_file():
+            text = _from_data_file(str(where))
+            if text is not None:
+                return text, f"the tokenizer.json inside {where}"
+    if section.get("tokenizer") and Path(section["tokenizer"]).is_file():
+        return str(section["tokenizer"]), "data.tokenizer"
+    if data.get("tokenizer") == BYTES or (data and not section.get("tokenizer")
+                                          and not data.get("tokenizer")):
         return BYTES, "data lineage: byte-level tokens"
     if not data:
         return None, "the checkpoint records no data lineage"
     return None, f"the data lineage names tokenizer {data.get('tokenizer')!r} but no file"
+
+
+def from_text_or_file(source: str):
+    from tokenizers import Tokenizer
+
+    if isinstance(source, TokenizerText):
+        return Tokenizer.from_str(str(source))
+    return Tokenizer.from_file(str(tokenizer_file(source)))
 
 
 def tokenizer_file(path: str) -> Path:
@@ -73,11 +114,10 @@ def tokenizer_file(path: str) -> Path:
 def load(source: str | None, vocab_size: int):
     """(tokenizers.Tokenizer, description) for generation; ``source`` a tokenizer.json path,
     BYTES or None (byte-level, as before: hpctrain's own data is byte-level)."""
-    from tokenizers import Tokenizer
-
     if source and source != BYTES:
-        tok = Tokenizer.from_file(str(tokenizer_file(source)))
-        return tok, f"tokenizer {source} ({tok.get_vocab_size()} ids)"
+        tok = from_text_or_file(source)
+        where = "inside the data file" if isinstance(source, TokenizerText) else source
+        return tok, f"tokenizer {where} ({tok.get_vocab_size()} ids)"
     tok = byte_level() if vocab_size >= 256 else None
     return tok, "byte-level (id = byte)"
 
@@ -98,8 +138,6 @@ def special_ids(tok) -> dict:
 def write(out: Path, source: str | None, vocab_size: int, max_len: int) -> tuple[dict, str]:
     """Write tokenizer.json + tokenizer_config.json into ``out``; returns (bos/eos ids, a
     note saying what was written or why nothing was)."""
-    from tokenizers import Tokenizer
-
     if source is None:
         return {}, "no tokenizer written (none given with --tokenizer, none in the lineage)"
     if source == BYTES:
@@ -109,10 +147,11 @@ def write(out: Path, source: str | None, vocab_size: int, max_len: int) -> tuple
                         f"cannot be expressed exactly")
         what = "byte-level tokenizer (id = byte value)"
     else:
-        src = tokenizer_file(source)
-        tok = Tokenizer.from_file(str(src))
-        what = f"tokenizer from {src}"
-        cfg_src = src.parent / "tokenizer_config.json"
+        tok = from_text_or_file(source)
+        text = isinstance(source, TokenizerText)
+        src = None if text else tokenizer_file(source)
+        what = "the tokenizer inside the data file" if text else f"tokenizer from {src}"
+        cfg_src = Path("/nonexistent") if text else src.parent / "tokenizer_config.json"
     tok.save(str(out / "tokenizer.json"))
     ids = special_ids(tok)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,

@@ -18,7 +18,7 @@ from tests.launch import assert_same, mpirun, read_params, rel_err, train_cli
 pytestmark = pytest.mark.e2e
 
 LLAMA = ("model.arch=llama", "model.n_layers=2", "model.n_kv_heads=4",
-         "train.global_batch_size=8")
+         "train.global_batch_size=8", "train.micro_batch_size=2")
 HF_SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
                 rope_theta=10000.0, max_position_embeddings=64, initializer_range=0.1,

@@ -136,3 +136,28 @@ def test_cache_does_not_recompute_the_prefix():
     seen.clear()
     generation.generate(model, prompt, 8, 0.0, 0, 0, False)
     assert seen == [len(prompt) + i for i in range(8)]
+
+
+def test_the_tokenizer_is_found_where_the_data_recorded_it(tmp_path):
+    """A tokenizer file named by the lineage, the tokenizer.json a prepared data file
+    carries, byte-level data; nothing recorded: None."""
+    import json
+
+    import h5py
+    import numpy as np
+
+    tok = tokenizer.byte_level()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = (tmp_path / "tokenizer.json").read_text()
+    lineage = json.dumps({"data": {"tokenizer": "bpe", "tokenizer_path":
+                                   str(tmp_path / "tokenizer.json")}})
+    assert tokenizer.find(lineage)[0] == str(tmp_path / "tokenizer.json")
+    with h5py.File(tmp_path / "data.h5", "w") as f:
+        f["tokenizer_json"] = np.frombuffer(text.encode(), dtype=np.uint8)
+    found, why = tokenizer.find(json.dumps({"data": {"tokenizer": "bpe", "source":
+                                                     str(tmp_path / "data.h5")}}))
+    assert isinstance(found, tokenizer.TokenizerText) and found == text, why
+    assert tokenizer.from_text_or_file(found).encode("ab").ids == [97, 98]
+    assert tokenizer.find(json.dumps({"data": {"tokenizer": "bytes"}}))[0] == tokenizer.BYTES
+    assert tokenizer.find("")[0] is None
+    assert tokenizer.find(json.dumps({"data": {"tokenizer": "bpe"}}))[0] is None
