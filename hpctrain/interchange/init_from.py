@@ -72,8 +72,9 @@ def differences(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
     out = []
     for key in sorted(set(vars(mine)) - IGNORED):
         a, b = getattr(mine, key), getattr(theirs, key, None)
-        if key == "d_ff":
-            a, b = mine.ffn_dim, theirs.ffn_dim
+        if key in ("d_ff", "n_kv_heads"):  # 0 means "the default": compare what it means
+            a, b = ((mine.ffn_dim, theirs.ffn_dim) if key == "d_ff"
+                    else (mine.kv_heads, theirs.kv_heads))
         if key in ("moe_every", "top_k") and not mine.num_experts:
             continue
         if a != b:

@@ -161,3 +161,17 @@ def test_the_tokenizer_is_found_where_the_data_recorded_it(tmp_path):
     assert tokenizer.find(json.dumps({"data": {"tokenizer": "bytes"}}))[0] == tokenizer.BYTES
     assert tokenizer.find("")[0] is None
     assert tokenizer.find(json.dumps({"data": {"tokenizer": "bpe"}}))[0] is None
+
+
+def test_init_from_compares_what_keys_mean():
+    """n_kv_heads = 0 is n_heads and d_ff = 0 is 4 * d_model: not a different model; a
+    different rope base is, and dtype or init are how a run trains, not which model."""
+    from hpctrain.interchange.init_from import differences
+
+    a = ModelConfig(arch="llama", n_heads=4, n_kv_heads=0, d_ff=0, d_model=32)
+    b = ModelConfig(arch="llama", n_heads=4, n_kv_heads=4, d_ff=128, d_model=32,
+                    dtype="float64", init_std=0.1)
+    assert differences(a, b) == []
+    c = ModelConfig(arch="llama", n_heads=4, n_kv_heads=2, d_model=32, rope_theta=5e5)
+    assert differences(a, c) == ["model.n_kv_heads = 4, the source has 2",
+                                 "model.rope_theta = 10000.0, the source has 500000.0"]
