@@ -27,6 +27,7 @@ KEYS = [(s, f.name, getattr(body, f.name)) for s, body in SECTIONS.items()
 CHOICES = {
     "model.dtype": ["float32", "float64", "bfloat16", "float16", "float8", ""],
     "model.device": ["cpu", "cuda", "tpu"],
+    "model.arch": ["gpt", "llama", "llama", "mamba"],
     "schedule.kind": ["gpipe", "1f1b", "interleaved", "zb-h1", "zigzag"],
     "schedule.boundaries": ["", "4", "2,4,6", "1,4,6", "6,2", "x", "0,8", "3,,6"],
     "topology.placement": ["auto", "naive", "random"],
