@@ -87,14 +87,19 @@ def test_import_export_round_trip_is_bit_exact(hf_llama, tmp_path, cli):
 
 
 def test_imported_model_trains_the_same_on_tp2_pp2(hf_llama, tmp_path, cli):
-    """init_from the import: tp2 x pp2 = one rank (float64, 1e-9); then that run's
-    checkpoint exported (sharded, float32) gives transformers hpctrain's logits."""
+    """The import trains the same on tp2 x pp2 (init_from) as on one rank (resume; float64,
+    1e-9); then that run's checkpoint exported (sharded, float32) gives transformers
+    hpctrain's logits."""
     imported = tmp_path / "llama64.h5"  # float64 for the 1e-9 comparison of layouts
     assert cli("import", hf_llama, "--out", imported, "--dtype", "float64")[0] == 0
-    sets = (*LLAMA, "train.steps=3", f"checkpoint.init_from={imported}")
-    ref = train_cli(tmp_path / "one", 1, *sets)
-    run = train_cli(tmp_path / "tp2pp2", 4, *sets, "topology.tp=2", "topology.pp=2")
-    assert_same(run, ref, 1e-9, "init_from tp2 x pp2")
+    sets = (*LLAMA, "train.steps=3")
+    # one rank resumes the import (a checkpoint at step 0, zero moments); tp2 x pp2 starts
+    # from it with init_from (fresh optimizer): the same training
+    ref = train_cli(tmp_path / "one", 1, *sets, f"checkpoint.resume={imported}")
+    assert f"resumed from {imported}" in (tmp_path / "one" / "train.log").read_text()
+    run = train_cli(tmp_path / "tp2pp2", 4, *sets, f"checkpoint.init_from={imported}",
+                    "topology.tp=2", "topology.pp=2")
+    assert_same(run, ref, 1e-9, "init_from tp2 x pp2 against resume on one rank")
     # it started from the HF weights (std 0.1), not a fresh init (std 0.02): three AdamW
     # steps of lr <= 2e-3 leave every tensor close to them
     start = read_params(imported)
