@@ -69,6 +69,16 @@ def hf_llama(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def hf_mixtral(tmp_path_factory):
+    """A random MixtralForCausalLM (4 experts, top 2) saved locally in shards."""
+    d = tmp_path_factory.mktemp("hf") / "mixtral"
+    torch.manual_seed(1)
+    config = transformers.MixtralConfig(**HF_SIZES, num_local_experts=4, num_experts_per_tok=2)
+    transformers.MixtralForCausalLM(config).save_pretrained(d, max_shard_size="100KB")
+    return d
+
+
 def test_import_export_round_trip_is_bit_exact(hf_llama, tmp_path, cli):
     """export(import(x)) reproduces x's tensors bit for bit, and the import verifies."""
     from safetensors.numpy import load_file
@@ -94,12 +104,12 @@ def test_imported_model_trains_the_same_on_tp2_pp2(hf_llama, tmp_path, cli):
     assert cli("import", hf_llama, "--out", imported, "--dtype", "float64")[0] == 0
     sets = (*LLAMA, "train.steps=3")
     # one rank resumes the import (a checkpoint at step 0, zero moments); tp2 x pp2 starts
-    # from it with init_from (fresh optimizer): the same training
+    # from the HF directory itself with init_from (fresh optimizer): the same training
     ref = train_cli(tmp_path / "one", 1, *sets, f"checkpoint.resume={imported}")
     assert f"resumed from {imported}" in (tmp_path / "one" / "train.log").read_text()
-    run = train_cli(tmp_path / "tp2pp2", 4, *sets, f"checkpoint.init_from={imported}",
-                    "topology.tp=2", "topology.pp=2")
-    assert_same(run, ref, 1e-9, "init_from tp2 x pp2 against resume on one rank")
+    run = train_cli(tmp_path / "tp2pp2", 4, *sets, f"checkpoint.init_from={hf_llama}",
+                    "model.dtype=float64", "topology.tp=2", "topology.pp=2")
+    assert_same(run, ref, 1e-9, "init_from HF dir on tp2 x pp2 against resume on one rank")
     # it started from the HF weights (std 0.1), not a fresh init (std 0.02): three AdamW
     # steps of lr <= 2e-3 leave every tensor close to them
     start = read_params(imported)
@@ -125,14 +135,22 @@ def test_imported_model_trains_the_same_on_tp2_pp2(hf_llama, tmp_path, cli):
     assert mine.abs().max().item() > 0.1  # not trivially small
 
 
-def test_mixtral_export_from_ep2_run(tmp_path, cli):
-    """An every-block-MoE llama model trained with ep=2 exports as Mixtral (per-expert keys)
-    and transformers computes the same logits."""
+def test_mixtral_export_from_ep2_run(hf_mixtral, tmp_path, cli):
+    """A Mixtral import, trained one step with ep=2 from it (init_from: each rank reads its
+    experts), exports as Mixtral (per-expert keys) and transformers computes the same
+    logits."""
     from safetensors import safe_open
 
+    start = tmp_path / "start.h5"
+    assert cli("import", hf_mixtral, "--out", start)[0] == 0
     run = tmp_path / "moe"
     train_cli(run, 2, *LLAMA, "model.dtype=float32", "model.num_experts=4",
-              "model.top_k=2", "topology.dp=2", "topology.ep=2", "train.steps=1")
+              "model.top_k=2", "topology.dp=2", "topology.ep=2", "train.steps=1",
+              f"checkpoint.init_from={start}")
+    moved = read_params(next((run / "checkpoints").glob("step_*.h5")))
+    first = read_params(start)
+    for name, value in first.items():  # one step of lr <= 2e-3 from the imported weights
+        assert rel_err(moved[name], value) < 0.05, name
     out = tmp_path / "mixtral"
     assert cli("export", run / "checkpoints", "--format", "hf", "--out", out)[0] == 0
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -190,16 +208,12 @@ def test_refusals_are_one_clear_message(hf_llama, tmp_path, cli):
     assert "Traceback" not in proc.stderr
 
 
-def test_mixtral_import_round_trip_and_logits(tmp_path, cli):
+def test_mixtral_import_round_trip_and_logits(hf_mixtral, tmp_path, cli):
     """A locally made MixtralForCausalLM (sharded on save) imports; hpctrain computes its
     logits, and export(import(x)) is x bit for bit."""
     from safetensors.numpy import load_file
 
-    torch.manual_seed(1)
-    src = tmp_path / "mixtral"
-    config = transformers.MixtralConfig(**{**HF_SIZES, "rope_theta": 1e6},
-                                        num_local_experts=4, num_experts_per_tok=2)
-    transformers.MixtralForCausalLM(config).save_pretrained(src, max_shard_size="100KB")
+    src = hf_mixtral
     assert (src / "model.safetensors.index.json").is_file()
     ckpt = tmp_path / "ckpt.h5"
     assert cli("import", src, "--out", ckpt)[0] == 0
