@@ -32,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(_module=module)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    trailing = getattr(args._module, "TRAILING", None)  # an optional positional that may
+    if extra and trailing and getattr(args, trailing) is None:  # follow the options
+        setattr(args, trailing, extra.pop(0))
+    if extra:
+        parser.parse_args(argv)  # argparse's own message for what is left over
     return args._module.run(args)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+TRAILING = "out_pos"  # `export CKPT --format safetensors OUT`: OUT after the options
+
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="checkpoint file, or a directory holding `latest`")
