@@ -52,7 +52,7 @@ class HFReader:
         with safe_open(str(single), "pt") as f:
             return {k: single for k in f.keys()}
 
-    def get(self, key: str):
+    def _file(self, key: str):
         from safetensors import safe_open
 
         path = self.where[key]
@@ -60,7 +60,29 @@ class HFReader:
             if not path.is_file():
                 raise hf_map.InterchangeError(f"shard {path} named by {INDEX} is missing")
             self._open[path] = safe_open(str(path), "pt")
-        return self._open[path].get_tensor(key)
+        return self._open[path]
+
+    def get(self, key: str):
+        return self._file(key).get_tensor(key)
+
+    def get_slice(self, key: str, index: tuple):
+        """``tensor[index]`` read without loading the rest of it."""
+        return self._file(key).get_slice(key)[index]
+
+    def slice_of(self, m: ModelConfig, name: str, index: tuple):
+        """hpctrain parameter ``name``'s global ``index`` (experts stacked), as numpy;
+        None when the directory has no such tensor."""
+        import torch
+
+        keys = [e for e in hf_map.entries(m) if e.name == name]
+        if not keys or any(e.key not in self.where for e in keys):
+            return None
+        if keys[0].expert is None:
+            t = self.get_slice(keys[0].key, index)
+        else:  # (E, ...) stacked: index[0] picks experts, the rest slices each
+            experts = range(m.num_experts)[index[0]]
+            t = torch.stack([self.get_slice(keys[e].key, index[1:]) for e in experts])
+        return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
 
     def model_config(self, dtype: str = "auto") -> ModelConfig:
         section = hf_map.model_section(self.config)

@@ -111,12 +111,12 @@ def load(cfg: Config, topo, params) -> str:
         if bad:
             raise CorruptCheckpoint(f"checkpoint.init_from: {path} is damaged: "
                                     f"{'; '.join(bad[:3])}")
-    if kind == "hf":
-        from .hf_import import HFReader, global_tensors
+    if kind == "hf":  # each rank reads only its slices of the safetensors files
+        from .hf_import import HFReader
 
-        arrays = global_tensors(HFReader(path), cfg.model)
-        missing = _copy(params, topo, lambda name, index: arrays[name][index]
-                        if name in arrays else None)
+        reader = HFReader(path)
+        missing = _copy(params, topo, lambda name, index: reader.slice_of(cfg.model, name,
+                                                                          index))
     else:
         import h5py
 

@@ -175,3 +175,40 @@ def test_init_from_compares_what_keys_mean():
     c = ModelConfig(arch="llama", n_heads=4, n_kv_heads=2, d_model=32, rope_theta=5e5)
     assert differences(a, c) == ["model.n_kv_heads = 4, the source has 2",
                                  "model.rope_theta = 10000.0, the source has 500000.0"]
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 2), (3, 1), (1, 4)])
+def test_init_from_reads_each_ranks_slice_of_sharded_safetensors(tmp_path, tp, ep):
+    """What a rank of a tp x ep layout reads from an HF directory (sharded weights, experts
+    one tensor each) is exactly its slice of the global tensor."""
+    import json
+
+    import numpy as np
+
+    from hpctrain.config import Config
+    from hpctrain.interchange.hf_import import HFReader
+    from hpctrain.model.gpt import local_slice
+
+    m = ModelConfig(arch="llama", n_layers=2, d_model=24, n_heads=6, n_kv_heads=3, d_ff=30,
+                    vocab_size=250, num_experts=4, top_k=2)
+    model = _llama_like(m)
+    arrays = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    tensors = hf_export.hf_tensors(Config(model=m), arrays, "float32")
+    hf_export.write_weights(tmp_path, tensors, 20_000)
+    (tmp_path / "config.json").write_text(json.dumps(hf_map.hf_config(m, 64, "float32", {})))
+    reader = HFReader(tmp_path)
+    assert len(set(reader.where.values())) > 3
+    for name, p in model.named_parameters():
+        for r_tp in range(tp):
+            for r_ep in range(ep):
+                index, extent = local_slice(p.hp, tp, r_tp, ep, r_ep)
+                got = reader.slice_of(m, name, index)
+                assert got.shape == extent and np.array_equal(got, arrays[name][index]), name
+
+
+def _llama_like(m):
+    from hpctrain.model import init_parameters
+
+    model = generation.whole_model(m)
+    init_parameters([model], 3)
+    return model
