@@ -17,7 +17,8 @@ COMMANDS = {
     "prepare": "turn text files into a token dataset (HDF5) with a held-out split",
     "plan": "print the pipeline schedule per rank, its bubble and in-flight microbatches (no MPI)",
     "inspect": "show a checkpoint's tensors and lineage; --verify recomputes checksums",
-    "export": "export a checkpoint's model as safetensors (with its config alongside)",
+    "export": "export a checkpoint's model as safetensors, or as a Hugging Face directory",
+    "import": "turn a Hugging Face Llama/Mixtral directory into an hpctrain checkpoint",
     "report": "plots and a Markdown summary of where a run's time went (needs matplotlib)",
     "generate": "continue a prompt with a checkpoint's model (any layout's, on one process)",
 }
@@ -31,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(_module=module)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    trailing = getattr(args._module, "TRAILING", None)  # an optional positional that may
+    if extra and trailing and getattr(args, trailing) is None:  # follow the options
+        setattr(args, trailing, extra.pop(0))
+    if extra:
+        parser.parse_args(argv)  # argparse's own message for what is left over
     return args._module.run(args)
 
 

@@ -11,7 +11,7 @@ by ``validate`` of a config that passes these.
 
 from __future__ import annotations
 
-from .config import REDUCTIONS, Config
+from .config import ARCHS, REDUCTIONS, Config
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -103,6 +103,7 @@ def _check_model(cfg: Config, world_size: int, need) -> None:
     need(m.n_heads % top.tp == 0,
          f"model.n_heads={m.n_heads} is not divisible by topology.tp={top.tp} "
          "(attention is split by heads)")
+    _check_arch(cfg, need)
     need(m.ffn_dim % top.tp == 0,
          f"model.d_ff={m.ffn_dim} is not divisible by topology.tp={top.tp} "
          "(the MLP is split on its hidden dimension)")
@@ -113,6 +114,29 @@ def _check_model(cfg: Config, world_size: int, need) -> None:
     if m.tie_embeddings:
         need(top.pp == 1, "model.tie_embeddings needs topology.pp=1 (the embedding and the "
              "head would live on different pipeline stages)")
+
+
+def _check_arch(cfg: Config, need) -> None:
+    """``model.arch`` and the keys only llama uses (grouped-query attention, rotary)."""
+    top, m = cfg.topology, cfg.model
+    _one_of(cfg, need, ARCHS, "model.arch")
+    _at_least(cfg, need, 0, "model.n_kv_heads")
+    _above(cfg, need, 0, "model.rope_theta")
+    if m.arch != "llama":
+        need(m.n_kv_heads in (0, m.n_heads),
+             f"model.n_kv_heads={m.n_kv_heads} needs model.arch='llama' (gpt attention has "
+             "as many key/value heads as query heads); set it to 0")
+        return
+    kv = m.kv_heads
+    need(kv <= 0 or m.n_heads % kv == 0,
+         f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv} "
+         "(grouped-query attention: every kv head serves the same number of query heads)")
+    need(kv <= 0 or kv % top.tp == 0,
+         f"model.n_kv_heads={kv} is not divisible by topology.tp={top.tp} (each tp rank "
+         "holds whole kv heads; kv heads are not replicated)")
+    hd = m.d_model // max(m.n_heads, 1)
+    need(hd % 2 == 0, f"model.d_model/model.n_heads = {m.d_model}/{m.n_heads} = {hd} must "
+         "be even for model.arch='llama' (rotary embeddings rotate pairs of channels)")
 
 
 def _check_experts(cfg: Config, world_size: int, need) -> None:

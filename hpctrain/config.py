@@ -24,6 +24,7 @@ else:  # pragma: no cover - Python 3.10
 
 
 REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
+ARCHS = ("gpt", "llama")  # model.arch
 
 
 class ConfigError(ValueError):
@@ -49,9 +50,15 @@ class TopologyConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    # "gpt" (GELU MLP, multi-head attention, no positions: the default of old configs and
+    # checkpoints) or "llama" (rotary positions, SwiGLU, grouped-query attention; every
+    # preset); with num_experts > 0, llama is the Mixtral form. See docs/models.md.
+    arch: str = "gpt"
     n_layers: int = 4
     d_model: int = 128
     n_heads: int = 4
+    n_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0 = n_heads
+    rope_theta: float = 10000.0  # llama: rotary embedding base
     d_ff: int = 0  # 0: 4 * d_model
     vocab_size: int = 256
     dtype: str = "float32"  # float32, float64, bfloat16, float16 (dynamic loss scaling)
@@ -74,6 +81,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_heads`` for llama (0 = n_heads), ``n_heads`` for gpt."""
+        return (self.n_kv_heads or self.n_heads) if self.arch == "llama" else self.n_heads
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,7 @@ class CheckpointConfig:
     dir: str = ""  # "" = RUN_DIR/checkpoints
     every: int = 0  # 0: only at the end (when save_final)
     resume: str = ""  # "" fresh, "auto" latest if any, or a checkpoint path
+    init_from: str = ""  # a new run's parameters from a checkpoint or a Hugging Face directory
     keep: int = 3
     save_final: bool = True
     alignment: int = 0  # HDF5 alignment in bytes (e.g. the Lustre stripe size); 0 = off

@@ -28,6 +28,7 @@ from .config import Config, dumps_toml
 from .config import microbatches as microbatches_per_rank
 from .data import Sampler, load_tokens
 from .evaluate import Evaluator, StopRules
+from .interchange import init_from
 from .optim import NumericGuard, build_optimizer, lr_at
 from .parallel import build_model, hierarchical, named_parameters
 from .parallel.data import GradBuffers
@@ -92,6 +93,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     job = slurm.attach(topo.world, log.info)  # log the SLURM job; SIGUSR1/SIGTERM set a flag
     chunks = build_model(cfg, topo)
     params = named_parameters(chunks)
+    if cfg.checkpoint.init_from:  # parameters from another model; a resume overrides them
+        log.info(f"parameters from {init_from.load(cfg, topo, params)} (checkpoint.init_from)")
     grads = GradBuffers(params, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero,
                         overlap=cfg.optim.overlap, hierarchical=hierarchical.reducer(topo),
                         microbatches=microbatches_per_rank(cfg), mode=cfg.optim.reduction)

@@ -56,7 +56,7 @@ PY="$VENV/bin/python"
 PIP="$PY -m pip --disable-pip-version-check -q"
 # The stamp names the torch build and the package list: a changed list installs again.
 BASE_PKGS="numpy cython pkgconfig mpi4py>=4 pytest pytest-mpi pytest-timeout hypothesis ruff
-  matplotlib safetensors"
+  matplotlib safetensors tokenizers==0.23.3 transformers==5.23.0"
 stamp="$VENV/.hpctrain-base-$(echo "$TORCH_SPEC $BASE_PKGS" | cksum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ]; then
   say "installing $TORCH_SPEC, numpy, mpi4py, test tools"

@@ -27,6 +27,7 @@ KEYS = [(s, f.name, getattr(body, f.name)) for s, body in SECTIONS.items()
 CHOICES = {
     "model.dtype": ["float32", "float64", "bfloat16", "float16", "float8", ""],
     "model.device": ["cpu", "cuda", "tpu"],
+    "model.arch": ["gpt", "llama", "llama", "mamba"],
     "schedule.kind": ["gpipe", "1f1b", "interleaved", "zb-h1", "zigzag"],
     "schedule.boundaries": ["", "4", "2,4,6", "1,4,6", "6,2", "x", "0,8", "3,,6"],
     "topology.placement": ["auto", "naive", "random"],
@@ -35,6 +36,7 @@ CHOICES = {
     "telemetry.on_skips": ["rollback", "stop", "ignore"],
     "data.path": ["", "/nonexistent/data.h5", "share"],
     "checkpoint.resume": ["", "auto"],
+    "checkpoint.init_from": ["", "/nonexistent/hf_model", "share"],
 }
 GARBAGE = st.sampled_from(['"x"', "[1, 2]", "{a = 1}", "1979-05-27", "true", "''", "1e999",
                            "-inf", "nan", "0x10", "1_000", "'unterminated", "", "  "])

@@ -1,7 +1,8 @@
 """Launching hpctrain as a user does (mpirun + the CLI) and reading what a run leaves.
 
 ``train_cli(tmp, n, *overrides)`` runs ``mpirun -n N python -m mpi4py -m hpctrain train``
-on the tiny preset and returns a :class:`Run` with per-step losses and grad norms from
+on the tiny preset (``TINY``: tiny-llama.toml; ``config=TINY_GPT`` for the gpt form) and
+returns a :class:`Run` with per-step losses and grad norms from
 ``metrics.jsonl`` and the final parameters from the final checkpoint (global shapes).
 ``baseline(*overrides)`` is the same on one rank, cached per session (keyed by overrides).
 Every launch gets the local Open MPI settings of ``scripts/mpi-env.sh`` (read by
@@ -25,7 +26,11 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a top-level package of the check
 from benchmarks.mpi_env import launch_env  # noqa: E402
 
 PY = str(Path(sys.executable))
-TINY = str(ROOT / "share/configs/tiny.toml")
+# The tests' model: the llama form (every preset's architecture); the layout tests run it.
+# TINY_GPT, its gpt twin (model.arch = "gpt"), keeps a smoke set of the same layouts
+# (tests/e2e/test_gpt_equivalence.py) and the unit tests.
+TINY = str(ROOT / "share/configs/tiny-llama.toml")
+TINY_GPT = str(ROOT / "share/configs/tiny.toml")
 
 MPI_ENV = launch_env()  # scripts/mpi-env.sh + OMP_NUM_THREADS=1, HDF5_USE_FILE_LOCKING=FALSE
 
@@ -117,12 +122,13 @@ def train_cli(run_dir: Path, n: int, *overrides: str, config: str = TINY, timeou
 _BASELINES: dict = {}
 
 
-def baseline(tmp_root: Path, *overrides: str) -> Run:
-    """The one-rank run with the same overrides (layout keys excluded), cached."""
-    key = tuple(sorted(overrides))
+def baseline(tmp_root: Path, *overrides: str, config: str = TINY) -> Run:
+    """The one-rank run of ``config`` with the same overrides (layout keys excluded),
+    cached."""
+    key = (config, *sorted(overrides))
     if key not in _BASELINES:
         d = tmp_root / f"baseline_{len(_BASELINES)}"
-        _BASELINES[key] = train_cli(d, 1, *overrides)
+        _BASELINES[key] = train_cli(d, 1, *overrides, config=config)
     return _BASELINES[key]
 
 

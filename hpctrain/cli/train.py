@@ -50,6 +50,7 @@ def check_inputs(cfg, run_dir: str) -> None:
     creatable), the checkpoint to resume from. Only reads, so every rank reaches the same
     verdict on a shared file system. Raises :class:`~hpctrain.config.InputError`."""
     from ..config import InputError
+    from ..interchange import init_from
 
     errors = _dir_problems(f"--run-dir {run_dir}", run_dir)
     if cfg.checkpoint.dir:
@@ -58,6 +59,7 @@ def check_inputs(cfg, run_dir: str) -> None:
     if resume not in ("", "auto") and not Path(resume).exists():
         errors.append(f"checkpoint.resume={resume!r}: no checkpoint there")
     errors += data_problems(cfg)
+    errors += init_from.problems(cfg)
     if len(errors) == 1:
         raise InputError(errors[0])
     if errors:

@@ -1,15 +1,19 @@
 """The model in plain PyTorch: no MPI here (see docs/design.md). Imports only ``config``.
 
-- ``gpt.py``: :class:`GPTStage` (a contiguous run of blocks, plus the embedding on the
-  first stage and the head and loss on the last), parameters with their global shapes
-  (:class:`ParamMeta`), layout-independent initialisation.
+- ``layers.py``: the layers of a block for ``model.arch`` gpt and llama (RMSNorm, rotary
+  embeddings, grouped-query attention, GELU or SwiGLU MLP), parameters with their global
+  shapes (:class:`ParamMeta`), the :class:`KVCache` of incremental decoding.
+- ``gpt.py``: :class:`Block` and :class:`GPTStage` (a contiguous run of blocks, plus the
+  embedding on the first stage and the head and loss on the last), layout-independent
+  initialisation.
 - ``moe.py``: the mixture-of-experts feed-forward; the token exchange is injected.
 - ``steps.py``: the forward as a generator that pauses at the expert all-to-alls, and
   :func:`drive`, which runs it with blocking exchanges (the plain forward).
 """
 
-from .gpt import DTYPES, GPTStage, LocalOps, ParamMeta, init_parameters, shard_range
+from .gpt import DTYPES, GPTStage, LocalOps, init_parameters
+from .layers import ARCHS, KVCache, ParamMeta, shard_range
 from .steps import Exchange, RunBlock, RunExperts, drive
 
-__all__ = ["DTYPES", "Exchange", "GPTStage", "LocalOps", "ParamMeta", "RunBlock", "RunExperts",
-           "drive", "init_parameters", "shard_range"]
+__all__ = ["ARCHS", "DTYPES", "Exchange", "GPTStage", "KVCache", "LocalOps", "ParamMeta",
+           "RunBlock", "RunExperts", "drive", "init_parameters", "shard_range"]

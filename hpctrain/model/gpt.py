@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,39 +22,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .layers import MLP, Attention, KVCache, ParamMeta, RMSNorm, Rotary, _param, shard_range
 from .steps import RunBlock, RunExperts, drive
+
+__all__ = ["DTYPES", "Block", "GPTStage", "KVCache", "LocalOps", "ParamMeta", "init_parameters",
+           "local_slice", "param_seed", "shard_range"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ParamMeta:
-    """How this rank's tensor relates to the global parameter.
-
-    ``tp_dim``: dimension split over the tp group (None: replicated over tp).
-    ``sp_partial``: replicated over tp, but with sequence parallelism each tp rank sees only
-    its part of the sequence, so the gradient must be summed over tp.
-    ``expert_dim``: dimension split over the ep group (expert weights), else None.
-    ``init``: "normal", "ones" or "zeros"; ``std`` for normal.
-    """
-
-    global_shape: tuple[int, ...]
-    tp_dim: int | None = None
-    sp_partial: bool = False
-    expert_dim: int | None = None
-    init: str = "normal"
-    std: float = 0.02
-
-
-def shard_range(n: int, parts: int, index: int) -> tuple[int, int, int]:
-    """Split length ``n`` into ``parts`` equal padded pieces: (start, stop, local_len).
-
-    ``local_len = ceil(n / parts)``; the last pieces may hold fewer than local_len real
-    rows (``stop - start``), the rest being padding that is never read."""
-    local = -(-n // parts)
-    start = min(index * local, n)
-    return start, min(start + local, n), local
 
 
 class LocalOps:
@@ -84,75 +58,15 @@ class LocalOps:
         return F.cross_entropy(logits, targets, reduction="sum")
 
 
-def _param(shape, meta: ParamMeta, dtype) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape, dtype=dtype))
-    p.hp = meta
-    return p
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype, sp_partial: bool):
-        super().__init__()
-        self.eps = eps
-        self.weight = _param((dim,), ParamMeta((dim,), sp_partial=sp_partial, init="ones"),
-                             dtype)
-
-    def forward(self, x):
-        # 16-bit inputs are normalised in float32: rsqrt's gradient overflows float16.
-        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-        var = xf.pow(2).mean(-1, keepdim=True)
-        return (xf * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
-
-
-class Attention(nn.Module):
-    """Causal self-attention, split by heads over tp: wq/wk/wv column-parallel (rows),
-    wo row-parallel (columns)."""
-
-    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float):
-        super().__init__()
-        C, hd, tp = cfg.d_model, cfg.head_dim, ops.tp_size
-        self.ops, self.heads, self.hd = ops, cfg.n_heads // tp, hd
-        local = self.heads * hd
-        col = ParamMeta((C, C), tp_dim=0, std=cfg.init_std)
-        self.wq = _param((local, C), col, dtype)
-        self.wk = _param((local, C), col, dtype)
-        self.wv = _param((local, C), col, dtype)
-        self.wo = _param((C, local), ParamMeta((C, C), tp_dim=1, std=resid_std), dtype)
-
-    def forward(self, x):  # x: (B, T, C) full sequence, replicated over tp
-        B, T, _ = x.shape
-        q = F.linear(x, self.wq).view(B, T, self.heads, self.hd).transpose(1, 2)
-        k = F.linear(x, self.wk).view(B, T, self.heads, self.hd).transpose(1, 2)
-        v = F.linear(x, self.wv).view(B, T, self.heads, self.hd).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
-        return F.linear(y, self.wo)  # partial sum over tp: (B, T, C)
-
-
-class MLP(nn.Module):
-    """GELU MLP split on the hidden dimension: w1 column-parallel, w2 row-parallel."""
-
-    stepped = False  # runs in one go (an MoE layer yields at its token exchanges)
-
-    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float):
-        super().__init__()
-        C, H = cfg.d_model, cfg.ffn_dim
-        local = H // ops.tp_size
-        self.w1 = _param((local, C), ParamMeta((H, C), tp_dim=0, std=cfg.init_std), dtype)
-        self.w2 = _param((C, local), ParamMeta((C, H), tp_dim=1, std=resid_std), dtype)
-
-    def forward(self, x):
-        return F.linear(F.gelu(F.linear(x, self.w1)), self.w2)
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops, dtype, ffn: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, ops, dtype, ffn: nn.Module | None = None,
+                 rotary: Rotary | None = None):
         super().__init__()
         resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         sp = ops.sequence_parallel
         self.ops = ops
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, sp)
-        self.attn = Attention(cfg, ops, dtype, resid_std)
+        self.attn = Attention(cfg, ops, dtype, resid_std, rotary)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, sp)
         self.mlp = ffn if ffn is not None else MLP(cfg, ops, dtype, resid_std)
 
@@ -177,6 +91,14 @@ class Block(nn.Module):
     def forward(self, x):
         return drive(self.steps(x))
 
+    def decode(self, x, cache: KVCache, layer):
+        """Incremental forward of new tokens ``x`` (B, T_new, C) against ``cache`` (one
+        process, no sequence parallelism; an MoE feed-forward runs with its blocking
+        exchange)."""
+        ops = self.ops
+        h = x + ops.exit_tp(self.attn(ops.enter_tp(self.norm1(x)), cache, layer))
+        return h + ops.exit_tp(self.mlp(ops.enter_tp(self.norm2(h))))
+
 
 class GPTStage(nn.Module):
     """Blocks ``layers`` of the model, plus the embedding when ``first`` and the final norm,
@@ -197,8 +119,11 @@ class GPTStage(nn.Module):
         vocab_meta = ParamMeta((V, C), tp_dim=0, std=cfg.init_std)
         if first:
             self.embed = _param((self.vocab_local, C), vocab_meta, dtype)
+        # One rotary table cache shared by the stage's blocks (llama; gpt has no positions).
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.arch == "llama" else None
         self.blocks = nn.ModuleDict({
-            str(i): Block(cfg, ops, dtype, ffn_factory(i) if ffn_factory else None)
+            str(i): Block(cfg, ops, dtype, ffn_factory(i) if ffn_factory else None,
+                          self.rotary)
             for i in self.layers
         })
         if last:
@@ -224,9 +149,20 @@ class GPTStage(nn.Module):
             self.vocab_start, self.cfg.vocab_size)
 
     @torch.no_grad()
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """(B, T, V_local) next-token logits of a whole model on one rank (generation)."""
-        x = drive(self.hidden_steps(idx))
+    def logits(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """(B, T, V_local) next-token logits of a whole model on one rank (generation).
+
+        Without ``cache``: ``idx`` (B, T) is the whole sequence, positions 0..T-1. With a
+        :class:`KVCache`: ``idx`` holds only the new tokens, at positions ``cache.length``
+        onwards; attention also reads the cached keys and values, and the cache is
+        extended by the new tokens (``cache.length`` grows by T)."""
+        if cache is None:
+            x = drive(self.hidden_steps(idx))
+        else:
+            x = self.embed_tokens(idx)
+            for i, block in self.blocks.items():
+                x = block.decode(x, cache, int(i))
+            cache.length += idx.shape[1]
         w = self.embed if self.cfg.tie_embeddings else self.head
         return F.linear(self.ops.enter_tp(self.norm_f(x)), w)
 

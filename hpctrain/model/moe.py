@@ -1,9 +1,12 @@
 """Mixture-of-experts feed-forward layer in plain PyTorch. Imports no MPI.
 
 Routing (per token): router logits ``x @ router.T`` (E,), softmax, top-k experts (k = 1 or
-2). The gate is the softmax probability (k = 1) or the top-2 probabilities renormalised to sum
-to 1 (k = 2). The layer output is ``sum_kept gate * expert(x)``; a dropped assignment adds 0
-(the block's residual carries the token on).
+2). ``gpt``: the gate is the softmax probability (k = 1) or the top-2 probabilities
+renormalised to sum to 1 (k = 2); experts are GELU MLPs. ``llama`` (the Mixtral form, as Hugging
+Face's ``MixtralSparseMoeBlock``): the softmax in float32 for 16-bit models, the top-k gates
+renormalised to sum to 1 for every k, SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down).
+The layer output is ``sum_kept gate * expert(x)``; a dropped assignment adds 0 (the block's
+residual carries the token on).
 
 Everything that crosses ranks is injected, like the ``ops`` object of tensor parallelism:
 ``exchange`` (:class:`LocalExchange` here, ``parallel.moe_exchange.ExpertExchange``, MPI) moves
@@ -44,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .gpt import ParamMeta, _param
+from .layers import ParamMeta, _param
 from .steps import Exchange, drive
 
 
@@ -117,7 +120,8 @@ class MoEStats:
 
 
 class MoE(nn.Module):
-    """E experts (GELU MLPs, batched weights ``w1`` (E, H, C), ``w2`` (E, C, H)), of which
+    """E experts (GELU MLPs, batched weights ``w1`` (E, H, C), ``w2`` (E, C, H); llama:
+    SwiGLU, also ``w3`` (E, H, C)), of which
     this rank holds ``E / ep`` (``ParamMeta.expert_dim = 0``), and a replicated router.
     Under tp the weights are replicated but each tp rank sees other tokens, so their
     gradients are partial over tp (``sp_partial``)."""
@@ -134,8 +138,12 @@ class MoE(nn.Module):
         partial = ops.tp_size > 1
         self.router = _param((E, C), ParamMeta((E, C), sp_partial=partial, std=cfg.init_std),
                              dtype)
+        self.mixtral = cfg.arch == "llama"
         self.w1 = _param((self.E_local, H, C), ParamMeta(
             (E, H, C), expert_dim=0, sp_partial=partial, std=cfg.init_std), dtype)
+        if self.mixtral:  # the up projection of SwiGLU experts
+            self.w3 = _param((self.E_local, H, C), ParamMeta(
+                (E, H, C), expert_dim=0, sp_partial=partial, std=cfg.init_std), dtype)
         self.w2 = _param((self.E_local, C, H), ParamMeta(
             (E, C, H), expert_dim=0, sp_partial=partial, std=resid_std), dtype)
         # (float16 loss scale) / global tokens, the token loss's factor; set every step by
@@ -166,9 +174,10 @@ class MoE(nn.Module):
     def route(self, xs: torch.Tensor):
         """Router of ``xs`` (n, C): (logits (n, E), probs (n, E), experts (n, k), gates)."""
         logits = F.linear(xs, self.router)
-        probs = torch.softmax(logits.float() if logits.dtype == torch.bfloat16 else logits, -1)
+        low = (torch.bfloat16, torch.float16) if self.mixtral else (torch.bfloat16,)
+        probs = torch.softmax(logits.float() if logits.dtype in low else logits, -1)
         gate, expert = probs.topk(self.k, dim=-1)  # (n, k), top choice first
-        if self.k > 1:
+        if self.k > 1 or self.mixtral:
             gate = gate / gate.sum(-1, keepdim=True)
         return logits, probs, expert, gate.to(xs.dtype)
 
@@ -236,7 +245,11 @@ class MoE(nn.Module):
         """Rows (m, C) grouped by local expert with ``sizes`` (E_local,) -> outputs (m, C)."""
         outs = []
         for e, part in enumerate(torch.split(h, [int(s) for s in sizes])):
-            outs.append(F.linear(F.gelu(F.linear(part, self.w1[e])), self.w2[e]))
+            if self.mixtral:
+                hidden = F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e])
+            else:
+                hidden = F.gelu(F.linear(part, self.w1[e]))
+            outs.append(F.linear(hidden, self.w2[e]))
         return torch.cat(outs) if outs else h
 
     def record(self, glob: torch.Tensor, tokens: int, aux, z) -> None:

@@ -8,11 +8,13 @@ Per token, forward, with ``C = d_model``, ``F = ffn_dim``, ``V = vocab_size``, `
 ``L = n_layers``, ``E = num_experts``, ``k = top_k``::
 
     attention projections   2 * 4 * C^2                 (wq, wk, wv, wo)
+                            llama: 2 * 2 * C * (C + kv * hd)   (wk, wv: kv heads of hd)
     attention core          2 * 2 * C * ctx             (QK^T and AV over ctx keys)
                             ctx = (T + 1) / 2 causal    (mean keys a query sees; the full-T
                                                          convention of PaLM's 12*L*C*T counts
                                                          the masked half too: causal=False)
     dense MLP               2 * 2 * C * F               (w1, w2)
+                            llama: 2 * 3 * C * F        (SwiGLU: w1 gate, w3 up, w2 down)
     MoE layer               2 * C * E  +  k * 2 * 2 * C * F   (router + the k active experts)
     LM head                 2 * C * V                   (embedding lookup: 0)
 
@@ -43,8 +45,9 @@ def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -
     """Forward model FLOPs for one token (see the module docstring for the formula)."""
     C, F, V = m.d_model, m.ffn_dim, m.vocab_size
     ctx = (seq_len + 1) / 2 if causal else seq_len
-    attention = 2 * 4 * C * C + 2 * 2 * C * ctx
-    dense_mlp = 2 * 2 * C * F
+    kv = m.kv_heads * m.head_dim  # C for gpt
+    attention = 2 * 2 * C * (C + kv) + 2 * 2 * C * ctx
+    dense_mlp = 2 * (3 if m.arch == "llama" else 2) * C * F
     moe_mlp = 2 * C * m.num_experts + m.top_k * dense_mlp
     n_moe = moe_layer_count(m)
     n_dense = m.n_layers - n_moe

@@ -39,11 +39,13 @@ def _stage_params(cfg: Config, layers: int, first: bool, last: bool) -> int:
     m, top = cfg.model, cfg.topology
     C, F, tp = m.d_model, m.ffn_dim, top.tp
     vocab_local = -(-m.vocab_size // tp)
-    dense_mlp = 2 * C * F // tp
-    per_block = 4 * C * (C // tp) + 2 * C
+    dense_mlp = _mlp_matrices(m) * C * F // tp
+    q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim  # kv = q for gpt
+    per_block = 2 * C * (q // tp) + 2 * C * (kv // tp) + 2 * C
     n_moe = 0
     if m.num_experts:
-        expert = dense_mlp * (m.num_experts // top.ep) + C * m.num_experts
+        # experts are split over ep, not tp (each tp rank routes other tokens)
+        expert = _mlp_matrices(m) * C * F * (m.num_experts // top.ep) + C * m.num_experts
         n_moe = sum(1 for i in range(layers) if i % m.moe_every == 0)
         total = layers * per_block + n_moe * expert + (layers - n_moe) * dense_mlp
     else:
@@ -55,6 +57,11 @@ def _stage_params(cfg: Config, layers: int, first: bool, last: bool) -> int:
     return total
 
 
+def _mlp_matrices(m) -> int:
+    """Weight matrices of a (dense or expert) MLP: 2 for GELU, 3 for SwiGLU (llama)."""
+    return 3 if m.arch == "llama" else 2
+
+
 def _norm_bytes(T: int, C: int, ps: int) -> int:
     """RMSNorm + its output, per sequence: input, 1/rms, normalised, scaled. 16-bit inputs
     are normalised in float32 (a float32 copy and float32 1/rms)."""
@@ -63,13 +70,16 @@ def _norm_bytes(T: int, C: int, ps: int) -> int:
 
 def block_activation_bytes(cfg: Config) -> int:
     """Bytes autograd saves per block per sequence (measured layout, see tests):
-    two norms, q, k, v and the attention output (over tp), the attention log-sum-exp
-    (per head, float32 for 16-bit), the MLP hidden before and after GELU (over tp)."""
+    two norms, q, k, v and the attention output (over tp; llama: k and v after the
+    grouped-query repeat, as many heads as q), the attention log-sum-exp (per head, float32
+    for 16-bit), the MLP hidden before and after GELU (over tp; SwiGLU: gate, silu(gate),
+    up and their product)."""
     m, tp = cfg.model, cfg.topology.tp
     T, C, F, ps = cfg.train.seq_len, m.d_model, m.ffn_dim, DTYPE_BYTES[m.dtype]
     ls = 4 if ps == 2 else ps
+    hidden = 4 if m.arch == "llama" else 2
     return 2 * _norm_bytes(T, C, ps) + T * (4 * C // tp * ps + m.n_heads // tp * ls
-                                            + 2 * F // tp * ps)
+                                            + hidden * F // tp * ps)
 
 
 def _ends_activation_bytes(cfg: Config, first: bool, last: bool) -> int:

@@ -1,5 +1,7 @@
 """Config parsing, overrides and every validation error, without MPI."""
 
+from dataclasses import replace
+
 import pytest
 
 from hpctrain.config import (
@@ -14,6 +16,7 @@ from hpctrain.config import (
 from hpctrain.validate import validate
 
 TINY = "share/configs/tiny.toml"
+TINY_LLAMA = "share/configs/tiny-llama.toml"
 
 
 def test_presets_load_and_validate():
@@ -25,15 +28,23 @@ def test_presets_load_and_validate():
     assert microbatches(demo) == 16 // (4 * 2)
 
 
-def test_every_layout_up_to_8_ranks_divides_tiny():
+@pytest.mark.parametrize("preset,tps", [(TINY, (1, 2, 4, 8)), (TINY_LLAMA, (1, 2, 4))])
+def test_every_layout_up_to_8_ranks_divides_tiny(preset, tps):
     for dp in (1, 2, 4, 8):
-        for tp in (1, 2, 4, 8):
+        for tp in tps:  # tiny-llama: tp must divide its 4 kv heads
             for pp in (1, 2, 4, 8):
                 n = dp * tp * pp
                 if n <= 8:
-                    cfg = load(TINY, [f"topology.dp={dp}", f"topology.tp={tp}",
-                                      f"topology.pp={pp}"])
+                    cfg = load(preset, [f"topology.dp={dp}", f"topology.tp={tp}",
+                                        f"topology.pp={pp}"])
                     validate(cfg, n)
+
+
+def test_tiny_llama_is_the_llama_twin_of_tiny():
+    gpt, llama = load(TINY).model, load(TINY_LLAMA).model
+    assert gpt.arch == "gpt" and llama.arch == "llama" and llama.kv_heads == 4
+    assert replace(llama, arch="gpt", n_kv_heads=0) == gpt
+    assert load(TINY_LLAMA).train == load(TINY).train
 
 
 @pytest.mark.parametrize("text,expect", [
@@ -105,6 +116,14 @@ def test_unknown_key_lists_valid_keys():
     (["topology.pp=8", "schedule.kind=\"interleaved\"", "schedule.virtual_stages=2"], 8,
      r"n_layers=8 < pp\*virtual_stages = 8\*2"),
     (["optim.zero=3"], 1, r"optim.zero=3 must be 0, 1 or 2"),
+    (['model.arch="llama"', "model.n_kv_heads=2", "topology.tp=4"], 4,
+     r"model.n_kv_heads=2 is not divisible by topology.tp=4 \(each tp rank holds whole kv"),
+    (['model.arch="llama"', "model.n_kv_heads=3"], 1,
+     r"model.n_heads=8 is not divisible by model.n_kv_heads=3"),
+    (['model.arch="llama"', "model.d_model=24"], 1,
+     r"model.d_model/model.n_heads = 24/8 = 3 must be even for model.arch='llama'"),
+    (["model.n_kv_heads=4"], 1, r"model.n_kv_heads=4 needs model.arch='llama'"),
+    (['model.arch="mamba"'], 1, r"model.arch='mamba'; valid: gpt, llama"),
     (["topology.tp=0"], 1, r"topology.tp=0 must be >= 1"),
     (["optim.reduction=\"ring\""], 1, r"optim.reduction='ring'; valid: bucketed, "),
     (["topology.dp=2", "optim.zero=1", "optim.reduction=\"per-parameter\""], 2,
@@ -174,6 +193,8 @@ def test_defaults_are_a_valid_config():
     (["checkpoint.every=-2"], "checkpoint.every=-2 must be >= 0"),
     (["checkpoint.alignment=-4096"], "checkpoint.alignment=-4096 must be >= 0"),
     (["optim.lr=nan"], "optim.lr must be a finite number, got nan"),
+    (["model.rope_theta=0"], "model.rope_theta=0.0 must be > 0"),
+    (["model.n_kv_heads=-1"], "model.n_kv_heads=-1 must be >= 0"),
     (["optim.lr=inf"], "optim.lr must be a finite number, got inf"),
     (["data.corpus_mb=-inf"], "data.corpus_mb must be a finite number, got -inf"),
 ])
@@ -197,6 +218,9 @@ def test_holes_are_reported_together_with_the_rest():
     ["optim.lr=0", "optim.min_lr=0"],  # a frozen model is a legal (if useless) run
     ["optim.beta1=0", "optim.beta2=0"],
     ["model.d_ff=0"],  # 0: 4 * d_model
+    ["model.n_kv_heads=8"],  # gpt: as many kv heads as query heads, said explicitly
+    ['model.arch="llama"', "model.n_kv_heads=1"],  # multi-query attention
+    ['model.arch="llama"', "model.n_kv_heads=0"],  # 0: n_heads
     ["model.num_experts=4", "model.moe_every=8"],  # one expert layer, the last
     ["model.num_experts=0", "model.moe_every=99"],  # ignored by a dense model
     ["checkpoint.keep=0"],  # keep every checkpoint

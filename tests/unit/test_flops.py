@@ -33,10 +33,13 @@ def attention_core_flops(B, H, T, hd) -> int:
     return counted_flops(run)
 
 
-@pytest.mark.parametrize("layers,C,H,F,V,T", [(2, 32, 4, 48, 100, 16), (3, 64, 8, 0, 256, 8)])
-def test_dense_train_flops_match_flop_counter(layers, C, H, F, V, T):
+@pytest.mark.parametrize("layers,C,H,F,V,T,arch,kv", [
+    (2, 32, 4, 48, 100, 16, "gpt", 0), (3, 64, 8, 0, 256, 8, "gpt", 0),
+    (2, 32, 4, 48, 100, 16, "llama", 2),  # grouped-query attention, SwiGLU
+])
+def test_dense_train_flops_match_flop_counter(layers, C, H, F, V, T, arch, kv):
     m = ModelConfig(n_layers=layers, d_model=C, n_heads=H, d_ff=F, vocab_size=V,
-                    dtype="float64")
+                    dtype="float64", arch=arch, n_kv_heads=kv)
     stage = GPTStage(m, range(layers), True, True)
     for p in stage.parameters():
         torch.nn.init.normal_(p, std=0.02)

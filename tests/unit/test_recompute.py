@@ -9,6 +9,7 @@ hooks, so the meter does not see them: the plan adds them).
 
 import dataclasses
 
+import pytest
 import torch
 
 from hpctrain.config import load
@@ -16,6 +17,7 @@ from hpctrain.model.gpt import GPTStage, init_parameters
 from hpctrain.telemetry import memory
 
 TINY = "share/configs/tiny.toml"
+TINY_LLAMA = "share/configs/tiny-llama.toml"
 
 
 def _grads_and_peak(cfg):
@@ -32,8 +34,9 @@ def _grads_and_peak(cfg):
     return {n: p.grad.clone() for n, p in stage.named_parameters()}, meter.peak
 
 
-def test_recompute_same_gradients_less_memory():
-    cfg = load(TINY, ["train.micro_batch_size=2"])
+@pytest.mark.parametrize("preset", [TINY, TINY_LLAMA])
+def test_recompute_same_gradients_less_memory(preset):
+    cfg = load(preset, ["train.micro_batch_size=2"])
     on = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute=True))
     g0, peak0 = _grads_and_peak(cfg)
     g1, peak1 = _grads_and_peak(on)

@@ -46,3 +46,28 @@ def test_plan_skips_a_data_file_that_is_not_here():
     cfg = load(TINY, ['data.path="/elsewhere/data.h5"'])
     assert cli_train.data_problems(cfg, missing_ok=True) == []
     assert "does not exist" in cli_train.data_problems(cfg)[0]
+
+
+def test_init_from_must_exist_and_hold_this_model(tmp_path):
+    """checkpoint.init_from: nothing there, a directory that is neither kind, a file that is
+    not a checkpoint, and a checkpoint of another model: each named, before any collective."""
+    import numpy as np
+
+    from hpctrain.config import Config
+    from hpctrain.interchange.hf_import import file_arrays, write_checkpoint
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "junk.h5").write_text("x")
+    for source, words in ((tmp_path / "none", "nothing there"),
+                          (tmp_path / "empty", "neither config.json"),
+                          (tmp_path / "junk.h5", "cannot be read")):
+        with pytest.raises(InputError, match=words):
+            cli_train.check_inputs(load(TINY, [f'checkpoint.init_from="{source}"']),
+                                   str(tmp_path / "run"))
+    cfg = load(TINY)
+    other = Config(model=cfg.model.__class__(**{**vars(cfg.model), "d_ff": 32}))
+    ckpt = write_checkpoint(tmp_path / "other.h5", other,
+                            file_arrays({"embed": np.zeros((256, 32))}, "float64"), {})
+    with pytest.raises(InputError, match="model.d_ff = 64, the source has 32"):
+        cli_train.check_inputs(load(TINY, [f'checkpoint.init_from="{ckpt}"']),
+                               str(tmp_path / "run"))

@@ -1,0 +1,182 @@
+"""``hpctrain import DIR --out CKPT``: a Hugging Face Llama or Mixtral directory (one
+``model.safetensors`` or shards with ``model.safetensors.index.json``) as an hpctrain
+checkpoint in the format a run writes (global shapes, CRC-32 per dataset, config and lineage
+attributes, zeroed AdamW state at step 0), which any layout resumes or starts from
+(``checkpoint.init_from``). One process, no MPI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint import integrity as cv
+from ..config import Config, ModelConfig, dumps_toml
+from . import hf_map
+from .hf_export import INDEX
+
+HF_DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16",
+             "float16": "float16"}
+
+
+class HFReader:
+    """The tensors of an HF directory by key, wherever (which shard) they are."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        cfg_path = self.dir / "config.json"
+        if not cfg_path.is_file():
+            raise hf_map.InterchangeError(f"{self.dir} has no config.json: not a Hugging "
+                                          f"Face model directory")
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except ValueError as e:
+            raise hf_map.InterchangeError(f"{cfg_path} is not valid JSON: {e}") from None
+        self.where = self._index()
+        self._open: dict = {}
+
+    def _index(self) -> dict[str, Path]:
+        from safetensors import safe_open
+
+        if (self.dir / INDEX).is_file():
+            wm = json.loads((self.dir / INDEX).read_text()).get("weight_map", {})
+            return {k: self.dir / v for k, v in wm.items()}
+        single = self.dir / "model.safetensors"
+        if not single.is_file():
+            raise hf_map.InterchangeError(
+                f"{self.dir} has neither model.safetensors nor {INDEX} (only safetensors "
+                f"weights are read, never pickled .bin files)")
+        with safe_open(str(single), "pt") as f:
+            return {k: single for k in f.keys()}
+
+    def _file(self, key: str):
+        from safetensors import safe_open
+
+        path = self.where[key]
+        if path not in self._open:
+            if not path.is_file():
+                raise hf_map.InterchangeError(f"shard {path} named by {INDEX} is missing")
+            self._open[path] = safe_open(str(path), "pt")
+        return self._open[path]
+
+    def get(self, key: str):
+        return self._file(key).get_tensor(key)
+
+    def get_slice(self, key: str, index: tuple):
+        """``tensor[index]`` read without loading the rest of it."""
+        return self._file(key).get_slice(key)[index]
+
+    def slice_of(self, m: ModelConfig, name: str, index: tuple):
+        """hpctrain parameter ``name``'s global ``index`` (experts stacked), as numpy;
+        None when the directory has no such tensor."""
+        import torch
+
+        keys = [e for e in hf_map.entries(m) if e.name == name]
+        if not keys or any(e.key not in self.where for e in keys):
+            return None
+        if keys[0].expert is None:
+            t = self.get_slice(keys[0].key, index)
+        else:  # (E, ...) stacked: index[0] picks experts, the rest slices each
+            experts = range(m.num_experts)[index[0]]
+            t = torch.stack([self.get_slice(keys[e].key, index[1:]) for e in experts])
+        return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
+
+    def model_config(self, dtype: str = "auto") -> ModelConfig:
+        section = hf_map.model_section(self.config)
+        hf_dtype = self.config.get("dtype") or self.config.get("torch_dtype") or "float32"
+        section["dtype"] = HF_DTYPES.get(str(hf_dtype), "float32") if dtype == "auto" else dtype
+        try:
+            return ModelConfig(**section)
+        except TypeError as e:  # this hpctrain has no llama architecture
+            raise hf_map.InterchangeError(f"this hpctrain cannot hold the model: {e}") from None
+
+
+def global_tensors(reader: HFReader, m: ModelConfig) -> dict[str, np.ndarray]:
+    """{hpctrain parameter name: global array}; experts stacked along dim 0. Refuses
+    missing and unexpected HF tensors, naming them."""
+    import torch
+
+    entries = hf_map.entries(m)
+    missing = [e.key for e in entries if e.key not in reader.where]
+    unexpected = sorted(set(reader.where) - {e.key for e in entries})
+    if missing or unexpected:
+        raise hf_map.InterchangeError(
+            f"{reader.dir} does not match its config.json as a Llama/Mixtral model: "
+            f"{len(missing)} missing ({', '.join(missing[:3])}), {len(unexpected)} "
+            f"unexpected ({', '.join(unexpected[:3])})")
+    stacked = {e.name for e in entries if e.expert is not None}
+    parts: dict[str, list] = {}
+    for e in entries:
+        t = reader.get(e.key)
+        t = t.float() if t.dtype in (torch.bfloat16, torch.float16) else t  # exact widening
+        parts.setdefault(e.name, []).append(t)
+    return {name: (torch.stack(ts) if name in stacked else ts[0]).numpy()
+            for name, ts in parts.items()}
+
+
+def file_arrays(tensors: dict, dtype: str) -> dict[str, np.ndarray]:
+    """model/ and optim/ datasets as a fresh run at step 0 would write them (16-bit
+    parameters widened to float32, zero moments, float32 master copies)."""
+    pdt = np.float64 if dtype == "float64" else np.float32
+    sdt = np.float64 if dtype == "float64" else np.float32
+    out = {}
+    for name, a in tensors.items():
+        out[f"model/{name}"] = a.astype(pdt)
+        out[f"optim/{name}/exp_avg"] = np.zeros(a.shape, sdt)
+        out[f"optim/{name}/exp_avg_sq"] = np.zeros(a.shape, sdt)
+        if dtype in ("bfloat16", "float16"):
+            out[f"optim/{name}/master"] = a.astype(np.float32)
+    return out
+
+
+def write_checkpoint(out: Path, cfg: Config, arrays: dict, lineage: dict) -> Path:
+    """Write ``arrays`` as a committed checkpoint: ``out`` itself when it ends in .h5,
+    otherwise ``out/step_00000000.h5`` with ``latest`` naming it. Atomic like a run's save."""
+    import h5py
+
+    from ..checkpoint.store import LATEST, step_name
+
+    cv.disable_file_locking()
+    final = out if out.suffix == ".h5" else out / step_name(0)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp"
+    attrs = {"format": cv.FORMAT, "step": 0, "optim_step": 0, "data_next_step": 0,
+             "data_samples_seen": 0, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "versions": cv.versions(), "git_commit": cv.git_commit(), "writer": "serial",
+             "world_size": 1, "rng_layout": "(1, 1, 1, 1)", "topology": "(1, 1, 1, 1)",
+             "layout": json.dumps({"dims(pp,dp_outer,ep,tp)": [1, 1, 1, 1],
+                                   "mpi_hints": {}, "alignment": 0}),
+             "config": dumps_toml(cfg), "lineage": json.dumps(lineage), "data_hash": ""}
+    with h5py.File(tmp, "w") as f:
+        for name in sorted(arrays):
+            f.create_dataset(name, data=arrays[name])
+        f.attrs.update(attrs)
+    cv.stamp(tmp, cv.compute_checksums(tmp, sorted(arrays)))
+    cv.fsync_file(tmp)
+    cv.replace_durably(tmp, final)
+    if out.suffix != ".h5":
+        cv.write_durably(out / LATEST, final.name + "\n")
+    return final
+
+
+def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
+              say=print) -> Path:
+    """Convert HF directory ``directory`` into an hpctrain checkpoint at ``out``."""
+    reader = HFReader(directory)
+    m = reader.model_config(dtype)
+    tensors = global_tensors(reader, m)
+    cfg = dataclasses.replace(Config(), model=m)
+    lineage = {"imported_from": str(Path(directory).resolve()),
+               "hf_architectures": reader.config.get("architectures"),
+               "hf_config": reader.config}
+    final = write_checkpoint(Path(out), cfg, file_arrays(tensors, m.dtype), lineage)
+    n = sum(a.size for a in tensors.values())
+    keys = ", ".join(f"model.{k}={v!r}" for k, v in hf_map.model_section(reader.config)
+                     .items())
+    say(f"wrote {final}: {reader.config.get('architectures', ['?'])[0]}, {len(tensors)} "
+        f"tensors, {n:,} parameters ({m.dtype}); train from it with "
+        f"--set checkpoint.init_from={final} and the model keys {keys}")
+    return final

@@ -1,0 +1,146 @@
+"""``checkpoint.init_from = "DIR-or-CKPT"``: a new run's parameters from a Hugging Face
+Llama/Mixtral directory or an hpctrain checkpoint (file, or directory with ``latest``); the
+optimizer starts fresh at step 0. A run that resumes (``checkpoint.resume``) ignores it.
+
+:func:`problems` runs on every rank before any collective (the source exists, its model has
+this run's architecture and shapes); :func:`load` has each rank read only its own slice of
+every parameter (any layout), converted to the run's dtype.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoint import integrity as cv
+from ..config import Config, ModelConfig, from_dict
+from ..model.gpt import local_slice
+from . import hf_map
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+IGNORED = {"dtype", "device", "init_std", "recompute", "capacity_factor", "aux_loss_coef",
+           "z_loss_coef"}  # how a model is trained, not which model it is
+
+
+def source_kind(path: str) -> tuple[str, Path]:
+    """("hf", dir) for a directory with config.json, ("ckpt", file) for a checkpoint."""
+    from ..checkpoint import latest
+
+    p = Path(path)
+    if p.is_dir() and (p / "config.json").is_file():
+        return "hf", p
+    if p.is_dir():
+        found = latest(p)
+        if found is None:
+            raise hf_map.InterchangeError(f"checkpoint.init_from={path!r}: the directory has "
+                                          f"neither config.json (Hugging Face) nor `latest`")
+        return "ckpt", found
+    if p.is_file():
+        return "ckpt", p
+    raise hf_map.InterchangeError(f"checkpoint.init_from={path!r}: nothing there")
+
+
+def source_model(kind: str, path: Path) -> ModelConfig:
+    """The model the source holds."""
+    if kind == "hf":
+        from .hf_import import HFReader
+
+        return HFReader(path).model_config()
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != cv.FORMAT:
+                raise hf_map.InterchangeError(f"checkpoint.init_from: {path} is not an "
+                                              f"hpctrain checkpoint")
+            text = cv._plain(f.attrs.get("config", ""))
+    except OSError as e:
+        raise hf_map.InterchangeError(f"checkpoint.init_from: {path} cannot be read "
+                                      f"({e})") from None
+    return from_dict(tomllib.loads(str(text))).model
+
+
+def differences(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
+    """model.* keys (besides how it trains) where this run's model is another model."""
+    out = []
+    for key in sorted(set(vars(mine)) - IGNORED):
+        a, b = getattr(mine, key), getattr(theirs, key, None)
+        if key in ("d_ff", "n_kv_heads"):  # 0 means "the default": compare what it means
+            a, b = ((mine.ffn_dim, theirs.ffn_dim) if key == "d_ff"
+                    else (mine.kv_heads, theirs.kv_heads))
+        if key in ("moe_every", "top_k") and not mine.num_experts:
+            continue
+        if a != b:
+            out.append(f"model.{key} = {a!r}, the source has {b!r}")
+    return out
+
+
+def problems(cfg: Config) -> list[str]:
+    """Why ``checkpoint.init_from`` cannot start this run (empty: it can). Reads only."""
+    if not cfg.checkpoint.init_from:
+        return []
+    try:
+        kind, path = source_kind(cfg.checkpoint.init_from)
+        diff = differences(cfg.model, source_model(kind, path))
+    except hf_map.InterchangeError as e:
+        return [str(e)]
+    if diff:
+        return [f"checkpoint.init_from={cfg.checkpoint.init_from!r} holds another model: "
+                + "; ".join(diff)]
+    return []
+
+
+@torch.no_grad()
+def load(cfg: Config, topo, params) -> str:
+    """Copy this rank's slice of every parameter from ``checkpoint.init_from``; returns the
+    source's path. A checkpoint is verified first (datasets dealt over the ranks)."""
+    from ..checkpoint.store import CheckpointMismatch, CorruptCheckpoint
+
+    kind, path = source_kind(cfg.checkpoint.init_from)
+    world = topo.world
+    if kind == "ckpt":
+        bad = [p for part in world.allgather_obj(cv.verify(path, (world.rank, world.size)))
+               for p in part]
+        if bad:
+            raise CorruptCheckpoint(f"checkpoint.init_from: {path} is damaged: "
+                                    f"{'; '.join(bad[:3])}")
+    if kind == "hf":  # each rank reads only its slices of the safetensors files
+        from .hf_import import HFReader
+
+        reader = HFReader(path)
+        missing = _copy(params, topo, lambda name, index: reader.slice_of(cfg.model, name,
+                                                                          index))
+    else:
+        import h5py
+
+        with h5py.File(path, "r") as f:
+            missing = _copy(params, topo, lambda name, index: f[f"model/{name}"][index]
+                            if f"model/{name}" in f else None)
+    missing = sorted({n for part in world.allgather_obj(missing) for n in part})
+    if missing:
+        raise CheckpointMismatch(f"checkpoint.init_from={str(path)!r} lacks or misshapes "
+                                 f"{len(missing)} parameter(s): {', '.join(missing[:5])}")
+    return str(path)
+
+
+def _copy(params, topo, read) -> list[str]:
+    """Copy ``read(name, global index)`` into each local parameter; the names that failed."""
+    missing = []
+    for name, p in params:
+        index, extent = local_slice(p.hp, topo.tp_size, topo.tp_rank, topo.ep_size,
+                                    topo.ep_rank)
+        part = read(name, index)
+        if part is None or tuple(part.shape) != tuple(extent):
+            missing.append(name)
+            continue
+        p.zero_()  # padding rows stay zero
+        p[tuple(slice(0, n) for n in extent)] = torch.from_numpy(np.ascontiguousarray(part)) \
+            .to(p.dtype)
+    return missing

@@ -1,0 +1,199 @@
+"""The layers of a block in plain PyTorch, for both architectures (``model.arch``). No MPI.
+
+- ``gpt``: RMSNorm, multi-head attention without positions, GELU MLP (``w1``, ``w2``).
+- ``llama`` (the conventions of Hugging Face's ``LlamaForCausalLM``, so that weights map
+  1:1): RMSNorm, rotary position embeddings (:class:`Rotary`, ``rotate_half`` form),
+  grouped-query attention (``n_kv_heads``; query head ``h`` reads kv head
+  ``h // (n_heads // n_kv_heads)``), SwiGLU MLP ``w2(silu(w1 x) * w3 x)``.
+
+Tensor parallelism comes in through ``ops`` (``gpt.LocalOps`` or
+``parallel.tensor.TensorParallelOps``): query and kv heads and the MLP's hidden dimension are
+split over tp (column-parallel ``wq``/``wk``/``wv``/``w1``/``w3``, row-parallel ``wo``/``w2``).
+Incremental decoding keeps keys and values in a :class:`KVCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ARCHS, ModelConfig
+
+__all__ = ["ARCHS", "KVCache", "MLP", "Attention", "ParamMeta", "RMSNorm", "Rotary",
+           "shard_range"]
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """How this rank's tensor relates to the global parameter.
+
+    ``tp_dim``: dimension split over the tp group (None: replicated over tp).
+    ``sp_partial``: replicated over tp, but with sequence parallelism each tp rank sees only
+    its part of the sequence, so the gradient must be summed over tp.
+    ``expert_dim``: dimension split over the ep group (expert weights), else None.
+    ``init``: "normal", "ones" or "zeros"; ``std`` for normal.
+    """
+
+    global_shape: tuple[int, ...]
+    tp_dim: int | None = None
+    sp_partial: bool = False
+    expert_dim: int | None = None
+    init: str = "normal"
+    std: float = 0.02
+
+
+def shard_range(n: int, parts: int, index: int) -> tuple[int, int, int]:
+    """Split length ``n`` into ``parts`` equal padded pieces: (start, stop, local_len).
+
+    ``local_len = ceil(n / parts)``; the last pieces may hold fewer than local_len real
+    rows (``stop - start``), the rest being padding that is never read."""
+    local = -(-n // parts)
+    start = min(index * local, n)
+    return start, min(start + local, n), local
+
+
+def _param(shape, meta: ParamMeta, dtype) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype))
+    p.hp = meta
+    return p
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the tokens seen so far, for incremental decoding (one process).
+
+    ``k[layer]``/``v[layer]``: (B, kv heads, length, hd) after rotary embedding; ``length``:
+    tokens cached, the position of the next token. ``GPTStage.logits(idx, cache)`` reads
+    and extends it: every layer appends its new keys and values, then ``length`` grows."""
+
+    k: dict = field(default_factory=dict)
+    v: dict = field(default_factory=dict)
+    length: int = 0
+
+    def extend(self, layer, k: torch.Tensor, v: torch.Tensor):
+        """Append this layer's new (B, kv, T_new, hd) keys/values; return all of them."""
+        if layer in self.k:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+
+class Rotary:
+    """Rotary position embedding tables (HF Llama): ``inv_freq = 1 / theta ** (arange(0, hd,
+    2) / hd)``, ``emb = cat(freqs, freqs)``, ``q' = q cos + rotate_half(q) sin``. Tables are
+    computed in float64, cast, and cached per (dtype, device), grown to the longest sequence
+    asked for; nothing is recomputed per step."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.hd, self.theta = head_dim, theta
+        self.tables: dict = {}  # (dtype, device) -> (cos, sin), each (n, hd)
+
+    def cos_sin(self, start: int, n: int, dtype, device):
+        key = (dtype, str(device))
+        cos, _ = self.tables.get(key, (None, None))
+        if cos is None or cos.shape[0] < start + n:
+            self._grow(key, start + n, cos, dtype, device)
+        cos, sin = self.tables[key]
+        return cos[start:start + n], sin[start:start + n]
+
+    @torch.inference_mode(False)  # tables built while generating still serve training
+    def _grow(self, key, need: int, cos, dtype, device) -> None:
+        length = max(need, 2 * cos.shape[0] if cos is not None else 0)
+        inv = 1.0 / self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.float64)
+                                   / self.hd)
+        freqs = torch.outer(torch.arange(length, dtype=torch.float64), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.tables[key] = (emb.cos().to(dtype=dtype, device=device),
+                            emb.sin().to(dtype=dtype, device=device))
+
+    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate ``x`` (B, heads, T, hd) at global positions start .. start+T-1."""
+        cos, sin = self.cos_sin(start, x.shape[2], x.dtype, x.device)
+        half = self.hd // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, sp_partial: bool):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), ParamMeta((dim,), sp_partial=sp_partial, init="ones"),
+                             dtype)
+
+    def forward(self, x):
+        # 16-bit inputs are normalised in float32: rsqrt's gradient overflows float16.
+        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        var = xf.pow(2).mean(-1, keepdim=True)
+        return (xf * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal self-attention, split by heads over tp: wq/wk/wv column-parallel (rows),
+    wo row-parallel (columns). ``llama``: rotary embeddings and ``n_kv_heads`` kv heads
+    (grouped-query); ``gpt``: no positions, as many kv heads as query heads."""
+
+    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float, rotary=None):
+        super().__init__()
+        C, hd, tp = cfg.d_model, cfg.head_dim, ops.tp_size
+        kv = cfg.kv_heads
+        self.rotary = rotary if cfg.arch == "llama" else None
+        self.heads, self.kv, self.hd = cfg.n_heads // tp, kv // tp, hd
+        self.wq = _param((self.heads * hd, C), ParamMeta((cfg.n_heads * hd, C), tp_dim=0,
+                                                         std=cfg.init_std), dtype)
+        kv_meta = ParamMeta((kv * hd, C), tp_dim=0, std=cfg.init_std)
+        self.wk = _param((self.kv * hd, C), kv_meta, dtype)
+        self.wv = _param((self.kv * hd, C), kv_meta, dtype)
+        self.wo = _param((C, self.heads * hd), ParamMeta((C, cfg.n_heads * hd), tp_dim=1,
+                                                         std=resid_std), dtype)
+
+    def forward(self, x, cache: KVCache | None = None, layer=None):
+        """x: (B, T, C), the full sequence (or, with ``cache``, the new tokens only),
+        replicated over tp. Returns this rank's partial sum of the output (B, T, C)."""
+        B, T, _ = x.shape
+        q = F.linear(x, self.wq).view(B, T, self.heads, self.hd).transpose(1, 2)
+        k = F.linear(x, self.wk).view(B, T, self.kv, self.hd).transpose(1, 2)
+        v = F.linear(x, self.wv).view(B, T, self.kv, self.hd).transpose(1, 2)
+        start = cache.length if cache is not None else 0
+        if self.rotary is not None:
+            q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
+        if cache is not None:
+            k, v = cache.extend(layer, k, v)  # (B, kv, start + T, hd)
+        if self.kv != self.heads:  # HF repeat_kv: query head h reads kv head h // groups
+            k = k.repeat_interleave(self.heads // self.kv, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv, dim=1)
+        if start:  # new query i sits at position start + i and sees keys 0 .. start + i
+            keys = torch.arange(start + T, device=x.device)
+            mask = keys <= torch.arange(start, start + T, device=x.device).unsqueeze(1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
+        return F.linear(y, self.wo)  # partial sum over tp: (B, T, C)
+
+
+class MLP(nn.Module):
+    """The dense feed-forward, split on the hidden dimension: ``gpt`` GELU ``w2(gelu(w1
+    x))``, ``llama`` SwiGLU ``w2(silu(w1 x) * w3 x)`` (w1 gate, w3 up: column-parallel; w2
+    down: row-parallel)."""
+
+    stepped = False  # runs in one go (an MoE layer yields at its token exchanges)
+
+    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float):
+        super().__init__()
+        C, H = cfg.d_model, cfg.ffn_dim
+        local = H // ops.tp_size
+        self.swiglu = cfg.arch == "llama"
+        self.w1 = _param((local, C), ParamMeta((H, C), tp_dim=0, std=cfg.init_std), dtype)
+        if self.swiglu:
+            self.w3 = _param((local, C), ParamMeta((H, C), tp_dim=0, std=cfg.init_std), dtype)
+        self.w2 = _param((C, local), ParamMeta((C, H), tp_dim=1, std=resid_std), dtype)
+
+    def forward(self, x):
+        if self.swiglu:
+            return F.linear(F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
+        return F.linear(F.gelu(F.linear(x, self.w1)), self.w2)
