@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -159,8 +159,8 @@ def prepare(src: Source, tok: Tokenizer | None, out: str, val_fraction: float = 
     if group is not None:
         why, attrs["content_hash"] = group.bcast_obj((why, attrs.get("content_hash")))
     if why:
-        if rank == 0:
-            Path(tmp).unlink(missing_ok=True)
+        if rank == 0 and Path(tmp).is_file():
+            Path(tmp).unlink()
         raise DataError(why)
     return attrs
 

@@ -34,6 +34,7 @@ CHOICES = {
     "optim.reduction": ["bucketed", "bucketed-nonblocking", "per-parameter", "ring"],
     "telemetry.on_skips": ["rollback", "stop", "ignore"],
     "data.path": ["", "/nonexistent/data.h5", "share"],
+    "data.tokenizer": ["", "/nonexistent/tokenizer.json", "share"],
     "checkpoint.resume": ["", "auto"],
 }
 GARBAGE = st.sampled_from(['"x"', "[1, 2]", "{a = 1}", "1979-05-27", "true", "''", "1e999",

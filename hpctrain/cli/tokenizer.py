@@ -46,7 +46,8 @@ def run(args) -> int:
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(out)
     except OSError as e:
-        tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+        if tmp.is_file():
+            tmp.unlink()
         print(f"hpctrain tokenizer: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     from ..tokenizer import from_json
