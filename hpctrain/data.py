@@ -30,13 +30,16 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .tokenizer import BYTES as TOKENIZER  # byte-level: token = byte value, vocabulary 256
 from .tokenizer import Tokenizer, TokenizerError
 from .tokenizer import load as load_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 SPLITS = ("train", "val")
 
@@ -295,6 +298,8 @@ class Sampler:
         return rng.integers(0, len(self.tokens) - self.T - 1, size=self.G)
 
     def _rows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch  # not at module level: `hpctrain prepare` runs without it
+
         idx = starts[:, None] + np.arange(self.T + 1)[None, :]
         seq = torch.from_numpy(self.tokens[idx].astype(np.int64))
         if self.device is not None:

@@ -53,8 +53,10 @@ def run(args) -> int:
     from ..tokenizer import from_json
 
     tok = from_json(text, args.out)
-    print(f"wrote {args.out}: byte-level BPE, vocabulary {tok.vocab_size} from {len(docs)} "
-          f"documents, hash {tok.hash[:16]}")
+    short = (f" (asked {args.vocab_size}: the documents hold no more merges)"
+             if tok.vocab_size < args.vocab_size else "")
+    print(f"wrote {args.out}: byte-level BPE, vocabulary {tok.vocab_size}{short} from "
+          f"{len(docs)} documents, hash {tok.hash[:16]}")
     return 0
 
 

@@ -156,3 +156,36 @@ def test_a_document_that_cannot_be_read_fails_every_rank_alike(tmp_path):
     with pytest.raises(DataError, match="doc0 cannot be read"):
         prepare(src, byte_level(), str(tmp_path / "x.h5"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_refuses_bad_arguments_in_one_line(tmp_path, capsys):
+    """``hpctrain tokenizer train`` (no MPI): exit 2, one line, nothing written."""
+    from hpctrain.__main__ import main
+
+    (tmp_path / "a.txt").write_text("text\n")
+    for args, says in [([], "give text FILES or --embedded"),
+                       ([str(tmp_path / "a.txt"), "--embedded"], "give text FILES or --embedded"),
+                       ([str(tmp_path / "none")], "neither a file nor a directory"),
+                       ([str(tmp_path / "a.txt"), "--vocab-size", "100"],
+                        "--vocab-size=100 must be at least 257"),
+                       (["--embedded", "--corpus-mb", "0"], "--corpus-mb=0.0 must be > 0")]:
+        args = args if "--vocab-size" in args else [*args, "--vocab-size", "300"]
+        assert main(["tokenizer", "train", *args, "--out", str(tmp_path / "t.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hpctrain tokenizer: ") and says in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_prepare_argument_rules():
+    from types import SimpleNamespace
+
+    from hpctrain.cli.prepare import problems
+
+    base = dict(val_fraction=0.05, corpus_mb=2.0, form=None, sources=[], eot=50256)
+    assert problems(SimpleNamespace(**base)) is None
+    for change, says in [({"form": "nanogpt"}, "reads one corpus"),
+                         ({"form": "megatron", "sources": ["a", "b"]}, "got 2"),
+                         ({"val_fraction": 1.0}, "--val-fraction=1.0 must be in [0, 1)"),
+                         ({"eot": -1}, "--eot=-1 must be a token id")]:
+        assert says in problems(SimpleNamespace(**{**base, **change}))

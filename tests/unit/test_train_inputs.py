@@ -6,7 +6,7 @@ import os
 import pytest
 
 from hpctrain.cli import train as cli_train
-from hpctrain.config import InputError, load
+from hpctrain.config import ConfigError, InputError, load
 
 TINY = "share/configs/tiny.toml"
 
@@ -46,3 +46,14 @@ def test_plan_skips_a_data_file_that_is_not_here():
     cfg = load(TINY, ['data.path="/elsewhere/data.h5"'])
     assert cli_train.data_problems(cfg, missing_ok=True) == []
     assert "does not exist" in cli_train.data_problems(cfg)[0]
+
+
+def test_a_missing_tokenizer_and_a_tokenizer_with_a_file_are_refused(tmp_path):
+    cfg = load(TINY, [f'data.tokenizer="{tmp_path / "none.json"}"'])
+    with pytest.raises(InputError, match=f"data.tokenizer: tokenizer {tmp_path}/none.json "
+                       "does not exist"):
+        cli_train.check_inputs(cfg, str(tmp_path / "run"))
+    from hpctrain.validate import validate
+
+    with pytest.raises(ConfigError, match="carries its own tokenizer"):
+        validate(load(TINY, ['data.tokenizer="t.json"', 'data.path="d.h5"']), 1)
