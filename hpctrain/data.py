@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .tokenizer import BYTES as TOKENIZER  # byte-level: token = byte value, vocabulary 256
-from .tokenizer import Tokenizer, TokenizerError
+from .tokenizer import Tokenizer, TokenizerError, byte_level
 from .tokenizer import load as load_tokenizer
 
 if TYPE_CHECKING:
@@ -76,16 +76,6 @@ def is_validation(doc: bytes, val_fraction: float) -> bool:
 
 def _split_key(doc: bytes) -> int:
     return int.from_bytes(hashlib.sha256(doc).digest()[:8], "little") % 1_000_000
-
-
-def split_documents(docs: list[bytes], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    train = [d for d in docs if not is_validation(d, val_fraction)]
-    val = [d for d in docs if is_validation(d, val_fraction)]
-
-    def cat(ds):
-        return np.frombuffer(b"".join(ds), dtype=np.uint8).copy()
-
-    return cat(train), cat(val)
 
 
 def content_hash(*arrays: np.ndarray) -> str:
@@ -139,7 +129,7 @@ def tokenizer_json(path: str) -> str | None:
 
 def _tokenizer(path: str) -> Tokenizer:
     if not path:
-        return Tokenizer(TOKENIZER, "", "", 256)
+        return byte_level()
     try:
         return load_tokenizer(path)
     except TokenizerError as e:
