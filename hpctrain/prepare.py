@@ -8,7 +8,9 @@ token ids as little-endian uint32), never by rank or position. One all-gather of
 gives every rank its offsets; the file is created collectively (h5py's ``mpio`` driver on the
 world communicator, like checkpoints) and each rank writes its slices. Rank 0 then hashes
 the tokens (``content_hash``: sha256 of train then val tokens) and renames ``OUT.tmp`` to
-``OUT``. The file is the same, byte for byte, for any number of ranks.
+``OUT``. The file is the same, byte for byte, for any number of ranks. Without parallel
+HDF5 (or with ``HPCTRAIN_PREPARE_SERIAL=1``) the ranks write in turn: the same datasets and
+attributes (the bytes of that writer also agree across rank counts, not with mpio's).
 
 Layout (docs/data.md)::
 
@@ -188,28 +190,62 @@ def _attrs(src: Source, tok: Tokenizer | None, counts: np.ndarray, val_fraction:
 
 def _write(group, tmp: str, block: Block, dtype, counts, before, attrs, tok) -> None:
     """Create the file collectively (all ranks, identical arguments), then each rank writes
-    its slices: tokens at its offset, its documents' starts."""
+    its slices. Without parallel HDF5 (an h5py built without MPI, or ``SERIAL_ENV`` set):
+    rank 0 creates the file and the ranks write in turn (same contents, slower)."""
     import h5py
 
-    tot = counts.sum(axis=0)
-    kw = {"driver": "mpio", "comm": group.mpi} if group is not None else {}
-    with h5py.File(tmp, "w", **kw) as f:
-        for k, split in enumerate(("train", "val")):
-            toks = f.create_dataset(f"{split}/tokens", shape=(int(tot[k]),), dtype=dtype)
-            starts = f.create_dataset(f"{split}/doc_starts", shape=(int(tot[2 + k]),),
-                                      dtype=np.int64)
-            docs = block.train if k == 0 else block.val
-            if docs:
-                lens = np.array([d.size for d in docs], dtype=np.int64)
-                at = int(before[k])
-                toks[at:at + int(lens.sum())] = np.concatenate(docs).astype(dtype)
-                first = int(before[2 + k])
-                starts[first:first + len(docs)] = at + np.cumsum(lens) - lens
-        if tok is not None and tok.json:
-            raw = np.frombuffer(tok.json.encode(), dtype=np.uint8)
-            d = f.create_dataset("tokenizer_json", shape=raw.shape, dtype=np.uint8)
-            if group is None or group.rank == 0:
-                d[...] = raw
+    args = (block, dtype, counts.sum(axis=0), before, attrs, tok)
+    if group is None or group.size == 1 and not _mpio():
+        with h5py.File(tmp, "w") as f:
+            _fill(f, True, True, *args)
+    elif _mpio():
+        with h5py.File(tmp, "w", driver="mpio", comm=group.mpi) as f:
+            _fill(f, True, group.rank == 0, *args)
+    else:
+        why = None
+        for r in range(group.size):
+            if r == group.rank and why is None:
+                try:
+                    with h5py.File(tmp, "w" if r == 0 else "r+") as f:
+                        _fill(f, r == 0, r == 0, *args)
+                except (OSError, ValueError) as e:
+                    why = e
+            group.barrier()
+        failed = [w for w in group.allgather_obj(None if why is None else str(why)) if w]
+        if failed:
+            raise OSError(failed[0])
+
+
+SERIAL_ENV = "HPCTRAIN_PREPARE_SERIAL"  # force the serial writer (tests, file systems)
+
+
+def _mpio() -> bool:
+    import h5py
+
+    return bool(h5py.get_config().mpi) and os.environ.get(SERIAL_ENV, "") in ("", "0")
+
+
+def _fill(f, create: bool, first: bool, block: Block, dtype, tot, before, attrs, tok) -> None:
+    """``create``: the datasets and attributes (collective under mpio); then this rank's
+    token slices and document starts; ``first``: the tokenizer text too."""
+    for k, split in enumerate(("train", "val")):
+        if create:
+            f.create_dataset(f"{split}/tokens", shape=(int(tot[k]),), dtype=dtype)
+            f.create_dataset(f"{split}/doc_starts", shape=(int(tot[2 + k]),), dtype=np.int64)
+        docs = block.train if k == 0 else block.val
+        if docs:
+            lens = np.array([d.size for d in docs], dtype=np.int64)
+            at, first_doc = int(before[k]), int(before[2 + k])
+            f[f"{split}/tokens"][at:at + int(lens.sum())] = np.concatenate(docs).astype(dtype)
+            f[f"{split}/doc_starts"][first_doc:first_doc + len(docs)] = \
+                at + np.cumsum(lens) - lens
+    if tok is not None and tok.json:
+        raw = np.frombuffer(tok.json.encode(), dtype=np.uint8)
+        if create:
+            f.create_dataset("tokenizer_json", shape=raw.shape, dtype=np.uint8)
+        if first:
+            f["tokenizer_json"][...] = raw
+    if create:
         f.attrs.update(attrs)
 
 
