@@ -14,7 +14,9 @@ import sys
 
 COMMANDS = {
     "train": "train a model (run under mpirun/srun, one process per rank)",
-    "prepare": "turn text files into a token dataset (HDF5) with a held-out split",
+    "prepare": "turn text files (or a nanoGPT/Megatron corpus) into a token dataset (HDF5) "
+               "with a held-out split; in parallel under mpirun",
+    "tokenizer": "train a byte-level BPE tokenizer (tokenizer.json) on text files",
     "plan": "print the pipeline schedule per rank, its bubble and in-flight microbatches (no MPI)",
     "inspect": "show a checkpoint's tensors and lineage; --verify recomputes checksums",
     "export": "export a checkpoint's model as safetensors, or as a Hugging Face directory",

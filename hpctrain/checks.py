@@ -208,6 +208,11 @@ def _check_run(cfg: Config, world_size: int, need) -> None:
     """Data, checkpoints, logging and stopping: the housekeeping keys."""
     _above(cfg, need, 0, "data.corpus_mb")
     _fraction(cfg, need, "data.val_fraction")
+    need(not (cfg.data.path and cfg.data.tokenizer),
+         f"data.tokenizer={cfg.data.tokenizer!r} tokenizes the embedded corpus, but "
+         f"data.path={cfg.data.path!r} is a prepared file that carries its own tokenizer: "
+         "set one of the two (prepare a file with `hpctrain prepare FILES --tokenizer "
+         "tokenizer.json --out DATA.h5`)")
     _at_least(cfg, need, 0, "checkpoint.every", "checkpoint.keep", "checkpoint.alignment",
               "train.log_every", "train.max_wall_s", "train.slurm_margin_s")
     _one_of(cfg, need, ("rollback", "stop"), "telemetry.on_skips")

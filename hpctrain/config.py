@@ -129,6 +129,7 @@ class OptimConfig:
 class DataConfig:
     path: str = ""  # HDF5 from `hpctrain prepare`; "" = the embedded corpus
     corpus_mb: float = 2.0  # size of the embedded corpus (Python's own sources)
+    tokenizer: str = ""  # tokenizer.json for the embedded corpus; "" = byte-level tokens
     val_fraction: float = 0.05
     allow_changed: bool = False  # resume on data whose content hash differs (recorded)
 

@@ -1,16 +1,20 @@
-"""Token data: byte-level preparation into HDF5, an embedded corpus, and a sampler whose
-global batch for step ``s`` is the same whatever the layout.
+"""Token data: reading prepared HDF5 files, an embedded corpus (byte-level, or tokenized with
+``data.tokenizer``), and a sampler whose global batch for step ``s`` is the same whatever the
+layout. Writing the files is :mod:`hpctrain.prepare` (``hpctrain prepare``).
 
-Layout of a dataset file written by ``hpctrain prepare``::
+Layout of a dataset file (docs/data.md)::
 
-    /train/tokens   uint8 or uint16 (N,)   documents concatenated
+    /train/tokens   uint8, uint16 or uint32 (N,)   documents concatenated
     /val/tokens     the held-out documents (chosen by a hash of each document, not by position)
-    attrs: tokenizer, vocab_size, max_token_id (the largest id in either split),
-           content_hash (sha256 of all tokens), documents, sources, val_fraction, created_by
+    /train/doc_starts, /val/doc_starts   where each document starts (files from before: absent)
+    /tokenizer_json the tokenizer.json text as uint8 (absent for byte-level tokens)
+    attrs: tokenizer, tokenizer_hash, vocab_size, max_token_id (the largest id in either
+           split), content_hash (sha256 of all tokens), documents, sources, val_fraction, ...
 
 Before a run (every rank, no collective) :func:`summarize` reads what a file says about itself
 (files prepared before ``max_token_id`` was recorded are read for it) and :func:`fit_problems`
-says whether a model can train on it: the vocabulary must cover the largest id.
+says whether a model can train on it: the vocabulary must cover the largest id and the
+tokenizer's vocabulary (byte-level data: only the largest id).
 
 Sampling (invariant 3): step ``s`` draws ``global_batch_size`` start offsets from a
 generator seeded by ``(seed, s)``; sequence ``i`` of the global batch is
@@ -26,11 +30,17 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-TOKENIZER = "bytes"  # byte-level: token = byte value, vocabulary 256
+from .tokenizer import BYTES as TOKENIZER  # byte-level: token = byte value, vocabulary 256
+from .tokenizer import Tokenizer, TokenizerError, byte_level
+from .tokenizer import load as load_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
 SPLITS = ("train", "val")
 
 
@@ -68,63 +78,11 @@ def _split_key(doc: bytes) -> int:
     return int.from_bytes(hashlib.sha256(doc).digest()[:8], "little") % 1_000_000
 
 
-def split_documents(docs: list[bytes], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    train = [d for d in docs if not is_validation(d, val_fraction)]
-    val = [d for d in docs if is_validation(d, val_fraction)]
-
-    def cat(ds):
-        return np.frombuffer(b"".join(ds), dtype=np.uint8).copy()
-
-    return cat(train), cat(val)
-
-
 def content_hash(*arrays: np.ndarray) -> str:
     h = hashlib.sha256()
     for a in arrays:
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
-
-
-def read_sources(paths: list[str]) -> list[tuple[str, bytes]]:
-    """Files, or every regular file below a directory, in sorted order."""
-    out = []
-    for s in paths:
-        p = Path(s)
-        if p.is_dir():
-            out += [(str(f), f.read_bytes()) for f in sorted(p.rglob("*")) if f.is_file()]
-        elif p.is_file():
-            out.append((str(p), p.read_bytes()))
-        else:
-            raise DataError(f"{s} is neither a file nor a directory")
-    return out
-
-
-def prepare(sources: list[str], out: str, val_fraction: float = 0.05) -> dict:
-    """Write a dataset file from text files (byte-level tokens). Returns its attributes.
-    Sources that are not there, or an ``out`` that cannot be written: :class:`DataError`."""
-    import h5py
-
-    docs = read_sources(sources)
-    if not docs:
-        raise DataError(f"no input documents in {', '.join(sources)}")
-    train, val = split_documents([d for _, d in docs], val_fraction)
-    attrs = {
-        "tokenizer": TOKENIZER, "vocab_size": 256, "max_token_id": _max_id(train, val),
-        "content_hash": content_hash(train, val),
-        "documents": len(docs), "val_fraction": val_fraction,
-        "sources": "\n".join(name for name, _ in docs)[:60000],
-        "created_by": "hpctrain prepare",
-    }
-    tmp = Path(out).with_name(Path(out).name + ".tmp")
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.create_dataset("train/tokens", data=train)
-            f.create_dataset("val/tokens", data=val)
-            f.attrs.update(attrs)
-        tmp.replace(out)
-    except OSError as e:
-        raise DataError(f"cannot write {out}: {_line(e)}") from None
-    return attrs
 
 
 @dataclass
@@ -136,22 +94,57 @@ class TokenSource:
 
 
 def load_tokens(path: str, split: str = "train", corpus_mb: float = 2.0,
-                val_fraction: float = 0.05) -> TokenSource:
+                val_fraction: float = 0.05, tokenizer: str = "") -> TokenSource:
     """The tokens of ``split`` from a prepared file, or from the embedded corpus when
-    ``path`` is empty. Every rank reads for itself (read-only, no collective). A file that is
-    missing, damaged or not hpctrain's raises :class:`DataError`."""
+    ``path`` is empty (byte-level, or tokenized with the tokenizer.json at ``tokenizer``).
+    Every rank reads for itself (read-only, no collective). A file that is missing, damaged
+    or not hpctrain's raises :class:`DataError`."""
     if not path:
-        docs = stdlib_documents(int(corpus_mb * 2**20))
-        train, val = split_documents([d for _, d in docs], val_fraction)
+        limit = int(corpus_mb * 2**20)
+        tok = _tokenizer(tokenizer)
+        docs = _embedded_ids(limit, tok)
+        train, val = (_cat([d for d, key in docs if (key < val_fraction * 1_000_000) == v],
+                           tok) for v in (False, True))
         lineage = {"source": f"embedded: Python {sys.version.split()[0]} stdlib sources",
-                   "tokenizer": TOKENIZER, "content_hash": content_hash(train, val),
+                   "tokenizer": tok.name, "content_hash": content_hash(train, val),
                    "documents": len(docs), "val_fraction": val_fraction}
+        if tok.name != TOKENIZER:
+            lineage.update(tokenizer_path=str(Path(tokenizer).resolve()),
+                           tokenizer_hash=tok.hash, vocab_size=tok.vocab_size)
         return TokenSource(train if split == "train" else val, lineage)
     with _open(path) as f:
         tokens = _read(_tokens_of(f, path, split), path)
         lineage = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
     lineage["source"] = str(Path(path).resolve())
     return TokenSource(tokens, lineage)
+
+
+def tokenizer_json(path: str) -> str | None:
+    """The tokenizer.json text a prepared file carries (dataset ``/tokenizer_json``), or None
+    (byte-level tokens, or a file from before tokenizers). For ``export``/``generate``."""
+    with _open(path) as f:
+        d = f.get("tokenizer_json")
+        return None if d is None else _read(d, path).tobytes().decode("utf-8")
+
+
+def _tokenizer(path: str) -> Tokenizer:
+    if not path:
+        return byte_level()
+    try:
+        return load_tokenizer(path)
+    except TokenizerError as e:
+        raise DataError(f"data.tokenizer: {e}") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _embedded_ids(limit_bytes: int, tok: Tokenizer) -> tuple[tuple[np.ndarray, int], ...]:
+    """(token ids, split key) of each embedded document, tokenized once per process."""
+    docs = [d for _, d in stdlib_documents(limit_bytes)]
+    return tuple(zip(tok.encode(docs), (_split_key(d) for d in docs)))
+
+
+def _cat(arrays: list[np.ndarray], tok: Tokenizer) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=tok.dtype)
 
 
 @dataclass(frozen=True)
@@ -162,14 +155,16 @@ class DataSummary:
     tokenizer: str
     max_id: int  # the largest token id in either split; -1 when there are none
     tokens: dict = field(default_factory=dict)  # split -> number of tokens
+    vocab_size: int = 0  # the tokenizer's vocabulary (0: not recorded)
 
 
-def summarize(path: str, corpus_mb: float = 2.0, val_fraction: float = 0.05) -> DataSummary:
+def summarize(path: str, corpus_mb: float = 2.0, val_fraction: float = 0.05,
+              tokenizer: str = "") -> DataSummary:
     """The tokenizer, largest token id and tokens per split of a run's data, from the file's
     attributes (a file prepared before ``max_token_id`` was recorded is read for it); the
     embedded corpus is read once per process. No collective. Raises :class:`DataError`."""
     if not path:
-        return _embedded_summary(int(corpus_mb * 2**20), val_fraction)
+        return _embedded_summary(int(corpus_mb * 2**20), val_fraction, _tokenizer(tokenizer))
     with _open(path) as f:
         sets = {split: _tokens_of(f, path, split) for split in SPLITS}
         max_id = f.attrs.get("max_token_id")
@@ -181,17 +176,27 @@ def summarize(path: str, corpus_mb: float = 2.0, val_fraction: float = 0.05) -> 
         tokenizer = f.attrs.get("tokenizer", "unrecorded")
         if isinstance(tokenizer, bytes):
             tokenizer = tokenizer.decode(errors="replace")
+        vocab = f.attrs.get("vocab_size", 0)
+        if not isinstance(vocab, (int, np.integer)):
+            raise DataError(f"data.path={path}: attribute vocab_size={vocab!r} is not an "
+                            "integer (not written by `hpctrain prepare`?)")
         return DataSummary(f"data.path={path}", str(tokenizer), int(max_id),
-                           {k: int(d.shape[0]) for k, d in sets.items()})
+                           {k: int(d.shape[0]) for k, d in sets.items()}, int(vocab))
 
 
 def fit_problems(s: DataSummary, vocab_size: int, seq_len: int, eval_every: int) -> list[str]:
     """Why a model with ``vocab_size`` rows cannot train on this data ([] when it can): every
-    token id must have a row, and each split used needs one sequence (seq_len + 2 tokens)."""
+    token id must have a row, and so must every id of the tokenizer (not checked for
+    byte-level data, whose models may leave out bytes that never occur); each split used
+    needs one sequence (seq_len + 2 tokens)."""
     out = []
     if s.max_id >= vocab_size:
         out.append(f"{s.where}: largest token id {s.max_id} (tokenizer {s.tokenizer}) needs "
                    f"model.vocab_size >= {s.max_id + 1}, got model.vocab_size={vocab_size}")
+    elif s.tokenizer != TOKENIZER and s.vocab_size > vocab_size:
+        out.append(f"{s.where}: tokenizer {s.tokenizer} has {s.vocab_size} ids, so "
+                   f"model.vocab_size must be >= {s.vocab_size}, got "
+                   f"model.vocab_size={vocab_size}")
     need = seq_len + 2
     if s.tokens["train"] < need:
         out.append(f"{s.where}: the train split has {s.tokens['train']} tokens, fewer than "
@@ -207,21 +212,15 @@ def _max_id(*arrays: np.ndarray) -> int:
     return max((int(a.max()) for a in arrays if a.size), default=-1)
 
 
-@functools.lru_cache(maxsize=4)
-def _stdlib_stats(limit_bytes: int) -> tuple[tuple[int, int, int], ...]:
-    """(tokens, largest id, split key) of each embedded document, read once per process."""
-    return tuple((len(d), _max_id(np.frombuffer(d, dtype=np.uint8)), _split_key(d))
-                 for _, d in stdlib_documents(limit_bytes))
-
-
 @functools.lru_cache(maxsize=16)
-def _embedded_summary(limit_bytes: int, val_fraction: float) -> DataSummary:
+def _embedded_summary(limit_bytes: int, val_fraction: float, tok: Tokenizer) -> DataSummary:
     counts = {"train": 0, "val": 0}
-    for n, _, key in _stdlib_stats(limit_bytes):
-        counts["val" if key < val_fraction * 1_000_000 else "train"] += n
-    top = max((m for _, m, _ in _stdlib_stats(limit_bytes)), default=-1)
-    return DataSummary(f"the embedded corpus (data.corpus_mb={limit_bytes / 2**20:g})",
-                       TOKENIZER, top, counts)
+    for ids, key in _embedded_ids(limit_bytes, tok):
+        counts["val" if key < val_fraction * 1_000_000 else "train"] += len(ids)
+    top = max((_max_id(ids) for ids, _ in _embedded_ids(limit_bytes, tok)), default=-1)
+    where = f"the embedded corpus (data.corpus_mb={limit_bytes / 2**20:g}" + (
+        f", data.tokenizer={tok.name})" if tok.name != TOKENIZER else ")")
+    return DataSummary(where, tok.name, top, counts, tok.vocab_size)
 
 
 def _open(path: str):
@@ -289,6 +288,8 @@ class Sampler:
         return rng.integers(0, len(self.tokens) - self.T - 1, size=self.G)
 
     def _rows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch  # not at module level: `hpctrain prepare` runs without it
+
         idx = starts[:, None] + np.arange(self.T + 1)[None, :]
         seq = torch.from_numpy(self.tokens[idx].astype(np.int64))
         if self.device is not None:

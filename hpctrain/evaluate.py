@@ -26,7 +26,8 @@ class Evaluator:
 
     def __init__(self, cfg, topo, chunks, device, info=None):
         t = cfg.train
-        val = load_tokens(cfg.data.path, "val", cfg.data.corpus_mb, cfg.data.val_fraction)
+        d = cfg.data
+        val = load_tokens(d.path, "val", d.corpus_mb, d.val_fraction, d.tokenizer)
         if len(val.tokens) < t.seq_len + 2:
             raise ValueError(f"the validation split has {len(val.tokens)} tokens, fewer than "
                              f"seq_len+2 = {t.seq_len + 2}: raise data.val_fraction or "

@@ -99,7 +99,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
                         overlap=cfg.optim.overlap, hierarchical=hierarchical.reducer(topo),
                         microbatches=microbatches_per_rank(cfg), mode=cfg.optim.reduction)
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)
-    tokens = load_tokens(cfg.data.path, "train", cfg.data.corpus_mb, cfg.data.val_fraction)
+    d = cfg.data
+    tokens = load_tokens(d.path, "train", d.corpus_mb, d.val_fraction, d.tokenizer)
     t = cfg.train
     device = params[0][1].device
     sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,

@@ -35,6 +35,7 @@ CHOICES = {
     "optim.reduction": ["bucketed", "bucketed-nonblocking", "per-parameter", "ring"],
     "telemetry.on_skips": ["rollback", "stop", "ignore"],
     "data.path": ["", "/nonexistent/data.h5", "share"],
+    "data.tokenizer": ["", "/nonexistent/tokenizer.json", "share"],
     "checkpoint.resume": ["", "auto"],
     "checkpoint.init_from": ["", "/nonexistent/hf_model", "share"],
 }

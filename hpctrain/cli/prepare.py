@@ -1,4 +1,8 @@
-"""``hpctrain prepare TEXT... --out DATA.h5`` (byte-level tokens, held-out split by document)"""
+"""``hpctrain prepare [SOURCES...] --out DATA.h5 [--tokenizer tokenizer.json]`` and
+``hpctrain prepare --from nanogpt|megatron PATH --out DATA.h5``: a token dataset (HDF5) with
+a held-out split chosen by document content. Runs on one process or on every rank under
+mpirun/srun (ranks tokenize disjoint documents and write one file together; the file is the
+same for any number of ranks). Layout and attributes: docs/data.md."""
 
 from __future__ import annotations
 
@@ -7,36 +11,59 @@ import sys
 
 def add_arguments(p) -> None:
     p.add_argument("sources", nargs="*", help="text files or directories (default: the "
-                   "embedded corpus, Python's own standard-library sources)")
+                   "embedded corpus, Python's own standard-library sources); with --from: "
+                   "the nanoGPT .bin file or the Megatron PREFIX (of PREFIX.bin/.idx)")
     p.add_argument("--out", required=True, help="dataset file to write")
+    p.add_argument("--tokenizer", default="", help="a tokenizer.json (any Hugging Face "
+                   "tokenizer; `hpctrain tokenizer train` makes one); default: byte-level. "
+                   "With --from it is only recorded (the ids are not re-tokenized)")
+    p.add_argument("--from", dest="form", choices=("nanogpt", "megatron"), default=None,
+                   help="read an already tokenized corpus instead of text")
+    p.add_argument("--eot", type=int, default=50256, help="end-of-text id that ends each "
+                   "document of a --from nanogpt file (GPT-2: 50256)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="share of documents held out for validation (by content hash)")
     p.add_argument("--corpus-mb", type=float, default=2.0,
                    help="size of the embedded corpus when no sources are given")
 
 
-def run(args) -> int:
-    import tempfile
-    from pathlib import Path
-
-    from ..data import DataError, prepare, stdlib_documents
-
+def problems(args) -> str | None:
     if not 0 <= args.val_fraction < 1 or not 0 < args.corpus_mb < float("inf"):
-        print(f"hpctrain prepare: --val-fraction={args.val_fraction} must be in [0, 1) and "
-              f"--corpus-mb={args.corpus_mb} > 0", file=sys.stderr)
+        return (f"--val-fraction={args.val_fraction} must be in [0, 1) and "
+                f"--corpus-mb={args.corpus_mb} > 0")
+    if args.form and len(args.sources) != 1:
+        return (f"--from {args.form} reads one corpus (a .bin file or a Megatron prefix), "
+                f"got {len(args.sources)}")
+    if not 0 <= args.eot < 2**32:
+        return f"--eot={args.eot} must be a token id in [0, 2**32)"
+    return None
+
+
+def run(args) -> int:
+    from .. import comm
+    from ..data import DataError
+    from ..prepare import embedded_source, prepare, text_source, token_source
+    from ..tokenizer import TokenizerError, byte_level, load
+
+    world = comm.world()
+    bad = problems(args)
+    try:
+        if bad:
+            raise DataError(bad)
+        tok = load(args.tokenizer) if args.tokenizer else None
+        if args.form:
+            src = token_source(args.form, args.sources[0], args.eot)
+        else:
+            src = text_source(args.sources) if args.sources else embedded_source(args.corpus_mb)
+            tok = tok or byte_level()
+        attrs = prepare(src, tok, args.out, args.val_fraction, world)
+    except (DataError, TokenizerError) as e:  # the same verdict on every rank
+        if world.rank == 0:
+            print(f"hpctrain prepare: {e}", file=sys.stderr, flush=True)
         return 2
-    sources = args.sources
-    with tempfile.TemporaryDirectory() as tmp:
-        if not sources:  # the embedded corpus, written out as documents
-            for i, (name, data) in enumerate(stdlib_documents(int(args.corpus_mb * 2**20))):
-                (Path(tmp) / f"{i:05d}_{name.replace('/', '_')}").write_bytes(data)
-            sources = [tmp]
-        try:
-            attrs = prepare(sources, args.out, args.val_fraction)
-        except DataError as e:
-            print(f"hpctrain prepare: {e}", file=sys.stderr)
-            return 2
-    print(f"wrote {args.out}: {attrs['documents']} documents, largest token id "
-          f"{attrs['max_token_id']} (tokenizer {attrs['tokenizer']}), "
-          f"hash {attrs['content_hash'][:16]}")
+    if world.rank == 0:
+        print(f"wrote {args.out}: {attrs['documents']} documents ({attrs['val_documents']} "
+              f"held out), largest token id {attrs['max_token_id']} (tokenizer "
+              f"{attrs['tokenizer']}, vocabulary {attrs['vocab_size']}), hash "
+              f"{attrs['content_hash'][:16]}", flush=True)
     return 0

@@ -74,10 +74,10 @@ def data_problems(cfg, missing_ok: bool = False) -> list[str]:
     from ..data import DataError, fit_problems, summarize
 
     d, t = cfg.data, cfg.train
-    if missing_ok and d.path and not Path(d.path).exists():
+    if missing_ok and any(p and not Path(p).exists() for p in (d.path, d.tokenizer)):
         return []
     try:
-        s = summarize(d.path, d.corpus_mb, d.val_fraction)
+        s = summarize(d.path, d.corpus_mb, d.val_fraction, d.tokenizer)
     except DataError as e:
         return [str(e)]
     return fit_problems(s, cfg.model.vocab_size, t.seq_len, t.eval_every)

@@ -176,6 +176,9 @@ def test_defaults_are_a_valid_config():
     (["model.num_experts=4", "model.top_k=3"], "model.top_k=3 must be 1 or 2"),
     (["data.corpus_mb=-1"], "data.corpus_mb=-1.0 must be > 0"),
     (["data.val_fraction=1.5"], "data.val_fraction=1.5 must be in [0, 1)"),
+    (['data.path="d.h5"', 'data.tokenizer="t.json"'],
+     "data.tokenizer='t.json' tokenizes the embedded corpus, but data.path='d.h5' is a "
+     "prepared file that carries its own tokenizer"),
     (["schedule.virtual_stages=2"],
      "schedule.virtual_stages=2 is used only by schedule.kind='interleaved'"),
     (["schedule.kind=\"zb-h1\"", "schedule.virtual_stages=4"],

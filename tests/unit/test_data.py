@@ -10,10 +10,17 @@ from hpctrain.data import (
     fit_problems,
     is_validation,
     load_tokens,
-    prepare,
     stdlib_documents,
     summarize,
 )
+from hpctrain.prepare import prepare as prepare_source
+from hpctrain.prepare import text_source
+from hpctrain.tokenizer import byte_level
+
+
+def prepare(paths: list[str], out: str, val_fraction: float = 0.05) -> dict:
+    """Byte-level preparation in this process (serial HDF5), as `hpctrain prepare` does."""
+    return prepare_source(text_source(paths), byte_level(), out, val_fraction)
 
 TOKENS = np.arange(5000, dtype=np.int64) % 251
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from hpctrain.cli import train as cli_train
-from hpctrain.config import InputError, load
+from hpctrain.config import ConfigError, InputError, load
 
 TINY = "share/configs/tiny.toml"
 
@@ -71,3 +71,14 @@ def test_init_from_must_exist_and_hold_this_model(tmp_path):
     with pytest.raises(InputError, match="model.d_ff = 64, the source has 32"):
         cli_train.check_inputs(load(TINY, [f'checkpoint.init_from="{ckpt}"']),
                                str(tmp_path / "run"))
+
+
+def test_a_missing_tokenizer_and_a_tokenizer_with_a_file_are_refused(tmp_path):
+    cfg = load(TINY, [f'data.tokenizer="{tmp_path / "none.json"}"'])
+    with pytest.raises(InputError, match=f"data.tokenizer: tokenizer {tmp_path}/none.json "
+                       "does not exist"):
+        cli_train.check_inputs(cfg, str(tmp_path / "run"))
+    from hpctrain.validate import validate
+
+    with pytest.raises(ConfigError, match="carries its own tokenizer"):
+        validate(load(TINY, ['data.tokenizer="t.json"', 'data.path="d.h5"']), 1)

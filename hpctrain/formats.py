@@ -1,0 +1,154 @@
+"""Corpora that are already tokens, read without re-tokenizing (``hpctrain prepare --from``).
+
+- ``nanogpt``: a flat ``.bin`` of uint16 token ids (nanoGPT's ``prepare.py``; llm.c's files,
+  which start with a 256 x int32 header whose first word is 20240520, are read too).
+  Documents are separated by an end-of-text id (``--eot``, GPT-2's 50256 by default): a
+  document ends with its end-of-text token, text after the last one is the last document.
+- ``megatron``: Megatron-LM's indexed dataset, ``PREFIX.bin`` (token ids) and ``PREFIX.idx``:
+  the 9-byte magic ``MMIDIDX\\x00\\x00``, version (uint64, 1), dtype code (uint8: 1 uint8,
+  2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16), sequence count N and
+  document count D (uint64), then int32 sequence lengths [N], int64 byte pointers into the
+  .bin [N] and int64 document indices [D] (sequence index where each document starts, 0
+  first, N last). A document is the concatenation of its sequences.
+
+No MPI, imports nothing of hpctrain: :class:`TokenCorpus` says how many documents there are
+and their sizes (every rank computes the same), ``document(i)`` reads one (memory-mapped,
+so a rank reads only the documents it is given).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+LLMC_MAGIC = 20240520
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+                   6: np.float64, 7: np.float32, 8: np.uint16}
+FORMATS = ("nanogpt", "megatron")
+
+
+class FormatError(ValueError):
+    """A corpus file that does not follow its format: one line naming the file and why."""
+
+
+@dataclass
+class TokenCorpus:
+    """Documents of a tokenized corpus: sequence ``j`` is ``tokens[starts[j]:ends[j]]``,
+    document ``i`` the sequences ``doc_seqs[i]:doc_seqs[i+1]`` (one each for nanoGPT)."""
+
+    name: str
+    tokens: np.ndarray  # memory-mapped token ids
+    starts: np.ndarray  # int64 per sequence
+    ends: np.ndarray
+    doc_seqs: np.ndarray  # int64, documents + 1
+
+    def __post_init__(self):
+        lens = np.concatenate([[0], np.cumsum(self.ends - self.starts)])
+        self.sizes = (lens[self.doc_seqs[1:]] - lens[self.doc_seqs[:-1]]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def document(self, i: int) -> np.ndarray:
+        a, b = int(self.doc_seqs[i]), int(self.doc_seqs[i + 1])
+        parts = [self.tokens[s:e] for s, e in zip(self.starts[a:b].tolist(),
+                                                  self.ends[a:b].tolist())]
+        doc = np.concatenate(parts) if len(parts) != 1 else np.asarray(parts[0])
+        if doc.dtype.kind == "i" and doc.size and int(doc.min()) < 0:
+            raise FormatError(f"{self.name}: document {i} has a negative token id "
+                              f"{int(doc.min())}")
+        return doc
+
+
+def read(kind: str, path: str, eot: int = 50256) -> TokenCorpus:
+    """The documents of a ``nanogpt`` file or a ``megatron`` prefix."""
+    if kind == "nanogpt":
+        return read_nanogpt(path, eot)
+    if kind == "megatron":
+        return read_megatron(path)
+    raise FormatError(f"--from {kind}: unknown format; valid: {', '.join(FORMATS)}")
+
+
+def read_nanogpt(path: str, eot: int) -> TokenCorpus:
+    data = _memmap(path, np.uint8)
+    offset = 0
+    if data.size >= 1024 and int(np.frombuffer(data[:4], "<i4")[0]) == LLMC_MAGIC:
+        header = np.frombuffer(data[:1024], "<i4")
+        offset, count = 1024, int(header[2])
+        if data.size != 1024 + 2 * count:
+            raise FormatError(f"{path}: llm.c header says {count} tokens, the file holds "
+                              f"{(data.size - 1024) / 2:g}")
+    if (data.size - offset) % 2:
+        raise FormatError(f"{path}: {data.size - offset} bytes of tokens is not a whole "
+                          "number of uint16 ids (not a nanoGPT .bin?)")
+    tokens = np.frombuffer(data, "<u2", offset=offset)
+    ends = np.flatnonzero(tokens == eot) + 1
+    if not ends.size or ends[-1] != tokens.size:
+        ends = np.append(ends, tokens.size)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    ends = ends.astype(np.int64)
+    keep = ends > starts
+    return TokenCorpus(path, tokens, starts[keep], ends[keep],
+                       np.arange(int(keep.sum()) + 1, dtype=np.int64))
+
+
+def read_megatron(prefix: str) -> TokenCorpus:
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    idx = _memmap(idx_path, np.uint8)
+    head = bytes(idx[:34])
+    if len(head) < 34 or head[:9] != MEGATRON_MAGIC:
+        raise FormatError(f"{idx_path}: no Megatron index magic MMIDIDX (not an indexed "
+                          "dataset .idx?)")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
+    if version != 1:
+        raise FormatError(f"{idx_path}: index version {version}, only version 1 is known")
+    if code not in MEGATRON_DTYPES or np.dtype(MEGATRON_DTYPES[code]).kind == "f":
+        raise FormatError(f"{idx_path}: dtype code {code} is not an integer token type")
+    dtype = np.dtype(MEGATRON_DTYPES[code])
+    need = 34 + 12 * n_seq + 8 * n_doc
+    if idx.size < need:
+        raise FormatError(f"{idx_path}: {idx.size} bytes, the header's {n_seq} sequences and "
+                          f"{n_doc} document indices need {need} (truncated?)")
+    lengths = np.frombuffer(idx, "<i4", n_seq, 34).astype(np.int64)
+    pointers = np.frombuffer(idx, "<i8", n_seq, 34 + 4 * n_seq)
+    doc_idx = np.frombuffer(idx, "<i8", n_doc, 34 + 12 * n_seq)
+    data = _memmap(bin_path, np.uint8)
+    _check_megatron(idx_path, bin_path, lengths, pointers, doc_idx, dtype, data.size)
+    tokens = np.frombuffer(data, dtype.newbyteorder("<"))
+    starts = pointers // dtype.itemsize
+    ends = starts + lengths
+    lens = np.concatenate([[0], np.cumsum(lengths)])
+    full = np.flatnonzero(lens[doc_idx[1:]] > lens[doc_idx[:-1]])  # empty documents dropped
+    bounds = np.concatenate([doc_idx[full], doc_idx[full[-1] + 1:][:1]]) if full.size else \
+        np.zeros(1, dtype=np.int64)
+    return TokenCorpus(prefix, tokens, starts, ends, bounds.astype(np.int64))
+
+
+def _check_megatron(idx_path, bin_path, lengths, pointers, doc_idx, dtype, bin_size) -> None:
+    n_seq = len(lengths)
+    if (lengths < 0).any():
+        raise FormatError(f"{idx_path}: a negative sequence length")
+    if n_seq and ((pointers % dtype.itemsize).any() or (pointers < 0).any()
+                  or int((pointers + lengths * dtype.itemsize).max()) > bin_size):
+        raise FormatError(f"{idx_path}: sequence pointers outside {bin_path} ({bin_size} "
+                          f"bytes of {dtype}) (truncated or another dataset's .bin?)")
+    if (len(doc_idx) < 1 or doc_idx[0] != 0 or doc_idx[-1] != n_seq
+            or (np.diff(doc_idx) < 0).any()):
+        raise FormatError(f"{idx_path}: document indices must rise from 0 to the sequence "
+                          f"count {n_seq}")
+
+
+def _memmap(path: str, dtype) -> np.ndarray:
+    p = Path(path)
+    if not p.is_file():
+        raise FormatError(f"{path} {'is not a file' if p.exists() else 'does not exist'}")
+    if p.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)
+    try:
+        return np.memmap(p, dtype=dtype, mode="r")
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path} cannot be read: {e}") from None

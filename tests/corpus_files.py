@@ -1,0 +1,40 @@
+"""Tokenized corpora in other pipelines' formats, written with numpy/struct from their
+published layouts (for tests/unit/test_formats.py and tests/e2e/test_data_cli.py)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+EOT = 50256  # GPT-2's <|endoftext|>
+CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.uint16: 8}
+
+
+def write_nanogpt(path, docs: list[list[int]], llmc: bool = False) -> None:
+    """nanoGPT's prepare.py: each document's ids followed by the end-of-text id, uint16."""
+    flat = np.array([t for d in docs for t in [*d, EOT]], dtype="<u2")
+    with open(path, "wb") as f:
+        if llmc:  # llm.c: 256 int32 header (magic, version, token count)
+            header = np.zeros(256, dtype="<i4")
+            header[:3] = [20240520, 1, flat.size]
+            f.write(header.tobytes())
+        f.write(flat.tobytes())
+
+
+def write_megatron(prefix, docs: list[list[list[int]]], dtype=np.uint16) -> None:
+    """Megatron's indexed dataset: PREFIX.bin (ids), PREFIX.idx (magic, version 1, dtype
+    code, sequence and document counts, int32 lengths, int64 byte pointers, int64 document
+    indices from 0 to the sequence count)."""
+    seqs = [s for d in docs for s in d]
+    item = np.dtype(dtype).itemsize
+    lengths = np.array([len(s) for s in seqs], dtype="<i4")
+    pointers = np.concatenate([[0], np.cumsum(lengths)[:-1] * item]).astype("<i8")
+    doc_idx = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype("<i8")
+    with open(f"{prefix}.bin", "wb") as f:
+        for s in seqs:
+            f.write(np.array(s, dtype=np.dtype(dtype).newbyteorder("<")).tobytes())
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", CODES[dtype]))
+        f.write(struct.pack("<Q", len(seqs)) + struct.pack("<Q", len(doc_idx)))
+        f.write(lengths.tobytes() + pointers[:len(seqs)].tobytes() + doc_idx.tobytes())
