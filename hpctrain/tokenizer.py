@@ -7,7 +7,7 @@ follows from it (:func:`token_dtype`: uint16 up to 65536 ids, else uint32; byte-
 stay uint8). Encoding is deterministic: the same documents give the same ids in any process.
 
 Documents are bytes; a tokenizer reads them as UTF-8 (an invalid byte becomes U+FFFD) and adds
-its own special tokens (a Llama file's ``<s>``; the BPE trained here ends each document with
+its own special tokens (a Llama file's ``<s>``; the BPE trained here opens each document with
 ``<|endoftext|>``, id 0).
 """
 
@@ -88,8 +88,11 @@ def load(path: str) -> Tokenizer:
 
 
 def train_bpe(docs: list[bytes], vocab_size: int) -> str:
-    """A byte-level BPE (GPT-2 style pre-tokenizer and decoder, ``<|endoftext|>`` id 0 ending
-    each document) trained on ``docs``; returns its tokenizer.json text. Deterministic."""
+    """A byte-level BPE (GPT-2 style pre-tokenizer and decoder, ``<|endoftext|>`` id 0 opening
+    each document, as a beginning-of-sequence token: documents stay separated in the token
+    stream, and a prompt encoded by any library starts the way training documents do, rather
+    than ending in an end-of-text) trained on ``docs``; returns its tokenizer.json text.
+    Deterministic."""
     from tokenizers import Tokenizer as HF
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -101,7 +104,7 @@ def train_bpe(docs: list[bytes], vocab_size: int) -> str:
                                   show_progress=False)
     tok.train_from_iterator([d.decode("utf-8", errors="replace") for d in docs], trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"$A {EOT}", special_tokens=[(EOT, tok.token_to_id(EOT))])
+        single=f"{EOT} $A", special_tokens=[(EOT, tok.token_to_id(EOT))])
     return tok.to_str(pretty=True)
 
 

@@ -36,7 +36,7 @@ def test_bpe_training_is_deterministic_and_round_trips():
     tok = from_json(a, "t")
     assert tok.vocab_size == 300 and tok.hash == hashlib.sha256(a.encode()).hexdigest()
     (ids,) = tok.encode([DOCS[3]])
-    assert ids.dtype == np.uint16 and ids[-1] == 0  # <|endoftext|> ends a document
+    assert ids.dtype == np.uint16 and ids[0] == 0  # <|endoftext|> opens a document
     assert len(ids) < len(DOCS[3]) / 2  # merges were learnt
     from tokenizers import Tokenizer
 
