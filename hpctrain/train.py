@@ -191,11 +191,16 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     stop = tr.stops.check(tr.topo.world, record.get("val_loss"), time.perf_counter() - t0) \
         or tr.job.stop_reason(tr.topo.world, done, t.steps)  # SIGUSR1/SIGTERM on any rank
 
-    # 5. Checkpoint.
-    if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
-            done == t.steps and cfg.checkpoint.save_final):
-        with timers("checkpoint"):
+    # 5. Checkpoint. With checkpoint.async the step only copies its pieces and the file is
+    #    written in the background; a failure there is raised here, on every rank, one step
+    #    later. A stop and the last step wait until the file is committed.
+    with timers("checkpoint"):
+        tr.saver.poll()
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
+                done == t.steps and cfg.checkpoint.save_final):
             tr.last_saved = tr.saver.save(done, tr.params, tr.optimizer, tr.ckpt_attrs)
+        if stop or done == t.steps:
+            tr.saver.wait()
 
     tr.tel.end_step({**record, "step_time_s": time.perf_counter() - t0,
                      **step_metrics(tr.chunks, tr.topo),
@@ -217,6 +222,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
         record = train_step(tr, step)
         if end_of_step(tr, record, t0):
             break
+    tr.saver.wait()  # no save left in flight
     tr.tel.close()
     tr.log.close()
     tr.job.exit_if_stopped()  # preempted: exit 75, the job script requeues (slurm.py)
