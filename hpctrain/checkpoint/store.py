@@ -203,8 +203,13 @@ class Checkpointer:
             self.metrics["ckpt_wait_s"] = time.perf_counter() - t0
 
     def _finished(self, metrics: dict | None) -> None:
+        """A background save's figures join this step's record; a second one ending in the
+        same step (the last step waits for its own save) is renamed ``ckpt_prev_*``."""
         if metrics:
             metrics.pop("path", None)
+            if "ckpt_async_step" in self.metrics:
+                for k in [k for k in metrics if k in self.metrics and k != "ckpt_blocked_s"]:
+                    self.metrics["ckpt_prev_" + k[len("ckpt_"):]] = self.metrics.pop(k)
             self.metrics.update(metrics)
 
     def _environment(self) -> dict:

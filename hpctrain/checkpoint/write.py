@@ -37,6 +37,7 @@ from .layout import Piece, transfer, uncovered
 LATEST = "latest"
 KILL_RANK_ENV, KILL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_KILL_RANK", "HPCTRAIN_FAULT_CKPT_KILL_STEP"
 SLOW_ENV = "HPCTRAIN_FAULT_CKPT_SLOW_S"  # tests: seconds a write sleeps before its commit
+FAIL_RANK_ENV, FAIL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_FAIL_RANK", "HPCTRAIN_FAULT_CKPT_FAIL_STEP"
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -51,15 +52,25 @@ def step_name(step: int) -> str:
     return f"step_{step:08d}.h5"
 
 
+def _chosen(rank_env: str, step_env: str, rank: int, step: int) -> bool:
+    want, when = os.environ.get(rank_env, ""), os.environ.get(step_env, "")
+    return bool(want) and int(want) == rank and (not when or int(when) == step)
+
+
 def fault(rank: int, step: int) -> None:
     """Fault injection for tests: ``HPCTRAIN_FAULT_CKPT_KILL_RANK=r`` (and optionally
     ``..._KILL_STEP=s``) makes world rank r die (SIGKILL) in the middle of writing a checkpoint."""
-    want = os.environ.get(KILL_RANK_ENV, "")
-    when = os.environ.get(KILL_STEP_ENV, "")
-    if want and int(want) == rank and (not when or int(when) == step):
+    if _chosen(KILL_RANK_ENV, KILL_STEP_ENV, rank, step):
         print(f"[hpctrain] fault injection: rank {rank} killed while saving step {step}",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def failure(rank: int, step: int) -> None:
+    """Fault injection for tests: ``HPCTRAIN_FAULT_CKPT_FAIL_RANK=r`` (and optionally
+    ``..._FAIL_STEP=s``): rank r's write of the checkpoint fails (an OSError, as a full disk)."""
+    if _chosen(FAIL_RANK_ENV, FAIL_STEP_ENV, rank, step):
+        raise OSError(f"fault injection: rank {rank} cannot write step {step}")
 
 
 @dataclass
@@ -114,6 +125,7 @@ class Writer:
         """Write, verify if asked, commit; returns the save's metrics."""
         t0 = time.perf_counter()
         world = self.world
+        failure(world.rank, snap.step)
         if world.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             for stale in self.dir.glob(".step_*.h5.tmp"):  # left by a crashed save

@@ -43,9 +43,9 @@ def run(args) -> int:
             print(f"hpctrain train: {e}", file=sys.stderr, flush=True)
         return 2
     except CheckpointFailed as e:  # raised alike on every rank, one step after the failure
-        if world.rank == 0:
-            print(f"hpctrain train: {e}", file=sys.stderr, flush=True)
-        comm.abort(1)  # writer threads of other ranks may still wait in a collective
+        print(f"hpctrain train: rank {world.rank}: {e}", file=sys.stderr, flush=True)
+        world.barrier()  # every rank has said it
+        comm.abort(1)  # writer threads may still wait in a collective: end them too
     return 0
 
 
