@@ -139,6 +139,7 @@ class CheckpointConfig:
     alignment: int = 0  # HDF5 alignment in bytes (e.g. the Lustre stripe size); 0 = off
     mpi_hints: dict = field(default_factory=dict)  # MPI-IO hints, e.g. striping_factor
     async_: bool = False  # TOML key `async`: write in the background, the step only copies
+    collective_io: bool = False  # collective MPI-IO for datasets >= 64 KiB (ROMIO aggregators)
     verify_write: bool = False  # read every byte back and compare checksums before commit
 
 

@@ -144,7 +144,8 @@ def shard_piece(path, tensor, meta, topo, writes) -> Piece:
     piece = Piece(path, tuple(meta.global_shape), file_dtype(tensor), tensor, writes)
     if all(n > 0 for n in extent):
         local = tuple(slice(0, n) for n in extent)
-        piece.parts.append((lambda t, s=local: t[s],
+        whole = tuple(extent) == tuple(tensor.shape)  # no padding: the tensor itself (fast)
+        piece.parts.append(((lambda t: t) if whole else (lambda t, s=local: t[s]),
                             (tuple(s.start for s in index), tuple(extent))))
     return piece
 

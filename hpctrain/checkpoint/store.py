@@ -56,7 +56,8 @@ __all__ = ["KILL_RANK_ENV", "KILL_STEP_ENV", "CheckpointFailed", "Checkpointer",
            "CorruptCheckpoint", "IncompleteCheckpoint", "latest", "step_name"]
 
 FORMAT = cv.FORMAT
-COLLECTIVE_MIN_BYTES = 64 << 10  # smaller datasets: independent I/O by their one writer
+COLLECTIVE_MIN_BYTES = 64 << 10  # with collective_io: smaller datasets are independent I/O
+NEVER = 1 << 62  # no dataset is that large: independent I/O only
 ALIGN_MIN_BYTES = 64 << 10  # objects at least this large start at a multiple of `alignment`
 SERIAL_ENV = "HPCTRAIN_CKPT_SERIAL"
 SCALER = "loss_scaler_"  # attribute prefix of the float16 loss scaler's state
@@ -99,12 +100,16 @@ def candidates(how: str, directory: Path) -> list[Path]:
 
 class Checkpointer:
     """Save and restore this rank's pieces. Every method is collective over the world.
-    ``collective_min_bytes``: datasets at least this large use collective I/O (comparisons
-    raise it out of reach to measure independent I/O)."""
+    ``collective_min_bytes``: datasets at least this large use collective I/O; by default
+    ``COLLECTIVE_MIN_BYTES`` with ``checkpoint.collective_io``, otherwise none (every rank
+    writes and reads its own hyperslabs independently: no exchange, no collective call per
+    dataset)."""
 
     def __init__(self, ccfg: CheckpointConfig, topo, directory: str | Path, warn=None,
-                 collective_min_bytes: int = COLLECTIVE_MIN_BYTES):
+                 collective_min_bytes: int | None = None):
         cv.disable_file_locking()
+        if collective_min_bytes is None:
+            collective_min_bytes = COLLECTIVE_MIN_BYTES if ccfg.collective_io else NEVER
         self.cfg, self.topo = ccfg, topo
         self.collective_min_bytes = collective_min_bytes
         self.dir = Path(directory)

@@ -204,19 +204,19 @@ class Writer:
         checksums (once the CRC thread is done); returns them."""
         if self.mpio:
             with self.open(tmp, "w") as f:
-                _create(f, specs, meta)
-                self._fill(f, specs, snap, collective=True)
+                dsets = _create(f, specs, meta)
+                self._fill(dsets, specs, snap, collective=True)
                 sums = self._sums(specs, snap, crc)
                 for path, value in sums.items():  # collective: the same values everywhere
-                    f[path].attrs["crc32"] = np.uint32(value)
+                    dsets[path].attrs["crc32"] = np.uint32(value)
                 f.flush()  # collective H5Fflush: MPI_File_sync on every rank
         else:
             for r in range(self.world.size):  # serial fallback: ranks take turns
                 if r == self.world.rank:
                     with self.open(tmp, "w" if r == 0 else "r+") as f:
-                        if r == 0:
-                            _create(f, specs, meta)
-                        self._fill(f, specs, snap, collective=False)
+                        dsets = _create(f, specs, meta) if r == 0 else {p: f[p] for p, _, _
+                                                                        in specs}
+                        self._fill(dsets, specs, snap, collective=False)
                         f.flush()
                 self.world.barrier()
             sums = self._sums(specs, snap, crc)
@@ -225,14 +225,14 @@ class Writer:
         self.world.barrier()
         return sums
 
-    def _fill(self, f, specs, snap: Snapshot, collective: bool) -> None:
+    def _fill(self, dsets: dict, specs, snap: Snapshot, collective: bool) -> None:
         """Write the hyperslabs this rank owns, every dataset in ``specs`` order (the same on
         all ranks, as collective I/O requires)."""
         for i, (path, shape, dt) in enumerate(specs):
             if i == len(specs) // 2:
                 fault(self.world.rank, snap.step)
             big = int(np.prod(shape)) * np.dtype(dt).itemsize >= self.collective_min_bytes
-            transfer(f[path], snap.pieces.get(path), write=True,
+            transfer(dsets[path], snap.pieces.get(path), write=True,
                      collective=collective and big, buf=snap.bufs.get(path))
 
     def _verify(self, tmp: Path, sums: dict) -> None:
@@ -267,9 +267,11 @@ class Writer:
                 old.unlink(missing_ok=True)
 
 
-def _create(f, specs, meta: dict) -> None:
+def _create(f, specs, meta: dict) -> dict:
     """Every dataset (no fill: every element is written once, by its owner), then the
-    file's attributes; identical arguments on every rank (HDF5's rule)."""
-    for path, shape, dt in specs:
-        f.create_dataset(path, shape=shape, dtype=np.dtype(dt), fill_time="never")
+    file's attributes; identical arguments on every rank (HDF5's rule). {path: dataset}
+    (looking a dataset up by path again costs more than writing a small one)."""
+    dsets = {path: f.create_dataset(path, shape=shape, dtype=np.dtype(dt), fill_time="never")
+             for path, shape, dt in specs}
     f.attrs.update(meta)
+    return dsets
