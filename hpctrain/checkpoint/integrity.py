@@ -213,6 +213,7 @@ def describe(path) -> dict:
         attrs = {k: _plain(v) for k, v in f.attrs.items()}
         tensors = [{"name": n, "shape": list(f[n].shape), "dtype": str(f[n].dtype),
                     "nbytes": int(f[n].size * f[n].dtype.itemsize),
+                    "offset": f[n].id.get_offset(),  # None: not contiguous or not allocated
                     "crc32": _plain(f[n].attrs.get("crc32"))} for n in dataset_names(f)]
     return {"path": str(path), "attrs": attrs, "tensors": tensors}
 

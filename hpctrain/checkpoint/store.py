@@ -233,7 +233,10 @@ class Checkpointer:
                "world_size": self.topo.world.size, "rng_layout": str(self.topo.dims),
                "layout": json.dumps({"dims(pp,dp_outer,ep,tp)": list(self.topo.dims),
                                      "mpi_hints": dict(self.cfg.mpi_hints),
-                                     "alignment": self.cfg.alignment})}
+                                     "alignment": self.cfg.alignment,
+                                     "align_min_bytes": ALIGN_MIN_BYTES,
+                                     "collective_io": self.cfg.collective_io,
+                                     "async": self.background is not None})}
         if getattr(optimizer, "scaler", None) is not None:  # {} unless float16
             out.update({SCALER + k: v for k, v in optimizer.scaler.state_dict().items()})
         out.update({k: v for k, v in attrs.items() if v is not None})
