@@ -132,7 +132,7 @@ class Writer:
                 stale.unlink(missing_ok=True)
         final = self.dir / step_name(snap.step)
         tmp = self.dir / f".{final.name}.tmp"
-        specs, meta = self._plan(snap)
+        specs, meta, total = self._plan(snap)
         crc = threading.Thread(target=checksum_runs, args=(snap,), name="hpctrain-crc")
         crc.start()
         try:
@@ -151,15 +151,14 @@ class Writer:
         if float(os.environ.get(SLOW_ENV, "0") or 0) > 0:
             time.sleep(float(os.environ[SLOW_ENV]))  # tests: a long write, still in flight
         self._commit(tmp, final)
-        nbytes = sum(b.nbytes for b in snap.bufs.values())
-        total = world.allreduce(float(nbytes))
         dt = time.perf_counter() - t0
         return {"ckpt_save_s": dt + snap.taken_s, "ckpt_save_bytes": total,
                 "ckpt_write_s": t_write, "ckpt_save_GBps": total / (dt + snap.taken_s) / 1e9,
                 "path": str(final)}
 
     def _plan(self, snap: Snapshot):
-        """(specs, attributes), the same on every rank (one allgather). Refuses with
+        """(specs, attributes, bytes of all datasets), the same on every rank (one
+        allgather). Refuses with
         IncompleteCheckpoint, before anything is created, unless the ranks together write
         every element of every dataset."""
         mine = ({(p.path, p.global_shape, p.dtype.str) for p in snap.pieces.values()},
@@ -177,7 +176,8 @@ class Writer:
             raise IncompleteCheckpoint(f"not committing {step_name(snap.step)}: the ranks "
                                        f"wrote {len(short)} dataset(s) incompletely: "
                                        + "; ".join(short[:5]))
-        return specs, {**parts[0][2], "checksum": cv.CHECKSUM}
+        total = float(sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in specs))
+        return specs, {**parts[0][2], "checksum": cv.CHECKSUM}, total
 
     def _sums(self, specs, snap: Snapshot, crc: threading.Thread) -> dict[str, int]:
         """Every dataset's CRC-32 from every rank's runs (one allgather), the same on every
@@ -222,7 +222,7 @@ class Writer:
             sums = self._sums(specs, snap, crc)
             if self.world.rank == 0:
                 cv.stamp(tmp, sums)
-        self.world.barrier()
+            self.world.barrier()
         return sums
 
     def _fill(self, dsets: dict, specs, snap: Snapshot, collective: bool) -> None:
