@@ -175,12 +175,13 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
     local_state = getattr(optimizer, "local_state", None)
     state = local_state() if local_state is not None else optimizer.state
     out = []
-    for name, p in named_params:
+    for i, (name, p) in enumerate(named_params):
         meta = p.hp
         group = topo.edp_comm if meta.expert_dim is not None else topo.dp_comm
         first_tp = meta.tp_dim is not None or topo.tp_rank == 0
-        out.append(shard_piece(f"model/{name}", p.detach(), meta, topo,
-                               first_tp and group.rank == 0))
+        # replicas take turns (parameter i: replica i mod dp): the writing is spread evenly
+        mine = group.rank == i % group.size
+        out.append(shard_piece(f"model/{name}", p.detach(), meta, topo, first_tp and mine))
         rng = flat_shard(name) if flat_shard is not None else None
         for key, t in state.get(name, {}).items():
             path = f"optim/{name}/{key}"
@@ -188,7 +189,7 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
                 # every rank of the group writes its own shard (tp-replicated: tp rank 0)
                 out.append(flat_piece(path, t, meta, p.shape, *rng, topo, first_tp))
             elif rng is None and tuple(t.shape) == tuple(p.shape):
-                out.append(shard_piece(path, t, meta, topo, first_tp and group.rank == 0))
+                out.append(shard_piece(path, t, meta, topo, first_tp and mine))
             else:
                 raise ValueError(f"cannot checkpoint optimizer state {path}: shape "
                                  f"{tuple(t.shape)} is neither the parameter's local shape "

@@ -3,6 +3,7 @@ equal a synchronous run's dataset by dataset, the run still equals one rank, a r
 or a write failing in the background leaves ``latest`` on the previous checkpoint, and a
 preemption during a background write ends with the checkpoint of the step it announced."""
 
+import json
 import os
 import re
 import signal
@@ -62,6 +63,9 @@ def test_async_files_equal_sync_ones_and_the_run_equals_one_rank(tmp_path, sessi
             assert np.array_equal(a[name][0], s[name][0]), f"step {step}: {name} differs"
             assert a[name][1] == s[name][1], f"step {step}: {name} crc32 differs"
         assert a_attrs.keys() == s_attrs.keys()
+        a_layout, s_layout = (json.loads(x.pop("layout")) for x in (a_attrs, s_attrs))
+        assert (a_layout.pop("async"), s_layout.pop("async")) == (True, False)
+        assert a_layout == s_layout
         for k in s_attrs:
             assert np.array_equal(a_attrs[k], s_attrs[k]), k
     assert hpctrain(["inspect", str(run.run_dir / "checkpoints"), "--verify"]).returncode == 0
