@@ -194,12 +194,13 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     # 5. Checkpoint. With checkpoint.async the step only copies its pieces and the file is
     #    written in the background; a failure there is raised here, on every rank, one step
     #    later. A stop and the last step wait until the file is committed.
-    with timers("checkpoint"):
-        tr.saver.poll()
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
-                done == t.steps and cfg.checkpoint.save_final):
+    tr.saver.poll()
+    if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
+            done == t.steps and cfg.checkpoint.save_final):
+        with timers("checkpoint"):
             tr.last_saved = tr.saver.save(done, tr.params, tr.optimizer, tr.ckpt_attrs)
-        if stop or done == t.steps:
+    if stop or done == t.steps:
+        with timers("checkpoint"):
             tr.saver.wait()
 
     tr.tel.end_step({**record, "step_time_s": time.perf_counter() - t0,
