@@ -152,6 +152,9 @@ class CheckpointConfig:
     save_final: bool = True
     alignment: int = 0  # HDF5 alignment in bytes (e.g. the Lustre stripe size); 0 = off
     mpi_hints: dict = field(default_factory=dict)  # MPI-IO hints, e.g. striping_factor
+    async_: bool = False  # TOML key `async`: write in the background, the step only copies
+    collective_io: bool = False  # collective MPI-IO for datasets >= 64 KiB (ROMIO aggregators)
+    verify_write: bool = False  # read every byte back and compare checksums before commit
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,12 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     return value
 
 
+def toml_key(name: str) -> str:
+    """A field's key in TOML and ``--set``: a Python keyword is spelled with a trailing
+    underscore in the dataclass (``async_``) and without it in the file (``async``)."""
+    return name[:-1] if name.endswith("_") else name
+
+
 def from_dict(raw: dict) -> Config:
     """Build a Config from nested dicts, rejecting unknown sections/keys and wrong types."""
     sections = {}
@@ -227,14 +236,14 @@ def from_dict(raw: dict) -> Config:
         if not isinstance(body, dict):
             raise ConfigError(f"[{name}] must be a table of keys")
         proto = _SECTION_TYPES[name]()
-        valid = {f.name for f in fields(proto)}
+        valid = {toml_key(f.name): f.name for f in fields(proto)}
         values = {}
         for key, value in body.items():
             if key not in valid:
                 raise ConfigError(
                     f"unknown key {name}.{key}; valid keys of [{name}]: {', '.join(sorted(valid))}"
                 )
-            values[key] = _coerce(name, key, value, getattr(proto, key))
+            values[valid[key]] = _coerce(name, key, value, getattr(proto, valid[key]))
         sections[name] = dataclasses.replace(proto, **values)
     return Config(**sections)
 
@@ -295,7 +304,7 @@ def dumps_toml(cfg: Config) -> str:
     out = []
     for name, body in to_dict(cfg).items():
         out.append(f"[{name}]")
-        out += [f"{k} = {lit(v)}" for k, v in body.items()]
+        out += [f"{toml_key(k)} = {lit(v)}" for k, v in body.items()]
         out.append("")
     return "\n".join(out)
 

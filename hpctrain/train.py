@@ -195,11 +195,17 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     stop = tr.stops.check(tr.topo.world, record.get("val_loss"), time.perf_counter() - t0) \
         or tr.job.stop_reason(tr.topo.world, done, t.steps)  # SIGUSR1/SIGTERM on any rank
 
-    # 5. Checkpoint.
+    # 5. Checkpoint. With checkpoint.async the step only copies its pieces and the file is
+    #    written in the background; a failure there is raised here, on every rank, one step
+    #    later. A stop and the last step wait until the file is committed.
+    tr.saver.poll()
     if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
             done == t.steps and cfg.checkpoint.save_final):
         with timers("checkpoint"):
             tr.last_saved = tr.saver.save(done, tr.params, tr.optimizer, tr.ckpt_attrs)
+    if stop or done == t.steps:
+        with timers("checkpoint"):
+            tr.saver.wait()
 
     tr.tel.end_step({**record, "step_time_s": time.perf_counter() - t0,
                      **step_metrics(tr.chunks, tr.topo),
@@ -221,6 +227,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
         record = train_step(tr, step)
         if end_of_step(tr, record, t0):
             break
+    tr.saver.wait()  # no save left in flight
     tr.tel.close()
     tr.log.close()
     tr.job.exit_if_stopped()  # preempted: exit 75, the job script requeues (slurm.py)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from hpctrain.config import Config, ConfigError, load
+from hpctrain.config import Config, ConfigError, load, toml_key
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "share/configs/tiny.toml")
 SECTIONS = {f.name: f.default_factory() for f in dataclasses.fields(Config)}
-KEYS = [(s, f.name, getattr(body, f.name)) for s, body in SECTIONS.items()
+KEYS = [(s, toml_key(f.name), getattr(body, f.name)) for s, body in SECTIONS.items()
         for f in dataclasses.fields(body)]
 
 # Strings some keys take, right and wrong (the rest draw from GARBAGE).

@@ -1,7 +1,11 @@
 """Stage 5: collective checkpoints in parallel HDF5, whole or absent, any layout back.
 
-- ``store.py``: :class:`Checkpointer` (save: create, fill, checksum, fsync, rename, point
-  ``latest``, prune; restore: newest sound one, fallback on damage) and :func:`latest`.
+- ``store.py``: :class:`Checkpointer` (save: snapshot, then write now or in the background;
+  restore: newest sound one, fallback on damage) and :func:`latest`.
+- ``write.py``: the snapshot of this rank's bytes and the :class:`Writer` (create, fill,
+  checksums from memory, fsync, verify if asked, rename, point ``latest``, prune).
+- ``background.py``: ``checkpoint.async``: the writer thread, at most one save in flight,
+  its end or failure agreed by all ranks.
 - ``layout.py``: which hyperslab of each global dataset this rank owns (:class:`Piece`),
   and the transfer of pieces into and out of the file.
 - ``integrity.py``: the format, CRC-32 per dataset, verification, the run's environment.

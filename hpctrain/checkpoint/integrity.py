@@ -1,13 +1,15 @@
 """Checkpoint integrity and lineage, without MPI (used by ranks, ``inspect`` and tests).
 
 **Checksum.** Every dataset carries ``attrs["crc32"]``: zlib's CRC-32 of the *global* array's
-bytes in C order (little-endian, the file dtype), fed in blocks of whole rows along dim 0.
-It is computed after the collective write is closed, by reading the file back (datasets
-dealt round-robin over the ranks), so it does not depend on how ranks cut the array into
-hyperslabs: any layout, and any single process (``hpctrain inspect --verify``), recomputes
-the same number. The file's ``checksum`` attribute names the scheme. Datasets are created
-without fill (``fill_time="never"``), so the writer first checks that the ranks wrote every
-element (store.py); only then does a checksum certify the contents.
+bytes in C order (little-endian, the file dtype). Writers compute it from the bytes in memory
+as they hand them to HDF5: each rank CRCs the contiguous runs of its hyperslabs
+(:func:`segments`), and the runs of all ranks are joined in global order with
+:func:`crc32_combine` (zlib's algorithm: CRC(A+B) from CRC(A), CRC(B) and len(B)), so no
+byte is read back and the number does not depend on how ranks cut the array: any layout, and
+any single process reading the file (``hpctrain inspect --verify``, :func:`crc32_dataset`),
+gets the same number. The file's ``checksum`` attribute names the scheme. Datasets are
+created without fill (``fill_time="never"``), so the writer first checks that the ranks'
+runs tile every dataset exactly (store.py); only then does a checksum certify the contents.
 
 **Durability.** :func:`fsync_file`, :func:`replace_durably` and :func:`write_durably`: data
 synced before a rename, the directory synced after it.
@@ -15,6 +17,7 @@ synced before a rename, the directory synced after it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -49,6 +52,69 @@ def crc32_dataset(dset) -> int:
         block = np.ascontiguousarray(dset[r:r + step], dtype=dset.dtype.newbyteorder("<"))
         crc = zlib.crc32(block.reshape(-1).view(np.uint8), crc)  # no copy of the bytes
     return crc
+
+
+_POLY = 0xEDB88320  # CRC-32 (zlib), reflected
+_X2N = [1 << 30] + [0] * 31  # x^(2^k) mod P, k = 0..31 (reflected: bit 31 is x^0)
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) mod P(x) over GF(2), reflected bit order (zlib's multmodp)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+for _k in range(1, 32):
+    _X2N[_k] = _multmodp(_X2N[_k - 1], _X2N[_k - 1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _x8n(nbytes: int) -> int:
+    """x^(8 * nbytes) mod P: the operator that appends ``nbytes`` zero bytes."""
+    p, k, n = 1 << 31, 3, nbytes
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A + B from crc1 = CRC(A), crc2 = CRC(B) and len2 = len(B) in bytes."""
+    return _multmodp(_x8n(len2), crc1) ^ crc2 if len2 else crc1
+
+
+def segments(buf, runs) -> list[tuple[int, int, int]]:
+    """``[(byte offset, nbytes, crc32)]`` of a 1-D array ``buf`` that holds ``runs`` ``[(flat
+    element offset in the global array, elements)]`` one after another (layout.py)."""
+    raw = memoryview(np.ascontiguousarray(buf, dtype=buf.dtype.newbyteorder("<"))).cast("B")
+    size, pos, out = buf.dtype.itemsize, 0, []
+    for offset, n in runs:
+        nb = n * size
+        out.append((offset * size, nb, zlib.crc32(raw[pos:pos + nb])))
+        pos += nb
+    return out
+
+
+def join_segments(segs, nbytes: int) -> tuple[int | None, str]:
+    """(CRC-32 of the whole array, "") from every rank's segments, or (None, why) when they
+    do not tile ``[0, nbytes)`` exactly (a gap or an overlap)."""
+    crc, pos = 0, 0
+    for offset, n, c in sorted(segs):
+        if offset != pos:
+            what = "a gap" if offset > pos else "an overlap"
+            return None, f"{what} at byte {min(offset, pos)}"
+        crc, pos = crc32_combine(crc, c, n), pos + n
+    if pos != nbytes:
+        return None, f"{pos} of {nbytes} bytes written"
+    return crc, ""
 
 
 def fsync_file(path) -> None:
@@ -147,6 +213,7 @@ def describe(path) -> dict:
         attrs = {k: _plain(v) for k, v in f.attrs.items()}
         tensors = [{"name": n, "shape": list(f[n].shape), "dtype": str(f[n].dtype),
                     "nbytes": int(f[n].size * f[n].dtype.itemsize),
+                    "offset": f[n].id.get_offset(),  # None: not contiguous or not allocated
                     "crc32": _plain(f[n].attrs.get("crc32"))} for n in dataset_names(f)]
     return {"path": str(path), "attrs": attrs, "tensors": tensors}
 

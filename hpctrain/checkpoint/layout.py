@@ -64,6 +64,24 @@ def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[int, Box]]:
     return out
 
 
+def box_runs(shape: tuple[int, ...], start, count) -> list[tuple[int, int]]:
+    """The box ``(start, count)`` of a C-ordered array of ``shape`` as runs that are
+    contiguous in the global flat order: ``[(flat offset, elements)]`` in the box's own C
+    order (the order :meth:`Piece.gather` lays its bytes out)."""
+    if not shape:
+        return [(0, 1)]
+    k = len(shape) - 1  # dims after k are whole: one run per index of dims [0, k)
+    while k > 0 and count[k] == shape[k]:
+        k -= 1
+    strides = np.cumprod((1, *shape[:0:-1]), dtype=np.int64)[::-1]
+    run = int(count[k]) * int(strides[k])
+    offsets = np.zeros((1,), dtype=np.int64) + int(start[k]) * int(strides[k])
+    for d in range(k - 1, -1, -1):  # outer dims, slowest first in the result
+        rows = (np.arange(start[d], start[d] + count[d], dtype=np.int64) * int(strides[d]))
+        offsets = (rows[:, None] + offsets[None, :]).reshape(-1)
+    return [(int(o), run) for o in offsets]
+
+
 @dataclass
 class Piece:
     """One local tensor and where its elements live in the global dataset ``path``."""
@@ -80,14 +98,25 @@ class Piece:
     def nbytes(self) -> int:
         return sum(int(np.prod(box[1])) for _, box in self.parts) * self.dtype.itemsize
 
-    def gather(self) -> np.ndarray:
-        """This rank's elements, 1-D in the global C order of the boxes."""
+    def runs(self) -> list[tuple[int, int]]:
+        """This rank's elements as global runs, in the order of :meth:`gather`."""
+        return [r for _, (start, count) in self.parts
+                for r in box_runs(self.global_shape, start, count)]
+
+    def gather(self, copy: bool = False) -> np.ndarray:
+        """This rank's elements, 1-D in the global C order of the boxes. ``copy``: memory
+        of its own that later updates of the tensor cannot touch (pinned on a GPU)."""
         if not self.parts:
             return np.empty((0,), dtype=self.dtype)
         views = [view(self.tensor).reshape(-1) for view, _ in self.parts]
-        flat = (views[0] if len(views) == 1 else torch.cat(views)).detach().to("cpu")
+        flat = (views[0] if len(views) == 1 else torch.cat(views)).detach()
         if flat.dtype in (torch.bfloat16, torch.float16):
             flat = flat.float()
+        if flat.is_cuda:  # one device-to-host copy; sync_device() waits for them all
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=copy)
+            flat = host.copy_(flat, non_blocking=copy)
+        elif copy and len(views) == 1 and flat.data_ptr() == views[0].data_ptr():
+            flat = flat.clone()  # a view of the live tensor
         return np.ascontiguousarray(flat.numpy(), dtype=self.dtype)
 
     @torch.no_grad()
@@ -115,7 +144,8 @@ def shard_piece(path, tensor, meta, topo, writes) -> Piece:
     piece = Piece(path, tuple(meta.global_shape), file_dtype(tensor), tensor, writes)
     if all(n > 0 for n in extent):
         local = tuple(slice(0, n) for n in extent)
-        piece.parts.append((lambda t, s=local: t[s],
+        whole = tuple(extent) == tuple(tensor.shape)  # no padding: the tensor itself (fast)
+        piece.parts.append(((lambda t: t) if whole else (lambda t, s=local: t[s]),
                             (tuple(s.start for s in index), tuple(extent))))
     return piece
 
@@ -145,12 +175,13 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
     local_state = getattr(optimizer, "local_state", None)
     state = local_state() if local_state is not None else optimizer.state
     out = []
-    for name, p in named_params:
+    for i, (name, p) in enumerate(named_params):
         meta = p.hp
         group = topo.edp_comm if meta.expert_dim is not None else topo.dp_comm
         first_tp = meta.tp_dim is not None or topo.tp_rank == 0
-        out.append(shard_piece(f"model/{name}", p.detach(), meta, topo,
-                               first_tp and group.rank == 0))
+        # replicas take turns (parameter i: replica i mod dp): the writing is spread evenly
+        mine = group.rank == i % group.size
+        out.append(shard_piece(f"model/{name}", p.detach(), meta, topo, first_tp and mine))
         rng = flat_shard(name) if flat_shard is not None else None
         for key, t in state.get(name, {}).items():
             path = f"optim/{name}/{key}"
@@ -158,7 +189,7 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
                 # every rank of the group writes its own shard (tp-replicated: tp rank 0)
                 out.append(flat_piece(path, t, meta, p.shape, *rng, topo, first_tp))
             elif rng is None and tuple(t.shape) == tuple(p.shape):
-                out.append(shard_piece(path, t, meta, topo, first_tp and group.rank == 0))
+                out.append(shard_piece(path, t, meta, topo, first_tp and mine))
             else:
                 raise ValueError(f"cannot checkpoint optimizer state {path}: shape "
                                  f"{tuple(t.shape)} is neither the parameter's local shape "
@@ -198,7 +229,8 @@ def transfer(dset, piece: Piece | None, write: bool, collective: bool,
 
     ``piece`` None (or a non-writer on write) selects nothing: with ``collective`` True
     every rank of the file's communicator must call this for the same dataset in the same
-    order (HDF5 collective I/O). Returns the 1-D buffer read."""
+    order (HDF5 collective I/O). ``buf``: on write, the piece's bytes already gathered
+    (a snapshot). Returns the 1-D buffer read."""
     from h5py import h5fd, h5p, h5s
 
     fspace = dset.id.get_space()
@@ -209,8 +241,10 @@ def transfer(dset, piece: Piece | None, write: bool, collective: bool,
         for i, (_, (start, count)) in enumerate(piece.parts):
             fspace.select_hyperslab(start, count, op=h5s.SELECT_OR if i else h5s.SELECT_SET)
             n += int(np.prod(count))
-    if write:
-        buf = piece.gather() if active else np.empty((0,), dtype=dset.dtype)
+    if write and active:
+        buf = buf if buf is not None else piece.gather()
+    elif write:
+        buf = np.empty((0,), dtype=dset.dtype)
     else:
         buf = np.empty((n,), dtype=dset.dtype)
     if n == 0 and not collective:

@@ -7,26 +7,17 @@ File ``DIR/step_00000012.h5`` (see docs/checkpoints.md)::
     /rng/torch                             (world_size, n) uint8: world rank r's torch RNG
     attrs: format, step, optim_step, data_next_step, data_samples_seen, data_hash, config
            (resolved TOML), topology, rng_layout, world_size, versions (JSON), git_commit,
-           writer (mpio | serial), checksum (the scheme, see integrity.py), created
+           writer (mpio | serial), checksum (the scheme, see integrity.py), created, layout
+           (grid, MPI-IO hints, alignment)
 
-All ranks open the file with ``driver='mpio'`` (MPI-IO hints and alignment from
-``[checkpoint]``) and create every dataset and attribute collectively with identical
-arguments (HDF5's rule). Each rank then writes only the hyperslabs it owns (layout.py):
-its tp/ep slice of a parameter, once per replica group (the first dp/edp rank and, for
-tp-replicated tensors, tp rank 0); ZeRO flat shards are written by every dp rank. Datasets of
-at least ``COLLECTIVE_MIN_BYTES`` use collective I/O (every rank takes part, possibly with
-an empty selection), smaller ones independent I/O by their one writer. Loading reads the
-hyperslabs the *current* layout owns, so any layout restores any checkpoint.
-
-Commit is atomic and durable: the file is written as ``.step_N.h5.tmp``; the ranks check
-that together they wrote every element of every dataset (datasets have no fill value), flush
-it collectively (``H5Fflush``: ``MPI_File_sync``) and close it, and *every* rank fsyncs it
-(each client's cached writes reach the disk); it is read back for per-dataset checksums,
-stamped and fsynced by rank 0, renamed, the directory synced, and only then is ``latest`` (a
-one-line text file, written to ``.latest.tmp``, fsynced, renamed, the directory synced)
-pointed at it. A crash mid-save leaves ``latest`` naming the previous file; the stale
-``.tmp`` is removed by the next save. ZeRO shards are written and read by their owners
-directly (no rank gathers the optimizer state).
+:class:`Checkpointer` is the run's door to its checkpoints. A save takes a *snapshot* of this
+rank's pieces (layout.py: the hyperslabs it owns; write.py: their bytes and CRC-32s, computed
+from memory) and hands it to a :class:`~.write.Writer`: in the training loop, or with
+``checkpoint.async`` in a background thread on a duplicated communicator (background.py),
+at most one at a time. Every rank writes only its own hyperslabs (ZeRO shards included; no
+rank gathers); the commit is atomic and durable (``.tmp``, fsync by every rank, rename,
+``latest``). Loading reads the hyperslabs the *current* layout owns, so any layout restores
+any checkpoint; checksums are verified first.
 
 Without MPI in h5py (or with ``HPCTRAIN_CKPT_SERIAL=1``) ranks write the same format in
 turn. ``HDF5_USE_FILE_LOCKING`` defaults to FALSE (see integrity.disable_file_locking).
@@ -37,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -48,33 +38,34 @@ import torch
 from .. import comm
 from ..config import CheckpointConfig
 from . import integrity as cv
-from .layout import Piece, misfits, pieces_of, transfer, uncovered, unknown_params
+from .background import CheckpointFailed, InFlight
+from .layout import Piece, misfits, pieces_of, transfer, unknown_params
 from .lineage import LineageError
+from .write import (
+    KILL_RANK_ENV,
+    KILL_STEP_ENV,
+    LATEST,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    Writer,
+    snapshot,
+    step_name,
+)
+
+__all__ = ["KILL_RANK_ENV", "KILL_STEP_ENV", "CheckpointFailed", "Checkpointer",
+           "CorruptCheckpoint", "IncompleteCheckpoint", "latest", "step_name"]
 
 FORMAT = cv.FORMAT
-LATEST = "latest"
-COLLECTIVE_MIN_BYTES = 64 << 10  # smaller datasets: independent I/O by their one writer
+COLLECTIVE_MIN_BYTES = 64 << 10  # with collective_io: smaller datasets are independent I/O
+NEVER = 1 << 62  # no dataset is that large: independent I/O only
 ALIGN_MIN_BYTES = 64 << 10  # objects at least this large start at a multiple of `alignment`
 SERIAL_ENV = "HPCTRAIN_CKPT_SERIAL"
 SCALER = "loss_scaler_"  # attribute prefix of the float16 loss scaler's state
-KILL_RANK_ENV, KILL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_KILL_RANK", "HPCTRAIN_FAULT_CKPT_KILL_STEP"
-
-
-class CorruptCheckpoint(RuntimeError):
-    """A checkpoint that fails verification (truncated, flipped bytes, not ours)."""
 
 
 class CheckpointMismatch(LineageError):
     """A sound checkpoint this run cannot continue (another model's shapes, a missing
     tensor). Raised alike on every rank; the CLI prints it once and exits 2."""
-
-
-class IncompleteCheckpoint(RuntimeError):
-    """The ranks did not write every element of a dataset: the file is not committed."""
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:08d}.h5"
 
 
 def h5py_has_mpi() -> bool:
@@ -107,25 +98,18 @@ def candidates(how: str, directory: Path) -> list[Path]:
     return out
 
 
-def _fault(rank: int, step: int) -> None:
-    """Fault injection for tests: ``HPCTRAIN_FAULT_CKPT_KILL_RANK=r`` (and optionally
-    ``..._KILL_STEP=s``) makes world rank r die (SIGKILL) in the middle of writing a checkpoint."""
-    want = os.environ.get(KILL_RANK_ENV, "")
-    when = os.environ.get(KILL_STEP_ENV, "")
-    if want and int(want) == rank and (not when or int(when) == step):
-        print(f"[hpctrain] fault injection: rank {rank} killed while saving step {step}",
-              file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Checkpointer:
     """Save and restore this rank's pieces. Every method is collective over the world.
-    ``collective_min_bytes``: datasets at least this large use collective I/O (comparisons
-    raise it out of reach to measure independent I/O)."""
+    ``collective_min_bytes``: datasets at least this large use collective I/O; by default
+    ``COLLECTIVE_MIN_BYTES`` with ``checkpoint.collective_io``, otherwise none (every rank
+    writes and reads its own hyperslabs independently: no exchange, no collective call per
+    dataset)."""
 
     def __init__(self, ccfg: CheckpointConfig, topo, directory: str | Path, warn=None,
-                 collective_min_bytes: int = COLLECTIVE_MIN_BYTES):
+                 collective_min_bytes: int | None = None):
         cv.disable_file_locking()
+        if collective_min_bytes is None:
+            collective_min_bytes = COLLECTIVE_MIN_BYTES if ccfg.collective_io else NEVER
         self.cfg, self.topo = ccfg, topo
         self.collective_min_bytes = collective_min_bytes
         self.dir = Path(directory)
@@ -137,21 +121,49 @@ class Checkpointer:
             self.warn(f"checkpoints use the serial fallback ({why}): ranks write in turn")
         self.metrics: dict[str, float] = {}
         self._info = comm.mpi_info(ccfg.mpi_hints) if self.mpio else None  # MPI-IO hints
+        self._env: dict | None = None  # versions and git commit, once per run (rank 0)
+        self.writer = Writer(topo.world, self.dir, self._opener(topo.world), self.mpio, ccfg,
+                             collective_min_bytes)
+        self.background = self._background(collective_min_bytes)
+
+    def _background(self, collective_min_bytes: int) -> InFlight | None:
+        """The background writer when ``checkpoint.async`` asks for it and MPI allows a
+        second thread to call it; otherwise None (saves are synchronous, a warning says why).
+        Collective."""
+        if not self.cfg.async_:
+            return None
+        ok, level = comm.thread_multiple()
+        if not ok:
+            if self.topo.world.rank == 0:
+                self.warn(f"checkpoint.async = true needs MPI_THREAD_MULTIPLE, this MPI "
+                          f"provides {level}: saving synchronously")
+            return None
+        dup = self.topo.world.dup("ckpt-writer")  # its own Recorder: not the step's traffic
+        writer = Writer(dup, self.dir, self._opener(dup), self.mpio, self.cfg,
+                        collective_min_bytes)
+        return InFlight(writer, self.topo.world)
 
     def take_metrics(self) -> dict[str, float]:
         """Save/load seconds, bytes and GB/s since the last call (for metrics.jsonl)."""
         out, self.metrics = self.metrics, {}
         return out
 
-    def _open(self, path, mode: str):
-        import h5py
+    def _opener(self, group):
+        def open_file(path, mode: str):
+            import h5py
 
-        kw = {}
-        if self.cfg.alignment > 0:
-            kw.update(alignment_threshold=ALIGN_MIN_BYTES, alignment_interval=self.cfg.alignment)
-        if self.mpio:
-            kw.update(driver="mpio", comm=self.topo.world.mpi, info=self._info)
-        return h5py.File(path, mode, **kw)
+            kw = {}
+            if self.cfg.alignment > 0:
+                kw.update(alignment_threshold=ALIGN_MIN_BYTES,
+                          alignment_interval=self.cfg.alignment)
+            if self.mpio:
+                kw.update(driver="mpio", comm=group.mpi, info=self._info)
+            return h5py.File(path, mode, **kw)
+
+        return open_file
+
+    def _open(self, path, mode: str):
+        return self._opener(self.topo.world)(path, mode)
 
     def _rng_piece(self, rows: int, state: torch.Tensor) -> Piece:
         r, n = self.topo.world.rank, state.numel()
@@ -161,148 +173,75 @@ class Checkpointer:
 
     # -- save --------------------------------------------------------------------------
     def save(self, step: int, named_params, optimizer, attrs: dict) -> Path:
-        """Write ``DIR/step_N.h5`` atomically and point ``latest`` at it."""
+        """Checkpoint ``step`` as ``DIR/step_N.h5`` (atomically, then ``latest``). With
+        ``checkpoint.async`` only the snapshot happens here (after waiting for the save
+        before, if it is still in flight) and the path returned is committed later."""
         t0 = time.perf_counter()
-        world = self.topo.world
-        if world.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.glob(".step_*.h5.tmp"):  # left by a crashed save
-                stale.unlink(missing_ok=True)
-        world.barrier()
-        final = self.dir / step_name(step)
-        tmp = self.dir / f".{final.name}.tmp"
+        if self.background is not None:
+            self.wait()
         pieces = {p.path: p for p in pieces_of(named_params, optimizer, self.topo)}
-        rng = self._rng_piece(world.size, torch.get_rng_state())
+        rng = self._rng_piece(self.topo.world.size, torch.get_rng_state())
         pieces[rng.path] = rng
-        specs = self._specs(pieces.values())
-        meta = world.bcast_obj(self._attrs(step, optimizer, attrs) if world.rank == 0
-                               else None)  # identical attributes on every rank (HDF5 rule)
-        written = self._write(tmp, specs, pieces, meta, step)
-        self._check_coverage(tmp, specs, written)
-        cv.fsync_file(tmp)  # every rank: its own writes on disk before rank 0 renames
-        world.barrier()
-        t_write = time.perf_counter() - t0
-        self._commit(tmp, final, [s[0] for s in specs])
-        nbytes = sum(n * np.dtype(dt).itemsize for n, (_, _, dt) in zip(written, specs))
-        total = world.allreduce(float(nbytes))
-        dt = time.perf_counter() - t0
-        self.metrics.update({"ckpt_save_s": dt, "ckpt_save_bytes": total,
-                             "ckpt_write_s": t_write, "ckpt_save_GBps": total / dt / 1e9})
-        return final
-
-    def _specs(self, pieces) -> list[tuple[str, tuple, str]]:
-        """(path, global shape, dtype) of every dataset any rank holds, sorted, identical on
-        every rank; a tensor two ranks describe differently is an error."""
-        mine = {(p.path, p.global_shape, p.dtype.str) for p in pieces}
-        specs = sorted(set().union(*self.topo.world.allgather_obj(mine)))
-        paths = [s[0] for s in specs]
-        if len(paths) != len(set(paths)):
-            dup = sorted({p for p in paths if paths.count(p) > 1})
-            raise ValueError(f"ranks disagree on the shape/dtype of {dup[:5]}")
-        return specs
-
-    def _write(self, tmp: Path, specs, pieces: dict, meta: dict, step: int) -> list[int]:
-        """Create and fill ``tmp`` (collectively, or ranks in turn); returns the elements this
-        rank wrote per dataset of ``specs``."""
-        if self.mpio:
-            with self._open(tmp, "w") as f:
-                self._create(f, specs, meta)
-                written = self._fill(f, specs, pieces, step, collective=True)
-                f.flush()  # collective H5Fflush: MPI_File_sync on every rank
+        meta = self._attrs(step, optimizer, attrs) if self.topo.world.rank == 0 else {}
+        snap = snapshot(step, pieces, meta, copy=self.background is not None)
+        if self.background is not None:
+            self.background.start(snap)
+            self.metrics["ckpt_blocked_s"] = time.perf_counter() - t0
         else:
-            written = [0] * len(specs)
+            self.metrics.update(self.writer.write(snap))
+            self.metrics.pop("path")
+            self.metrics["ckpt_blocked_s"] = time.perf_counter() - t0
+        return self.dir / step_name(step)
 
-            def turn(first: bool) -> None:
-                nonlocal written
-                with self._open(tmp, "w" if first else "r+") as f:
-                    if first:
-                        self._create(f, specs, meta)
-                    written = self._fill(f, specs, pieces, step, collective=False)
-                    f.flush()
+    def poll(self) -> None:
+        """Once per step: the background save's end (its metrics join this step's record)
+        or its failure (CheckpointFailed on every rank). Collective; free when synchronous."""
+        if self.background is not None and self.background.busy:
+            self._finished(self.background.poll(block=False))
 
-            self._serially(turn)
-        self.topo.world.barrier()
-        return written
+    def wait(self) -> None:
+        """Until no save is in flight (before the next save, a restore, the end of the run,
+        a stop). Collective."""
+        if self.background is not None and self.background.busy:
+            t0 = time.perf_counter()
+            self._finished(self.background.poll(block=True))
+            self.metrics["ckpt_wait_s"] = time.perf_counter() - t0
 
-    def _check_coverage(self, tmp: Path, specs, written: list[int]) -> None:
-        """Datasets have no fill value, so an element nobody wrote holds whatever the disk
-        held and a checksum would certify it: refuse to commit unless the ranks together wrote
-        every element of every dataset (each element has one writer). Collective."""
-        world = self.topo.world
-        short = uncovered(specs, world.allreduce_array(np.asarray(written, dtype=np.int64)))
-        if short:
-            if world.rank == 0:
-                tmp.unlink(missing_ok=True)
-            raise IncompleteCheckpoint(f"not committing {tmp.name}: the ranks wrote "
-                                       f"{len(short)} dataset(s) incompletely: "
-                                       + "; ".join(short[:5]))
+    def _finished(self, metrics: dict | None) -> None:
+        """A background save's figures join this step's record; a second one ending in the
+        same step (the last step waits for its own save) is renamed ``ckpt_prev_*``."""
+        if metrics:
+            metrics.pop("path", None)
+            if "ckpt_async_step" in self.metrics:
+                for k in [k for k in metrics if k in self.metrics and k != "ckpt_blocked_s"]:
+                    self.metrics["ckpt_prev_" + k[len("ckpt_"):]] = self.metrics.pop(k)
+            self.metrics.update(metrics)
 
-    @staticmethod
-    def _create(f, specs, meta: dict) -> None:
-        for path, shape, dt in specs:  # no fill: every element is written once, by its owner
-            f.create_dataset(path, shape=shape, dtype=np.dtype(dt), fill_time="never")
-        f.attrs.update(meta)
-
-    def _fill(self, f, specs, pieces: dict, step: int, collective: bool) -> list[int]:
-        """Write the hyperslabs this rank owns, every dataset in ``specs`` order (the same on
-        all ranks, as collective I/O requires); returns the elements written per dataset."""
-        written = []
-        for i, (path, shape, dt) in enumerate(specs):
-            if i == len(specs) // 2:
-                _fault(self.topo.world.rank, step)
-            piece = pieces.get(path)
-            big = int(np.prod(shape)) * np.dtype(dt).itemsize >= self.collective_min_bytes
-            transfer(f[path], piece, write=True, collective=collective and big)
-            mine = piece is not None and piece.writes
-            written.append(piece.nbytes // piece.dtype.itemsize if mine else 0)
-        return written
-
-    def _serially(self, fn) -> None:
-        """Ranks take turns (serial fallback when h5py has no MPI)."""
-        world = self.topo.world
-        for r in range(world.size):
-            if r == world.rank:
-                fn(r == 0)
-            world.barrier()
-
-    def _commit(self, tmp: Path, final: Path, names: list[str]) -> None:
-        """Checksums (read back round-robin); rank 0 stamps them, fsyncs, renames (directory
-        synced), points ``latest`` at the file (durably) and prunes. Collective."""
-        world = self.topo.world
-        mine = cv.compute_checksums(tmp, names[world.rank::world.size])
-        sums = {k: v for part in world.allgather_obj(mine) for k, v in part.items()}
-        if world.rank == 0:
-            cv.stamp(tmp, sums)
-            cv.fsync_file(tmp)  # the stamped attributes
-            cv.replace_durably(tmp, final)
-            cv.write_durably(self.dir / LATEST, final.name + "\n")
-            self._prune(keep_name=final.name)
-        world.barrier()
+    def _environment(self) -> dict:
+        """Package versions and the source commit: looked up once per run (git is slow)."""
+        if self._env is None:
+            self._env = {"versions": cv.versions(), "git_commit": cv.git_commit()}
+        return self._env
 
     def _attrs(self, step, optimizer, attrs) -> dict:
         out = {"format": FORMAT, "step": step,
                "optim_step": int(getattr(optimizer, "step_count", step)),
                "data_next_step": step,
                "data_samples_seen": step * int(attrs.get("global_batch_size", 0)),
-               "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "versions": cv.versions(),
-               "git_commit": cv.git_commit(), "writer": "mpio" if self.mpio else "serial",
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **self._environment(),
+               "writer": "mpio" if self.mpio else "serial",
                "world_size": self.topo.world.size, "rng_layout": str(self.topo.dims),
                "layout": json.dumps({"dims(pp,dp_outer,ep,tp)": list(self.topo.dims),
                                      "mpi_hints": dict(self.cfg.mpi_hints),
-                                     "alignment": self.cfg.alignment})}
+                                     "alignment": self.cfg.alignment,
+                                     "align_min_bytes": ALIGN_MIN_BYTES,
+                                     "collective_io": self.cfg.collective_io,
+                                     "async": self.background is not None})}
         if getattr(optimizer, "scaler", None) is not None:  # {} unless float16
             out.update({SCALER + k: v for k, v in optimizer.scaler.state_dict().items()})
         out.update({k: v for k, v in attrs.items() if v is not None})
         # Plain str/int/float only (a str subclass such as torch's version becomes '<U').
         return {k: (str(v) if isinstance(v, str) else v) for k, v in out.items()}
-
-    def _prune(self, keep_name: str) -> None:
-        if self.cfg.keep <= 0:
-            return
-        files = sorted(self.dir.glob("step_*.h5"))
-        for old in files[:-self.cfg.keep]:
-            if old.name != keep_name:
-                old.unlink(missing_ok=True)
 
     # -- restore -------------------------------------------------------------------------
     def check(self, path: Path) -> list[str]:
@@ -320,6 +259,7 @@ class Checkpointer:
         ``path``. Collective over the world."""
         if not how:
             return None
+        self.wait()  # a rollback reads what the save in flight is committing
         world = self.topo.world
         cands = world.bcast_obj(candidates(how, self.dir) if world.rank == 0 else None)
         if not cands:

@@ -1,5 +1,6 @@
 """``hpctrain inspect CKPT [--verify] [--json]``: tensors, shapes, dtypes and lineage of a
-checkpoint (a file, or a checkpoint directory: its ``latest``). ``--verify`` recomputes every
+checkpoint (a file, or a checkpoint directory: its ``latest``), and how it was written (MPI-IO
+hints, alignment, I/O mode). ``--verify`` recomputes every
 dataset's CRC-32 and exits 1 when any differs or the file is damaged. One process, no MPI."""
 
 from __future__ import annotations
@@ -58,12 +59,36 @@ def run(args) -> int:
     return 1 if problems else 0
 
 
+def io_settings(info: dict) -> list[str]:
+    """How the file was written: the MPI-IO hints passed at open (verbatim), the alignment
+    asked for and how many large datasets start on it, independent or collective I/O."""
+    try:
+        layout = json.loads(info["attrs"].get("layout", "{}"))
+    except ValueError:
+        return []
+    out = [f"mpi_hints          {json.dumps(layout.get('mpi_hints', {}), sort_keys=True)}"]
+    align, least = int(layout.get("alignment", 0) or 0), int(layout.get("align_min_bytes", 0))
+    big = [t for t in info["tensors"] if t["nbytes"] >= least and t.get("offset") is not None]
+    if align > 0:
+        on = sum(1 for t in big if t["offset"] % align == 0)
+        out.append(f"alignment          {align} bytes: {on} of {len(big)} datasets of >= "
+                   f"{least} bytes start on it")
+    else:
+        out.append("alignment          none")
+    if "collective_io" in layout:
+        io = "collective MPI-IO" if layout["collective_io"] else "independent (own hyperslabs)"
+        out.append(f"io                 {io}{', async' if layout.get('async') else ''}")
+    return out
+
+
 def _print(info: dict, with_config: bool) -> None:
     attrs = info["attrs"]
     print(f"checkpoint {info['path']}")
     for key in LINEAGE:
         if key in attrs:
             print(f"  {key:18s} {attrs[key]}")
+    for line in io_settings(info):
+        print(f"  {line}")
     total = 0
     print(f"  {'tensor':44s} {'shape':>16s} {'dtype':8s} crc32")
     for t in info["tensors"]:

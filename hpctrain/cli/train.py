@@ -32,6 +32,7 @@ def run(args) -> int:
         if world.rank == 0:
             print(f"hpctrain train: {e}", file=sys.stderr)
         return 2
+    from ..checkpoint.background import CheckpointFailed
     from ..checkpoint.lineage import LineageError
     from ..train import train
 
@@ -41,6 +42,10 @@ def run(args) -> int:
         if world.rank == 0:
             print(f"hpctrain train: {e}", file=sys.stderr, flush=True)
         return 2
+    except CheckpointFailed as e:  # raised alike on every rank, one step after the failure
+        print(f"hpctrain train: rank {world.rank}: {e}", file=sys.stderr, flush=True)
+        world.barrier()  # every rank has said it
+        comm.abort(1)  # writer threads may still wait in a collective: end them too
     return 0
 
 

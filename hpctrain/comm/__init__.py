@@ -5,7 +5,7 @@
 - ``records.py``: :class:`Recorder`, the per-run record of every operation (per-axis time
   and bytes, the flight-recorder ring).
 - ``setup.py``: building communicators (world, Cartesian grid, sub-communicators, node-local
-  splits) and process-level calls (abort, finalize, MPI-IO hints).
+  splits) and process-level calls (abort, finalize, MPI-IO hints, the thread level).
 - ``gpu.py``: the GPU buffer seam (CUDA-aware MPI or host staging).
 """
 
@@ -21,6 +21,7 @@ from .setup import (
     shift,
     split,
     sub,
+    thread_multiple,
     with_recorder,
     world,
     wtime,
@@ -28,4 +29,4 @@ from .setup import (
 
 __all__ = ["PROC_NULL", "Group", "Handle", "OpRecord", "Recorder", "abort", "cartesian",
            "finalize", "mpi_info", "node_local", "processor_name", "shift", "split", "sub",
-           "wait_all", "with_recorder", "world", "wtime"]
+           "thread_multiple", "wait_all", "with_recorder", "world", "wtime"]

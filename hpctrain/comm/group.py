@@ -306,3 +306,8 @@ class Group:
 
     def barrier(self) -> None:
         self._run("barrier", 0, self.mpi.Barrier)
+
+    def dup(self, axis: str | None = None, recorder: Recorder | None = None) -> Group:
+        """The same ranks on a new communicator (``MPI_Comm_dup``): collectives on it never
+        match this group's, e.g. a background writer thread's. Collective."""
+        return Group(self.mpi.Dup(), axis or f"{self.axis}-dup", recorder)

@@ -76,6 +76,16 @@ def finalize() -> None:
         MPI.Finalize()
 
 
+def thread_multiple() -> tuple[bool, str]:
+    """Whether MPI was initialised with ``MPI_THREAD_MULTIPLE`` (mpi4py requests it by
+    default, ``mpi4py.rc.thread_level``), and the level it provides, by name."""
+    names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+             MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+             MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+    level = MPI.Query_thread()
+    return level == MPI.THREAD_MULTIPLE, names.get(level, str(level))
+
+
 def mpi_info(hints: dict):
     """An ``MPI.Info`` holding string hints (MPI-IO: striping_factor, cb_nodes, ...), for
     libraries that open files over a communicator (parallel HDF5); ``MPI.INFO_NULL`` when

@@ -2,6 +2,7 @@
 rank): each rank writes and reads only its own shards, and every rank's writes are flushed
 and fsynced before rank 0 renames the file."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 
 from hpctrain import comm
 from hpctrain.checkpoint import store
+from hpctrain.checkpoint.integrity import describe
+from hpctrain.cli import inspect
 from hpctrain.config import CheckpointConfig, OptimConfig
 from hpctrain.model.gpt import ParamMeta
 from hpctrain.optim import build_optimizer
@@ -89,3 +92,47 @@ def test_zero_shards_saved_in_place_and_synced_by_every_rank(topo, tmp_path, mon
     for name in mine:
         for k in mine[name]:
             assert torch.equal(mine[name][k], back[name][k]), (name, k)
+
+
+LUSTRE_GPFS_HINTS = {"striping_factor": "4", "striping_unit": "1048576",
+                     "romio_cb_write": "enable", "cb_nodes": "2"}
+
+
+@pytest.mark.parametrize("collective_io", [False, True])
+def test_site_hints_pass_through_unchanged_and_inspect_shows_them(topo, tmp_path, monkeypatch,
+                                                                  capsys, collective_io):
+    """The MPI-IO hints that matter on Lustre and GPFS reach MPI_File_open verbatim (the
+    MPI.Info handed to HDF5), are recorded in the file, and `inspect` shows them with the
+    alignment: every dataset of >= 64 KiB starts on a stripe (1 MiB) boundary."""
+    if not store.h5py_has_mpi():
+        pytest.fail("h5py without MPI: this test is about the MPI-IO writer")
+    monkeypatch.delenv(store.SERIAL_ENV, raising=False)
+    opened = []
+    real_file = h5py.File
+
+    def recording_file(*a, **kw):
+        if kw.get("info") is not None:
+            opened.append({k: kw["info"].Get(k) for k in LUSTRE_GPFS_HINTS})
+        return real_file(*a, **kw)
+
+    monkeypatch.setattr(h5py, "File", recording_file)
+    named = []
+    for name, shape in (("big", (64, 1024)), ("small", (3, 5))):  # 512 KiB and 120 B
+        p = torch.nn.Parameter(torch.randn(shape, dtype=torch.float64))
+        p.hp = ParamMeta(shape)
+        named.append((name, p))
+    opt = build_optimizer(named, OptimConfig(), topo, GradBuffers(named, topo, 1.0), "float64")
+    cfg = CheckpointConfig(mpi_hints=LUSTRE_GPFS_HINTS, alignment=1 << 20,
+                           collective_io=collective_io)
+    saver = store.Checkpointer(cfg, topo, _shared_dir(topo, tmp_path))
+    final = saver.save(1, named, opt, {})
+    monkeypatch.setattr(h5py, "File", real_file)
+    assert opened and all(o == LUSTRE_GPFS_HINTS for o in opened), opened
+    if topo.world.rank == 0:
+        lines = inspect.io_settings(describe(final))
+        assert lines[0] == "mpi_hints          " + json.dumps(LUSTRE_GPFS_HINTS, sort_keys=True)
+        assert lines[1] == ("alignment          1048576 bytes: 3 of 3 datasets of >= 65536 "
+                            "bytes start on it")  # model/big and its two moments
+        io = "collective MPI-IO" if collective_io else "independent (own hyperslabs)"
+        assert lines[2] == f"io                 {io}"
+    topo.world.barrier()

@@ -77,8 +77,8 @@ def test_commit_fsyncs_data_before_each_rename_and_the_directory_after(tmp_path,
     cut = events.index(("replace", tmp, final))
     point = events.index(("replace", ".latest.tmp", "latest"))
     before, between, after = events[:cut], events[cut + 1:point], events[point + 1:]
-    # the file: every writer's fsync, then rank 0's after stamping the checksums
-    assert before.count(("fsync", tmp)) >= 2, before
+    # the file: every writer's fsync (the checksums were written with the data)
+    assert before.count(("fsync", tmp)) >= 1, before
     assert ("fsync", d.name) in between, "the rename of the file is not made durable"
     assert ("fsync", ".latest.tmp") in between, "the pointer is renamed before it is synced"
     assert between.index(("fsync", d.name)) < between.index(("fsync", ".latest.tmp"))

@@ -1,0 +1,87 @@
+"""Asynchronous saves (``checkpoint.async = true``): the step copies this rank's pieces into
+host memory (write.snapshot), then a writer thread writes and commits the file while
+training goes on.
+
+Why a thread and not a helper process per node: h5py releases the GIL while HDF5 writes,
+zlib releases it while computing CRCs and mpi4py while in MPI calls, so the thread costs the
+training loop almost nothing but the copy (measured: docs/checkpoints.md); a helper process
+would need the snapshot copied once more into shared memory and an MPI job of its own for
+the collective HDF5 open, without making the step's part smaller. The thread talks MPI only
+on a duplicate of the world communicator (``Group.dup``), which needs
+``MPI_THREAD_MULTIPLE``; where MPI does not provide it the Checkpointer saves synchronously
+and logs why.
+
+At most one save is in flight. :meth:`InFlight.poll` is collective over the training world:
+every rank says whether its thread is running, done or failed, so all ranks reach the same
+verdict at the same step; a failure on any rank raises :class:`CheckpointFailed` on every
+rank, and since the commit (rename, then ``latest``) is the write's last act, ``latest``
+still names the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class CheckpointFailed(RuntimeError):
+    """A background save failed on some rank; raised on every rank."""
+
+
+class InFlight:
+    """The one background save (or none) and the agreement about its end."""
+
+    def __init__(self, writer, world):
+        self.writer, self.world = writer, world  # writer on a duplicate; world: training's
+        self.thread: threading.Thread | None = None
+        self.step = 0
+        self._outcome: tuple | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.thread is not None
+
+    def start(self, snap) -> None:
+        assert self.thread is None, "one background save at a time"
+        self.step, self._outcome = snap.step, None
+        self.thread = threading.Thread(target=self._run, args=(snap,), daemon=True,
+                                       name=f"hpctrain-ckpt-{snap.step}")
+        self.thread.start()
+
+    def _run(self, snap) -> None:
+        t0 = time.perf_counter()
+        try:
+            metrics = self.writer.write(snap)
+            metrics["ckpt_background_s"] = time.perf_counter() - t0
+            self._outcome = ("ok", metrics)
+        except BaseException as e:  # noqa: BLE001 - reported on every rank by poll()
+            self._outcome = ("failed", f"{type(e).__name__}: {e}")
+
+    def _state(self) -> str:
+        if self._outcome is None:
+            return "running"
+        return "failed" if self._outcome[0] == "failed" else "done"
+
+    def poll(self, block: bool) -> dict | None:
+        """Collective over the training world. {} when nothing is in flight; None while
+        some rank still writes (``block``: wait until none does); the save's metrics once
+        every rank is done. Raises CheckpointFailed on every rank when any rank failed."""
+        if self.thread is None:
+            return {}
+        while True:
+            states = self.world.allgather_obj(
+                (self._state(), self._outcome[1] if self._state() == "failed" else ""))
+            failed = [(r, why) for r, (s, why) in enumerate(states) if s == "failed"]
+            if failed:
+                self.thread = None
+                r, why = failed[0]
+                raise CheckpointFailed(
+                    f"the background save of step {self.step} failed on rank {r} ({why}); "
+                    f"nothing was committed, `latest` names the previous checkpoint")
+            if all(s == "done" for s, _ in states):
+                self.thread.join()
+                self.thread = None
+                return {**self._outcome[1], "ckpt_async_step": self.step}
+            if not block:
+                return None
+            self.thread.join(timeout=0.005)

@@ -1,0 +1,277 @@
+"""Writing one checkpoint file from a :class:`Snapshot`: the part of a save that runs either
+in the training loop (``checkpoint.async = false``) or in the background (background.py).
+
+A snapshot is what a rank must hand to the file: for every piece it writes, a 1-D buffer in
+the global C order of its boxes (layout.py), the contiguous runs those bytes fill in the
+global array and their CRC-32s (computed from memory, integrity.segments), and the file
+attributes. :meth:`Writer.write` is collective over the writer's ``world`` group (the
+training world, or its duplicate in the background):
+
+1. one ``allgather``: every rank's dataset specs and CRC runs. From them every rank derives
+   the sorted dataset list, each dataset's CRC-32 (runs joined in global order) and refuses
+   (``IncompleteCheckpoint``, nothing created) unless the runs tile every dataset exactly;
+2. ``.step_N.h5.tmp`` is created collectively (datasets without fill, checksums and
+   attributes already set), each rank writes its own hyperslabs (independent I/O below
+   ``collective_min_bytes``), flushes (``MPI_File_sync``), closes and fsyncs;
+3. with ``checkpoint.verify_write`` the file is read back (datasets round-robin) and each
+   CRC compared with the one computed from memory;
+4. rank 0 renames it to ``step_N.h5`` (directory synced), points ``latest`` at it (durably)
+   and prunes old files.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import integrity as cv
+from .layout import Piece, transfer, uncovered
+
+LATEST = "latest"
+KILL_RANK_ENV, KILL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_KILL_RANK", "HPCTRAIN_FAULT_CKPT_KILL_STEP"
+SLOW_ENV = "HPCTRAIN_FAULT_CKPT_SLOW_S"  # tests: seconds a write sleeps before its commit
+FAIL_RANK_ENV, FAIL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_FAIL_RANK", "HPCTRAIN_FAULT_CKPT_FAIL_STEP"
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint that fails verification (truncated, flipped bytes, not ours)."""
+
+
+class IncompleteCheckpoint(RuntimeError):
+    """The ranks did not write every element of a dataset: the file is not committed."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}.h5"
+
+
+def _chosen(rank_env: str, step_env: str, rank: int, step: int) -> bool:
+    want, when = os.environ.get(rank_env, ""), os.environ.get(step_env, "")
+    return bool(want) and int(want) == rank and (not when or int(when) == step)
+
+
+def fault(rank: int, step: int) -> None:
+    """Fault injection for tests: ``HPCTRAIN_FAULT_CKPT_KILL_RANK=r`` (and optionally
+    ``..._KILL_STEP=s``) makes world rank r die (SIGKILL) in the middle of writing a checkpoint."""
+    if _chosen(KILL_RANK_ENV, KILL_STEP_ENV, rank, step):
+        print(f"[hpctrain] fault injection: rank {rank} killed while saving step {step}",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def failure(rank: int, step: int) -> None:
+    """Fault injection for tests: ``HPCTRAIN_FAULT_CKPT_FAIL_RANK=r`` (and optionally
+    ``..._FAIL_STEP=s``): rank r's write of the checkpoint fails (an OSError, as a full disk)."""
+    if _chosen(FAIL_RANK_ENV, FAIL_STEP_ENV, rank, step):
+        raise OSError(f"fault injection: rank {rank} cannot write step {step}")
+
+
+@dataclass
+class Snapshot:
+    """One rank's share of checkpoint ``step``, independent of the live tensors when
+    ``copy`` was asked (the next optimizer step cannot touch it)."""
+
+    step: int
+    pieces: dict  # path -> Piece (its boxes; the tensor is not read again)
+    bufs: dict  # path -> 1-D numpy buffer (writers only)
+    segs: dict  # path -> [(byte offset, nbytes, crc32)], filled by checksum_runs
+    meta: dict  # file attributes (rank 0's are used)
+    taken_s: float = 0.0
+    written: list = field(default_factory=list)
+
+
+def snapshot(step: int, pieces: dict[str, Piece], meta: dict, copy: bool) -> Snapshot:
+    """Gather this rank's bytes (a private copy when ``copy``)."""
+    t0 = time.perf_counter()
+    bufs = {path: piece.gather(copy=copy) for path, piece in pieces.items()
+            if piece.writes and piece.parts}
+    sync_device(pieces)
+    return Snapshot(step, pieces, bufs, {}, meta, time.perf_counter() - t0)
+
+
+def checksum_runs(snap: Snapshot) -> None:
+    """CRC-32 of every contiguous run of this rank's bytes (``snap.segs``). Runs in a thread
+    of its own while the same bytes are written (zlib and HDF5 both release the GIL)."""
+    snap.segs = {path: cv.segments(buf, snap.pieces[path].runs())
+                 for path, buf in snap.bufs.items()}
+
+
+def sync_device(pieces: dict[str, Piece]) -> None:
+    """Device-to-host copies into pinned memory are asynchronous: wait for them once."""
+    if any(p.tensor.is_cuda for p in pieces.values()):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+class Writer:
+    """Writes snapshots into ``directory`` over ``world`` (collective). ``opener(path,
+    mode)`` opens an h5py file over the same group (MPI-IO) or alone (serial)."""
+
+    def __init__(self, world, directory: Path, opener, mpio: bool, cfg,
+                 collective_min_bytes: int):
+        self.world, self.dir, self.open, self.mpio, self.cfg = (world, directory, opener, mpio,
+                                                                cfg)
+        self.collective_min_bytes = collective_min_bytes
+
+    def write(self, snap: Snapshot) -> dict:
+        """Write, verify if asked, commit; returns the save's metrics."""
+        t0 = time.perf_counter()
+        world = self.world
+        failure(world.rank, snap.step)
+        if world.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.glob(".step_*.h5.tmp"):  # left by a crashed save
+                stale.unlink(missing_ok=True)
+        final = self.dir / step_name(snap.step)
+        tmp = self.dir / f".{final.name}.tmp"
+        specs, meta, total = self._plan(snap)
+        crc = threading.Thread(target=checksum_runs, args=(snap,), name="hpctrain-crc")
+        crc.start()
+        try:
+            sums = self._fill_file(tmp, specs, meta, snap, crc)
+        except IncompleteCheckpoint:
+            if world.rank == 0:
+                tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            crc.join()
+        cv.fsync_file(tmp)  # every rank: its own writes on disk before rank 0 renames
+        world.barrier()
+        t_write = time.perf_counter() - t0
+        if self.cfg.verify_write:
+            self._verify(tmp, sums)
+        if float(os.environ.get(SLOW_ENV, "0") or 0) > 0:
+            time.sleep(float(os.environ[SLOW_ENV]))  # tests: a long write, still in flight
+        self._commit(tmp, final)
+        dt = time.perf_counter() - t0
+        return {"ckpt_save_s": dt + snap.taken_s, "ckpt_save_bytes": total,
+                "ckpt_write_s": t_write, "ckpt_save_GBps": total / (dt + snap.taken_s) / 1e9,
+                "path": str(final)}
+
+    def _plan(self, snap: Snapshot):
+        """(specs, attributes, bytes of all datasets), the same on every rank (one
+        allgather). Refuses with
+        IncompleteCheckpoint, before anything is created, unless the ranks together write
+        every element of every dataset."""
+        mine = ({(p.path, p.global_shape, p.dtype.str) for p in snap.pieces.values()},
+                {path: b.size for path, b in snap.bufs.items()},
+                snap.meta if self.world.rank == 0 else None)
+        parts = self.world.allgather_obj(mine)
+        specs = sorted(set().union(*(p[0] for p in parts)))
+        paths = [s[0] for s in specs]
+        if len(paths) != len(set(paths)):
+            dup = sorted({p for p in paths if paths.count(p) > 1})
+            raise ValueError(f"ranks disagree on the shape/dtype of {dup[:5]}")
+        counts = [sum(p[1].get(path, 0) for p in parts) for path in paths]
+        short = uncovered(specs, counts)
+        if short:
+            raise IncompleteCheckpoint(f"not committing {step_name(snap.step)}: the ranks "
+                                       f"wrote {len(short)} dataset(s) incompletely: "
+                                       + "; ".join(short[:5]))
+        total = float(sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in specs))
+        return specs, {**parts[0][2], "checksum": cv.CHECKSUM}, total
+
+    def _sums(self, specs, snap: Snapshot, crc: threading.Thread) -> dict[str, int]:
+        """Every dataset's CRC-32 from every rank's runs (one allgather), the same on every
+        rank; IncompleteCheckpoint when runs overlap (then they leave a gap too)."""
+        crc.join()
+        segs: dict[str, list] = {path: [] for path, _, _ in specs}
+        for part in self.world.allgather_obj(snap.segs):
+            for path, s in part.items():
+                segs[path] += s
+        sums, bad = {}, []
+        for path, shape, dt in specs:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+            sums[path], why = cv.join_segments(segs[path], nbytes)
+            if why:
+                bad.append(f"{path} ({why})")
+        if bad:
+            raise IncompleteCheckpoint(f"not committing {step_name(snap.step)}: the ranks' "
+                                       f"writes do not tile {len(bad)} dataset(s): "
+                                       + "; ".join(bad[:5]))
+        return sums
+
+    def _fill_file(self, tmp: Path, specs, meta, snap: Snapshot, crc) -> dict[str, int]:
+        """Create ``tmp``, write this rank's hyperslabs (collectively, or in turn) and the
+        checksums (once the CRC thread is done); returns them."""
+        if self.mpio:
+            with self.open(tmp, "w") as f:
+                dsets = _create(f, specs, meta)
+                self._fill(dsets, specs, snap, collective=True)
+                sums = self._sums(specs, snap, crc)
+                for path, value in sums.items():  # collective: the same values everywhere
+                    dsets[path].attrs["crc32"] = np.uint32(value)
+                f.flush()  # collective H5Fflush: MPI_File_sync on every rank
+        else:
+            for r in range(self.world.size):  # serial fallback: ranks take turns
+                if r == self.world.rank:
+                    with self.open(tmp, "w" if r == 0 else "r+") as f:
+                        dsets = _create(f, specs, meta) if r == 0 else {p: f[p] for p, _, _
+                                                                        in specs}
+                        self._fill(dsets, specs, snap, collective=False)
+                        f.flush()
+                self.world.barrier()
+            sums = self._sums(specs, snap, crc)
+            if self.world.rank == 0:
+                cv.stamp(tmp, sums)
+            self.world.barrier()
+        return sums
+
+    def _fill(self, dsets: dict, specs, snap: Snapshot, collective: bool) -> None:
+        """Write the hyperslabs this rank owns, every dataset in ``specs`` order (the same on
+        all ranks, as collective I/O requires)."""
+        for i, (path, shape, dt) in enumerate(specs):
+            if i == len(specs) // 2:
+                fault(self.world.rank, snap.step)
+            big = int(np.prod(shape)) * np.dtype(dt).itemsize >= self.collective_min_bytes
+            transfer(dsets[path], snap.pieces.get(path), write=True,
+                     collective=collective and big, buf=snap.bufs.get(path))
+
+    def _verify(self, tmp: Path, sums: dict) -> None:
+        """``checkpoint.verify_write``: read the file back, datasets round-robin, and compare
+        each CRC with the one computed from memory. Collective."""
+        world = self.world
+        names = sorted(sums)[world.rank::world.size]
+        found = cv.compute_checksums(tmp, names)
+        bad = [n for n in names if found[n] != sums[n]]
+        bad = [b for part in world.allgather_obj(bad) for b in part]
+        if bad:
+            if world.rank == 0:
+                tmp.unlink(missing_ok=True)
+            raise CorruptCheckpoint(f"not committing {tmp.name}: read back, {len(bad)} "
+                                    f"dataset(s) differ from what was written: {bad[:5]}")
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        """Rank 0 renames (directory synced), points ``latest`` at the file (durably) and
+        prunes. Collective."""
+        if self.world.rank == 0:
+            cv.replace_durably(tmp, final)
+            cv.write_durably(self.dir / LATEST, final.name + "\n")
+            self._prune(keep_name=final.name)
+        self.world.barrier()
+
+    def _prune(self, keep_name: str) -> None:
+        if self.cfg.keep <= 0:
+            return
+        files = sorted(self.dir.glob("step_*.h5"))
+        for old in files[:-self.cfg.keep]:
+            if old.name != keep_name:
+                old.unlink(missing_ok=True)
+
+
+def _create(f, specs, meta: dict) -> dict:
+    """Every dataset (no fill: every element is written once, by its owner), then the
+    file's attributes; identical arguments on every rank (HDF5's rule). {path: dataset}
+    (looking a dataset up by path again costs more than writing a small one)."""
+    dsets = {path: f.create_dataset(path, shape=shape, dtype=np.dtype(dt), fill_time="never")
+             for path, shape, dt in specs}
+    f.attrs.update(meta)
+    return dsets
