@@ -1,4 +1,5 @@
-"""A GPT decoder in plain PyTorch. Imports no MPI.
+"""A decoder-only transformer in plain PyTorch, ``model.arch`` gpt or llama (the layers are in
+``layers.py``; docs/models.md). Imports no MPI.
 
 The model is built as one or more *stages* (contiguous runs of blocks); the first stage owns
 the embedding, the last owns the final norm, the head and the loss. Tensor parallelism is

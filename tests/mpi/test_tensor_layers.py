@@ -3,6 +3,7 @@ all ranks form one tp group). Forward outputs, input gradients and weight gradie
 rank's slice of the global gradient) must match in float64, with and without sequence
 parallelism; the vocab-parallel embedding/cross-entropy also with padded vocabularies."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 
 from hpctrain import comm
 from hpctrain.config import ModelConfig
-from hpctrain.model.gpt import MLP, Attention, GPTStage, LocalOps, init_parameters, local_slice
+from hpctrain.model.gpt import GPTStage, LocalOps, init_parameters, local_slice
+from hpctrain.model.layers import MLP, Attention, Rotary
 from hpctrain.optim.adamw import global_grad_norm
 from hpctrain.parallel.data import GradBuffers
 from hpctrain.parallel.tensor import TensorParallelOps
@@ -19,6 +21,9 @@ pytestmark = pytest.mark.mpi
 
 B, T = 2, 8
 CFG = ModelConfig(n_layers=2, d_model=16, n_heads=4, d_ff=32, vocab_size=11, dtype="float64")
+# The llama form: rotary, SwiGLU, 8 query heads on 4 kv heads (tp 1, 2, 4 split both).
+LLAMA = replace(CFG, arch="llama", d_model=32, n_heads=8, n_kv_heads=4)
+ARCH = {"gpt": CFG, "llama": LLAMA}
 TOL = dict(rtol=1e-11, atol=1e-13)
 
 
@@ -28,8 +33,8 @@ def tp():
     return comm.Group(world.mpi.Dup(), "tp")
 
 
-def fits(tp, sp: bool) -> None:
-    if CFG.n_heads % tp.size or CFG.ffn_dim % tp.size or (sp and T % tp.size):
+def fits(tp, sp: bool, cfg=CFG) -> None:
+    if cfg.kv_heads % tp.size or cfg.ffn_dim % tp.size or (sp and T % tp.size):
         pytest.skip(f"the test model does not split over {tp.size} ranks")
 
 
@@ -78,17 +83,27 @@ def test_conjugate_ops(tp, sp):
     torch.testing.assert_close(x.grad, g, **TOL)
 
 
+def make(layer, cfg, ops):
+    if layer is Attention:
+        return Attention(cfg, ops, torch.float64, 0.01, Rotary(cfg.head_dim, cfg.rope_theta))
+    return layer(cfg, ops, torch.float64, 0.01)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
 @pytest.mark.parametrize("layer", [Attention, MLP], ids=["attention", "mlp"])
-def test_parallel_layer(tp, layer, sp):
-    """Column-parallel in, row-parallel out: enter_tp -> layer -> exit_tp == the full layer."""
-    fits(tp, sp)
+def test_parallel_layer(tp, layer, sp, arch):
+    """Column-parallel in, row-parallel out: enter_tp -> layer -> exit_tp == the full layer.
+    llama: query and kv heads split together (grouped-query), rotary on the full sequence,
+    SwiGLU's gate and up column-parallel."""
+    cfg = ARCH[arch]
+    fits(tp, sp, cfg)
     ops, s = TensorParallelOps(tp, sp), seq_slice(tp, sp)
-    full = layer(CFG, LocalOps(), torch.float64, 0.01)
-    par = layer(CFG, ops, torch.float64, 0.01)
+    full = make(layer, cfg, LocalOps())
+    par = make(layer, cfg, ops)
     init_parameters([full], seed=7)
     init_parameters([par], seed=7, tp_size=tp.size, tp_rank=tp.rank)
-    x, g = randn(B, T, CFG.d_model, seed=3), randn(B, T, CFG.d_model, seed=4)
+    x, g = randn(B, T, cfg.d_model, seed=3), randn(B, T, cfg.d_model, seed=4)
     x_full = x.clone().requires_grad_()
     ref = full(x_full)
     ref.backward(g)
@@ -139,13 +154,14 @@ def fake_topo(tp):
                            edp_comm=alone, dp_rank=0, world=tp)
 
 
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
-def test_whole_stage(tp, sp, recompute):
+def test_whole_stage(tp, sp, recompute, arch):
     """Embedding, two blocks, head and loss together; with activation recomputation the
     backward re-runs the forward collectives, in the same order on every tp rank."""
-    fits(tp, sp)
-    cfg = ModelConfig(**{**CFG.__dict__, "recompute": recompute})
+    fits(tp, sp, ARCH[arch])
+    cfg = replace(ARCH[arch], recompute=recompute)
     full = GPTStage(cfg, [0, 1], first=True, last=True)
     par = GPTStage(cfg, [0, 1], first=True, last=True, ops=TensorParallelOps(tp, sp))
     init_parameters([full], seed=8)
