@@ -153,6 +153,7 @@ def prepare(src: Source, tok: Tokenizer | None, out: str, val_fraction: float = 
     tmp = str(Path(out).with_name(Path(out).name + ".tmp"))
     why = None
     try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)  # every rank: exist_ok races fine
         _write(group, tmp, block, dtype, counts, before, attrs, tok)
     except (OSError, ValueError) as e:
         why = f"cannot write {out}: {' '.join(str(e).split())}"

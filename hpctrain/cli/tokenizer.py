@@ -43,6 +43,7 @@ def run(args) -> int:
     out = Path(args.out)
     tmp = out.with_name(out.name + ".tmp")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(out)
     except OSError as e:

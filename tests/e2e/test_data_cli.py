@@ -37,10 +37,10 @@ def test_tokenizer_train_is_deterministic(tmp_path):
 
     src = _texts(tmp_path)
     out = hpctrain(["tokenizer", "train", str(src), "--vocab-size", "320", "--out",
-                    str(tmp_path / "a.json")])
+                    str(tmp_path / "new" / "a.json")])  # a directory not there yet
     assert "vocabulary 320 from 40 documents" in out.stdout
     again = train_bpe([p.read_bytes() for p in sorted(src.iterdir())], 320)
-    assert (tmp_path / "a.json").read_text() == again
+    assert (tmp_path / "new" / "a.json").read_text() == again
     assert json.loads(again)["model"]["type"] == "BPE"
 
 
