@@ -34,14 +34,14 @@ from .cost import layer_flops
 SIZES = (8, 1 << 20)
 
 
-def _median_time(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int, stat=statistics.median) -> float:
     fn()
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return stat(out)
 
 
 def compute_rate(cfg: Config, repeats: int = 5) -> dict:
@@ -69,19 +69,28 @@ def compute_rate(cfg: Config, repeats: int = 5) -> dict:
             "step_overhead_s": _median_time(opt.step, repeats)}
 
 
-def link_of(group, repeats: int = 7) -> Link:
-    """Latency and bandwidth from ring all-reduces of two sizes over ``group`` (collective)."""
+def link_of(group, repeats: int = 40) -> Link:
+    """Latency and bandwidth of ``group``'s ring all-reduce (collective). As in training,
+    every all-reduce follows about 1 ms of computation, so the latency includes the time a
+    rank that yielded its core (or lost it to other work) takes to come back; the *mean*
+    over repeats, because a step pays the sum of many such delays, long tail included."""
     d = group.size
+    a = torch.randn(96, 96)
+
+    def work():
+        for _ in range(8):
+            a @ a
     t = []
     for n in SIZES:
         x = torch.ones(max(1, n // 4), dtype=torch.float32)
 
         def once(x=x):
-            group.barrier()
+            work()
             group.allreduce_(x)
-        t.append(group.allreduce(_median_time(once, repeats), "max"))
-    bar = _median_time(group.barrier, repeats)
-    t = [max(1e-9, s - bar) for s in t]
+        mean = statistics.fmean
+        t.append(group.allreduce(_median_time(once, repeats, mean)
+                                 - _median_time(work, repeats, mean), "max"))
+    t = [max(1e-9, s) for s in t]
     beta = max(1e-15, (t[1] - t[0]) / (2 * (d - 1) / d * (SIZES[1] - SIZES[0])))
     alpha = max(0.0, (t[0] - 2 * (d - 1) / d * SIZES[0] * beta) / (2 * (d - 1)))
     return Link(latency=alpha, bandwidth=1 / beta)
@@ -103,11 +112,12 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     if world.rank:
         return None
     load = os.getloadavg()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * int(nodes) // world.size
     return dataclasses.replace(
         base, name=name, ranks_per_node=node.size if node.size > 1 else base.ranks_per_node,
         source=f"hpctrain plan --calibrate on {comm.processor_name()}, "
                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        peak_flops={**base.peak_flops, cfg.model.dtype: pick["peak"]},
+        peak_flops={cfg.model.dtype: pick["peak"]}, memory=ram,
         efficiency=min(1.0, pick["rate"] / pick["peak"]), overhead_s=pick["overhead_s"],
         step_overhead_s=pick["step_overhead_s"], intra=intra, inter=inter,
         compute_share=share,
