@@ -95,7 +95,7 @@ def median_cluster(paths: list[Path], out: Path) -> None:
         **first.__dict__, "efficiency": med(lambda c: c.efficiency),
         "overhead_s": med(lambda c: c.overhead_s),
         "step_overhead_s": med(lambda c: c.step_overhead_s),
-        "peak_flops": {dtype: med(lambda c: c.peak_flops[dtype])},
+        "peak_flops": {dtype: med(lambda c: c.peak_flops[dtype])}, "name": out.stem,
         "intra": link("intra"), "inter": link("inter"),
         "source": first.source + f"; median of {len(cs)} calibrations, one before each "
                                  "round of runs",

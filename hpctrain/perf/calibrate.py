@@ -3,7 +3,7 @@
 Run on every rank (``mpirun -n N ... -m hpctrain plan CONFIG --world-size N --calibrate
 OUT.toml``; one process measures compute only, the links keep the base description's):
 
-- **compute** (each rank alone, then the median over ranks): the peak of square matrix
+- **compute** (rank 0 alone, the others waiting): the peak of square matrix
   multiplies in the model's dtype (``telemetry/flops.measure_peak_flops``), and the config's
   whole model forward + backward on one process at microbatch B and 4B: the difference
   gives the achieved rate (``efficiency`` = rate / peak), the rest the per-layer overhead;
@@ -96,25 +96,35 @@ def link_of(group, repeats: int = 40) -> Link:
     return Link(latency=alpha, bandwidth=1 / beta)
 
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return comm.processor_name()
+
+
 def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     """Collective over the world: measure, and (rank 0) return the description."""
     world = comm.world()
-    mine = compute_rate(cfg) if world.size == 1 or world.rank < 2 else None
-    measured = [x for x in world.allgather_obj(mine) if x]
-    pick = {k: statistics.median(x[k] for x in measured) for k in measured[0]}
+    # rank 0 alone (the others wait): the rate of one rank with a core to itself; ranks
+    # that share cores get compute_share of it
+    pick = world.bcast_obj(compute_rate(cfg) if world.rank == 0 else None)
     node = comm.node_local(world)
     nodes = world.allreduce(1.0 if node.rank == 0 else 0.0)
     intra = link_of(node) if node.size > 1 else base.intra
     inter = link_of(world) if nodes > 1 else base.inter
-    hosts = set(world.allgather_obj(comm.processor_name()))
+    # One machine (simulated nodes share the kernel, hence its boot id): ranks share cores.
+    hosts = set(world.allgather_obj(_boot_id()))
     cores = os.cpu_count() or 1
-    share = min(1.0, cores / world.size) if len(hosts) == 1 else 1.0  # simulated nodes
+    share = min(1.0, cores / world.size) if len(hosts) == 1 else 1.0
     if world.rank:
         return None
     load = os.getloadavg()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * int(nodes) // world.size
     return dataclasses.replace(
-        base, name=name, ranks_per_node=node.size if node.size > 1 else base.ranks_per_node,
+        base, name=os.path.splitext(os.path.basename(name))[0],
+        ranks_per_node=node.size if node.size > 1 else base.ranks_per_node,
         source=f"hpctrain plan --calibrate on {comm.processor_name()}, "
                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         peak_flops={cfg.model.dtype: pick["peak"]}, memory=ram,

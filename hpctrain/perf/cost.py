@@ -6,7 +6,8 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
   on the last stage, split over tp) at ``peak x efficiency x compute_share``; backward 2x
   forward, +1 forward with ``model.recompute``; plus ``overhead_s`` per layer and pass;
 - **tp**: 2 all-reduces (or all-gather + reduce-scatter with sequence parallelism, the same
-  ring volume) of one ``(B, T, C)`` activation per layer forward, 2 backward (+2 to recompute);
+  ring volume) of one ``(B, T, C)`` activation per layer forward, 2 backward (+2 to recompute),
+  plus the small ones of the vocabulary-parallel embedding, head and loss;
 - **ep**: dispatch + combine all-to-alls of ``top_k`` activations per MoE layer, both ways;
 - **pp**: one activation per microbatch per stage boundary, as the simulator's latency.
 
@@ -15,7 +16,8 @@ The pipeline's makespan comes from ``schedule/simulate.py`` fed with these per-r
 chunk-microbatches. Then per step: the dp gradient reduction (ZeRO 0: all-reduce of float32
 gradients; 1: reduce-scatter + all-gather of parameters; 2: reduce-scatter per microbatch;
 ZeRO-3/FSDP, a *planned* mode hpctrain cannot run: two all-gathers of parameters and one
-reduce-scatter per microbatch), exposed beyond the backward it overlaps with
+reduce-scatter per microbatch; one latency per ``optim.bucket_mb`` bucket), exposed beyond
+the backward it overlaps with
 (``optim.overlap``; FSDP prefetch overlaps with all compute); the optimizer step (bytes of
 parameters, gradients and Adam state over ``memory_bandwidth``); ``step_overhead_s``; a
 checkpoint's bytes over the nodes' ``checkpoint_bandwidth``, amortised over
@@ -165,7 +167,8 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
         flops = sum(layer_flops(cfg, i, full) for i in layers)
         flops += 2 * m.d_model * m.vocab_size if S - 1 in stages else 0
         moe = sum(1 for i in layers if m.num_experts and (i + 1) % max(1, m.moe_every) == 0)
-        out.append({"flops": flops / t.tp, "layers": len(layers), "moe": moe})
+        out.append({"flops": flops / t.tp, "layers": len(layers), "moe": moe,
+                    "first": 0 in stages, "last": S - 1 in stages})
     return out
 
 
@@ -184,7 +187,10 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
         f = w["flops"] * tokens / rate
         over = cluster.overhead_s * w["layers"]
         redo = 1 if m.recompute else 0
-        tp = tp_one * w["layers"] * 2
+        # + the vocabulary-parallel ends: the embedding's all-reduce forward (first stage);
+        # the head's input gradient and the loss's max and sums (last stage), small messages
+        ends = (w["first"] + 1.5 * w["last"]) * allreduce(tokens * 8, t.tp, links["tp"])
+        tp = tp_one * w["layers"] * 2 + ends
         ep = ep_one * w["moe"] * 2
         fwd = f + over + tp + ep
         bwd = (2 + redo) * f + (2 + redo) * over + tp * (1 + redo) + ep * (1 + redo)
@@ -235,12 +241,14 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras) -> f
     algo = "hierarchical" if t.dp_reduction == "hierarchical" else cluster.collective
     k = max(1, min(d, cluster.ranks_per_node // t.tp))
     M = microbatches(cfg)
+    # hpctrain reduces in buckets of optim.bucket_mb: one collective's latency per bucket
+    extra = (max(1, math.ceil(P * gs / (o.bucket_mb * 2**20))) - 1) * (d - 1) * link.latency
     if ex.fsdp:
         return M * (2 * scatter(P * ps, d, link) + scatter(P * gs, d, link))
     if o.zero == 0:
-        return allreduce(P * gs, d, link, algo, k, cluster.intra)
+        return allreduce(P * gs, d, link, algo, k, cluster.intra) + 2 * extra
     rs = M if o.zero == 2 else 1
-    return rs * scatter(P * gs, d, link) + scatter(P * ps, d, link)
+    return rs * (scatter(P * gs, d, link) + extra) + scatter(P * ps, d, link) + extra
 
 
 def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
