@@ -11,6 +11,7 @@ best layouts on ``--nodes`` nodes of that cluster and why the others were reject
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 
@@ -186,6 +187,8 @@ def special(args) -> int | None:
     if not args.cluster or args.nodes < 1:
         raise ValueError("--search needs --cluster and --nodes")
     cluster = load_cluster(args.cluster)
+    if args.ranks_per_node:  # e.g. 4 GPUs per node of a cluster described with 8
+        cluster = dataclasses.replace(cluster, ranks_per_node=args.ranks_per_node)
     cands = search.search(load(args.config, args.overrides), cluster, args.nodes)
     lines = search.report(cands, args.top, 2)
     if cands and cands[0].prediction:

@@ -283,10 +283,10 @@ def test_plan_cli_refuses_with_one_line(capsys, args, words):
 
 
 def test_plan_search_cli(capsys):
-    assert main(["plan", TINY, "--search", "--cluster", "dgx-a100", "--nodes", "1",
-                 "--top", "3"]) == 0
+    assert main(["plan", TINY, "--search", "--cluster", "dgx-a100", "--nodes", "2",
+                 "--ranks-per-node", "4", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "best as --set arguments" in out and "sbatch --nodes=1" in out
+    assert "best as --set arguments" in out and "sbatch --nodes=2 --ntasks-per-node=4" in out
     assert "rejected" in out
 
 
