@@ -121,10 +121,10 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     if world.rank:
         return None
     load = os.getloadavg()
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * int(nodes) // world.size
+    rpn = node.size if node.size > 1 else cores  # one process: one rank per core
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rpn
     return dataclasses.replace(
-        base, name=os.path.splitext(os.path.basename(name))[0],
-        ranks_per_node=node.size if node.size > 1 else base.ranks_per_node,
+        base, name=os.path.splitext(os.path.basename(name))[0], ranks_per_node=rpn,
         source=f"hpctrain plan --calibrate on {comm.processor_name()}, "
                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         peak_flops={cfg.model.dtype: pick["peak"]}, memory=ram,
