@@ -109,7 +109,16 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     world = comm.world()
     # rank 0 alone (the others wait): the rate of one rank with a core to itself; ranks
     # that share cores get compute_share of it
-    pick = world.bcast_obj(compute_rate(cfg) if world.rank == 0 else None)
+    # (the others sleep, not spin in MPI, so that rank 0 has a core to itself)
+    flag = torch.zeros(1)
+    if world.rank == 0:
+        mine = compute_rate(cfg)
+        world.iallreduce_(flag).wait()
+    else:
+        mine, handle = None, world.iallreduce_(flag)
+        while not handle.test():
+            time.sleep(0.02)
+    pick = world.bcast_obj(mine)
     node = comm.node_local(world)
     nodes = world.allreduce(1.0 if node.rank == 0 else 0.0)
     intra = link_of(node) if node.size > 1 else base.intra
