@@ -2,17 +2,24 @@
 
 Prints, without MPI and without building the model: the layout, the pipeline partition,
 every pp rank's schedule (actions as in docs/design.md), the simulated makespan and bubble
-fraction, and the peak number of in-flight microbatches per rank.
+fraction, and the peak number of in-flight microbatches per rank. With ``--cluster``: the
+predicted step time, its parts, tokens/s, MFU and fit (``hpctrain.perf``); ``--search``: the
+best layouts on ``--nodes`` nodes of that cluster and why the others were rejected;
+``--calibrate OUT.toml`` (under mpirun): measure this machine and write a description;
+``--published``: the published runs against the model (docs/performance-model.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 
 def add_arguments(p) -> None:
-    p.add_argument("config", help="TOML preset, e.g. share/configs/demo.toml")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks to plan for")
+    p.add_argument("config", nargs="?", default=None,
+                   help="TOML preset, e.g. share/configs/demo.toml")
+    p.add_argument("--world-size", type=int, default=0,
+                   help="number of ranks to plan for (--search: nodes x ranks per node)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
     p.add_argument("--costs", default="F=1,B=1,W=1", metavar="F=1,B=1,W=1",
@@ -25,6 +32,17 @@ def add_arguments(p) -> None:
                    help="nodes the ranks are packed on: show which axes cross the link")
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="ranks per node (default: world size / --nodes)")
+    p.add_argument("--cluster", default="", metavar="NAME|PATH",
+                   help="cluster description (share/clusters/NAME.toml or a file): predict "
+                        "the step time, tokens/s and MFU")
+    p.add_argument("--search", action="store_true",
+                   help="rank every layout on --nodes nodes of --cluster by predicted step "
+                        "time (with the reason each rejected one was rejected)")
+    p.add_argument("--top", type=int, default=10, help="--search: layouts shown")
+    p.add_argument("--calibrate", default="", metavar="OUT.toml",
+                   help="measure this machine (run under mpirun) and write a description")
+    p.add_argument("--published", action="store_true",
+                   help="published runs (Megatron-LM, torchtitan) against the model")
     p.add_argument("--width", type=int, default=100,
                    help="wrap each rank's action list at this many columns (0: no wrap)")
 
@@ -126,19 +144,87 @@ def plan_section(cfg, nodes: int, ranks_per_node: int) -> list[str]:
     return lines
 
 
+def performance_section(cfg, cluster) -> list[str]:
+    """``--cluster``: the cost model's step time and parts, tokens/s, MFU, memory fit."""
+    from ..perf.cost import predict
+    from ..telemetry.memory import fmt_bytes
+
+    p = predict(cfg, cluster)
+    dtype = cfg.model.dtype
+    parts = ", ".join(f"{k} {v:.4g}" + (f" ({p.links[k]})" if k in p.links and v else "")
+                      for k, v in p.parts.items() if v)
+    fit = "fits" if p.memory.total <= cluster.memory else "DOES NOT FIT"
+    return [f"performance on {cluster.name} ({cluster.ranks_per_node} ranks per node, "
+            f"{cluster.efficiency:.3g} x {cluster.peak(dtype):.4g} FLOP/s {dtype} per rank):",
+            f"  step {p.step_s:.4g} s: {parts} (seconds; pp = bubble and transfers)",
+            f"  {p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_rank:,.0f} per rank), "
+            f"MFU {100 * p.mfu:.1f}%, memory {fmt_bytes(p.memory.total)} of "
+            f"{fmt_bytes(cluster.memory)}: {fit}"]
+
+
+def special(args) -> int | None:
+    """--published, --search and --calibrate; None when none of them was asked for."""
+    from ..config import load
+    from ..perf import published, search
+    from ..perf.cluster import load as load_cluster
+
+    if args.published:
+        print(published.markdown(published.table()))
+        return 0
+    if args.calibrate:
+        from ..perf.calibrate import calibrate
+        from ..perf.cluster import dumps
+
+        base = load_cluster(args.cluster or "cpu-epyc-7763")
+        out = calibrate(load(args.config, args.overrides), base, args.calibrate)
+        if out is not None:
+            with open(args.calibrate, "w", encoding="utf-8") as f:
+                f.write(dumps(out))
+            print(f"wrote {args.calibrate}:\n{dumps(out)}")
+        return 0
+    if not args.search:
+        return None
+    if not args.cluster or args.nodes < 1:
+        raise ValueError("--search needs --cluster and --nodes")
+    cluster = load_cluster(args.cluster)
+    if args.ranks_per_node:  # e.g. 4 GPUs per node of a cluster described with 8
+        cluster = dataclasses.replace(cluster, ranks_per_node=args.ranks_per_node)
+    cands = search.search(load(args.config, args.overrides), cluster, args.nodes)
+    lines = search.report(cands, args.top, 2)
+    if cands and cands[0].prediction:
+        lines += ["best as --set arguments:", "  " + " ".join(f"--set {x}" for x in
+                                                         cands[0].sets),
+                  "as a SLURM job:", "  " + search.slurm_line(cands[0], args.nodes, cluster,
+                                                            args.config)]
+    print("\n".join(lines))
+    return 0
+
+
+def _cluster(name):
+    from ..perf.cluster import load
+
+    return load(name)
+
+
 def run(args) -> int:
     from ..config import ConfigError, InputError, load
+    from ..perf.cluster import ClusterError
     from ..telemetry.memory import parse_bytes
     from ..validate import validate
     from .train import data_problems
 
-    try:  # the command line's own values
+    try:  # the command line's own values; the modes that do not plan one layout
+        if not args.config and not args.published:
+            raise ValueError("a CONFIG is needed (except with --published)")
+        done = special(args)
+        if done is not None:
+            return done
         costs = _costs(args.costs)
         if args.memory_per_rank:
             parse_bytes(args.memory_per_rank)
         if args.world_size < 1 or args.nodes < 0 or args.ranks_per_node < 0:
             raise ValueError("--world-size must be >= 1, --nodes and --ranks-per-node >= 0")
-    except ValueError as e:
+    except (ValueError, ConfigError, ClusterError) as e:
         print(f"hpctrain plan: {e}", file=sys.stderr)
         return 2
     try:
@@ -163,5 +249,17 @@ def run(args) -> int:
         except ValueError as e:
             print(f"hpctrain plan: {e}", file=sys.stderr)
             return 2
+    if args.cluster:
+        try:
+            lines += performance_section(cfg, _cluster(args.cluster))
+        except (ValueError, ClusterError) as e:
+            print(f"hpctrain plan: {e}", file=sys.stderr)
+            return 2
     print("\n".join(lines))
     return 0
+
+
+def _cluster(name):
+    from ..perf.cluster import load
+
+    return load(name)

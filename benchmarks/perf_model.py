@@ -1,0 +1,179 @@
+"""The cost model against real runs on this machine: ``python -m benchmarks.perf_model``.
+
+1. ``hpctrain plan --calibrate`` under ``mpirun -n 2`` writes
+   ``share/clusters/this-machine.toml`` (and, with ``--two-node``, under 2 simulated nodes x 2
+   ranks of ``scripts/cluster.sh`` at ``RATE``, ``this-machine-2node.toml``);
+2. every layout of :data:`LAYOUTS` (:data:`TWO_NODE` on the simulated nodes) trains
+   :data:`MODEL` for a few steps through the real CLI, repeated and interleaved; the
+   measured step time is the median over repeats of each run's median ``step_time_s``
+   (first steps dropped);
+3. the table (measured, predicted, error, load average) is printed and written to
+   ``share/perf/calibration-runs.json``, which ``tests/unit/test_perf.py`` holds to 25 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .mpi_env import ROOT, launch_env, with_checkout
+
+PY = str(ROOT / ".venv" / "bin" / "python")
+CFG = "share/configs/tiny.toml"
+MODEL = ('model.dtype="float32"', "model.d_model=64", "model.n_heads=8", "model.d_ff=256",
+         "train.seq_len=64", "train.global_batch_size=16", "train.steps=10",
+         "checkpoint.save_final=false", "telemetry.watchdog_s=0")
+LAYOUTS = {  # name -> (ranks, overrides): at most 2 ranks, one per core
+    "1 rank": (1, ()),
+    "dp=2": (2, ("topology.dp=2",)),
+    "dp=2 zero=2": (2, ("topology.dp=2", "optim.zero=2")),
+    "tp=2": (2, ("topology.tp=2",)),
+    "tp=2 sp": (2, ("topology.tp=2", "topology.sequence_parallel=true")),
+    "pp=2 1f1b": (2, ("topology.pp=2", "schedule.kind=1f1b")),
+    "pp=2 gpipe mbs=2": (2, ("topology.pp=2", "schedule.kind=gpipe",
+                             "train.micro_batch_size=2")),
+}
+TWO_NODE = {  # 2 simulated nodes x 2 ranks (4 ranks on this machine's 2 cores)
+    "2 nodes dp=4": (4, ("topology.dp=4",)),
+    "2 nodes dp=2 tp=2": (4, ("topology.dp=2", "topology.tp=2")),
+    "2 nodes dp=2 pp=2": (4, ("topology.dp=2", "topology.pp=2")),
+}
+RATE = os.environ.get("HPCTRAIN_CLUSTER_RATE", "200mbit")
+OUT = ROOT / "share" / "perf" / "calibration-runs.json"
+
+
+def _env() -> dict:
+    keep = {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_"))}
+    return with_checkout({**keep, **launch_env()})
+
+
+def _launch(n: int, args: list[str], cluster: str | None) -> list[str]:
+    base = ["mpirun", "-n", str(n)] if cluster is None else [
+        str(ROOT / "scripts" / "cluster.sh"), "mpirun", cluster, "-n", str(n)]
+    return base + [PY, "-m", "mpi4py", "-m", "hpctrain", *args]
+
+
+def calibrate(n: int, out: Path, cluster: str | None) -> None:
+    sets = [x for kv in MODEL for x in ("--set", kv)]
+    cmd = _launch(n, ["plan", CFG, "--world-size", str(n), *sets, "--calibrate", str(out)],
+                  cluster)
+    subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def measure(n: int, layout: tuple, cluster: str | None) -> float:
+    """One run's median step time (steps 3..), seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = [x for kv in (*MODEL, *layout) for x in ("--set", kv)]
+        cmd = _launch(n, ["train", CFG, "--run-dir", f"{tmp}/run", *sets], cluster)
+        subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        rows = [json.loads(x) for x in Path(f"{tmp}/run/metrics.jsonl").read_text().split(
+            "\n") if x.strip()]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r and r.get("step", 0) > 2]
+    return statistics.median(times)
+
+
+def median_cluster(paths: list[Path], out: Path) -> None:
+    """One description from several calibrations: the median of every measured number."""
+    from hpctrain.perf.cluster import dumps, load
+
+    cs = [load(str(p)) for p in paths]
+    med = lambda get: statistics.median(get(c) for c in cs)  # noqa: E731
+    first = cs[-1]
+    link = lambda level: type(first.intra)(  # noqa: E731
+        med(lambda c: getattr(c, level).latency), med(lambda c: getattr(c, level).bandwidth))
+    dtype = next(iter(first.peak_flops))
+    merged = first.__class__(**{
+        **first.__dict__, "efficiency": med(lambda c: c.efficiency),
+        "overhead_s": med(lambda c: c.overhead_s),
+        "step_overhead_s": med(lambda c: c.step_overhead_s),
+        "peak_flops": {dtype: med(lambda c: c.peak_flops[dtype])}, "name": out.stem,
+        "intra": link("intra"), "inter": link("inter"),
+        "source": first.source + f"; median of {len(cs)} calibrations, one before each "
+                                 "round of runs",
+        "extra": {**first.extra, "load_average": "; ".join(c.extra["load_average"]
+                                                           for c in cs)}})
+    out.write_text(dumps(merged))
+
+
+def run_table(layouts: dict, repeats: int, cluster: str | None, description: str) -> list:
+    """Rounds of (calibrate, every layout once): calibration and runs under the same load;
+    the description written is the median of the rounds' calibrations."""
+    samples: dict[str, list[float]] = {k: [] for k in layouts}
+    loads, cals = [], []
+    n_cal = max(n for n, _ in layouts.values())
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            cals.append(Path(tmp) / f"cal{r}.toml")
+            calibrate(n_cal, cals[-1], cluster)
+            for name, (n, layout) in layouts.items():
+                loads.append(os.getloadavg()[0])
+                samples[name].append(measure(n, layout, cluster))
+        median_cluster(cals, ROOT / "share" / "clusters" / description)
+    return [{"layout": name, "ranks": n, "overrides": list(layout),
+             "cluster": description, "measured_s": statistics.median(samples[name]),
+             "spread_s": [min(samples[name]), max(samples[name])],
+             "load_average": [min(loads), max(loads)]}
+            for name, (n, layout) in layouts.items()]
+
+
+def predict_rows(rows: list) -> list:
+    from hpctrain.config import load
+    from hpctrain.perf.cluster import load as load_cluster
+    from hpctrain.perf.cost import predict
+
+    for r in rows:
+        cfg = load(ROOT / CFG, [*MODEL, *r["overrides"]])
+        p = predict(cfg, load_cluster(str(ROOT / "share" / "clusters" / r["cluster"])))
+        r["predicted_s"] = p.step_s - p.parts["checkpoint"]
+        r["error"] = r["predicted_s"] / r["measured_s"] - 1
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--two-node", action="store_true", help="also the simulated 2 nodes")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="recompute predictions of the stored table")
+    a = ap.parse_args(argv)
+    if a.predict_only:
+        data = json.loads(OUT.read_text())
+        data["rows"] = predict_rows(data["rows"])
+    else:
+        data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "model": list(MODEL), "config": CFG, "rows": []}
+        data["rows"] += run_table(LAYOUTS, a.repeats, None, "this-machine.toml")
+        if a.two_node:
+            data["rows"] += two_node(a.repeats)
+        data["rows"] = predict_rows(data["rows"])
+        data["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(data, indent=1) + "\n")
+    for r in data["rows"]:
+        print(f"{r['layout']:<22} measured {r['measured_s']:.4f} s  predicted "
+              f"{r['predicted_s']:.4f} s  error {100 * r['error']:+.1f}%  load "
+              f"{r['load_average']}")
+    return 0
+
+
+def two_node(repeats: int) -> list:
+    script = str(ROOT / "scripts" / "cluster.sh")
+    subprocess.run([script, "up", "perf", "2", "2", RATE], check=True,
+                   stdout=subprocess.DEVNULL)
+    try:
+        return run_table(TWO_NODE, repeats, "perf", "this-machine-2node.toml")
+    finally:
+        subprocess.run([script, "down", "perf"], check=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

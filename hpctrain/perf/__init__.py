@@ -1,0 +1,11 @@
+"""The performance model behind ``hpctrain plan --cluster/--search/--calibrate`` (no MPI
+except ``calibrate.py``, which measures through ``comm``).
+
+- ``cluster.py``: cluster descriptions (``share/clusters/*.toml``): peak FLOP/s, memory,
+  ranks per node, alpha-beta links inside and between nodes, collective algorithm.
+- ``cost.py``: a step's time per rank (compute, tp/ep/pp/dp communication, bubble from the
+  schedule simulator, optimizer, checkpoint), tokens/s, MFU, memory.
+- ``search.py``: every layout that fits, ranked by predicted step time; why the others not.
+- ``published.py``: published runs (Megatron-LM, torchtitan) against the model.
+- ``calibrate.py``: this machine's compute rate and collective costs -> a description.
+"""

@@ -1,0 +1,145 @@
+"""``hpctrain plan CONFIG --calibrate OUT.toml``: measure this machine, write a description.
+
+Run on every rank (``mpirun -n N ... -m hpctrain plan CONFIG --world-size N --calibrate
+OUT.toml``; one process measures compute only, the links keep the base description's):
+
+- **compute** (rank 0 alone, the others waiting): the peak of square matrix
+  multiplies in the model's dtype (``telemetry/flops.measure_peak_flops``), and the config's
+  whole model forward + backward on one process at microbatch B and 4B: the difference
+  gives the achieved rate (``efficiency`` = rate / peak), the rest the per-layer overhead;
+  the optimizer step (``torch.optim.AdamW`` over the same parameters) gives
+  ``step_overhead_s``;
+- **links** (all ranks together, through ``comm`` only): all-reduces of 8 B and 1 MiB over
+  the ranks of one node (``intra``) and, when the ranks span nodes, over all ranks
+  (``inter``); latency and bandwidth from the ring formula's two unknowns.
+
+Medians over repeats; the machine is shared, so the load average is written beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+
+import torch
+
+from .. import comm
+from ..config import Config
+from ..telemetry.flops import forward_flops_per_token, measure_peak_flops
+from .cluster import Cluster, Link
+from .cost import layer_flops
+
+SIZES = (8, 1 << 20)
+
+
+def _median_time(fn, repeats: int, stat=statistics.median) -> float:
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return stat(out)
+
+
+def compute_rate(cfg: Config, repeats: int = 5) -> dict:
+    """One process: peak FLOP/s, achieved model rate, per-layer overhead, optimizer step."""
+    from ..model import GPTStage, init_parameters
+
+    m, T = cfg.model, cfg.train.seq_len
+    stage = GPTStage(m, range(m.n_layers), first=True, last=True)
+    init_parameters([stage], seed=1)
+    times = {}
+    for B in (cfg.train.micro_batch_size, 4 * cfg.train.micro_batch_size):
+        x = torch.randint(0, m.vocab_size, (B, T))
+
+        def step(x=x):
+            stage.zero_grad(set_to_none=True)
+            stage(x, x).backward()
+        times[B] = (_median_time(step, repeats), B * T * forward_flops_per_token(m, T))
+    (t1, f1), (t4, f4) = times.values()
+    rate = 3 * (f4 - f1) / max(t4 - t1, 1e-9)
+    overhead = max(0.0, (t1 - 3 * f1 / rate) / (3 * m.n_layers))
+    opt = torch.optim.AdamW(stage.parameters(), foreach=False)
+    peak = measure_peak_flops({"float64": torch.float64, "bfloat16": torch.bfloat16,
+                               "float16": torch.float16}.get(m.dtype, torch.float32))
+    return {"peak": max(peak, rate), "rate": rate, "overhead_s": overhead,
+            "step_overhead_s": _median_time(opt.step, repeats)}
+
+
+def link_of(group, repeats: int = 40) -> Link:
+    """Latency and bandwidth of ``group``'s ring all-reduce (collective). As in training,
+    every all-reduce follows about 1 ms of computation, so the latency includes the time a
+    rank that yielded its core (or lost it to other work) takes to come back; the *mean*
+    over repeats, because a step pays the sum of many such delays, long tail included."""
+    d = group.size
+    a = torch.randn(96, 96)
+
+    def work():
+        for _ in range(8):
+            a @ a
+    t = []
+    for n in SIZES:
+        x = torch.ones(max(1, n // 4), dtype=torch.float32)
+
+        def once(x=x):
+            work()
+            group.allreduce_(x)
+        mean = statistics.fmean
+        t.append(group.allreduce(_median_time(once, repeats, mean)
+                                 - _median_time(work, repeats, mean), "max"))
+    t = [max(1e-9, s) for s in t]
+    beta = max(1e-15, (t[1] - t[0]) / (2 * (d - 1) / d * (SIZES[1] - SIZES[0])))
+    alpha = max(0.0, (t[0] - 2 * (d - 1) / d * SIZES[0] * beta) / (2 * (d - 1)))
+    return Link(latency=alpha, bandwidth=1 / beta)
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return comm.processor_name()
+
+
+def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
+    """Collective over the world: measure, and (rank 0) return the description."""
+    world = comm.world()
+    # rank 0 alone (the others wait): the rate of one rank with a core to itself; ranks
+    # that share cores get compute_share of it
+    # (the others sleep, not spin in MPI, so that rank 0 has a core to itself)
+    flag = torch.zeros(1)
+    if world.rank == 0:
+        mine = compute_rate(cfg)
+        world.iallreduce_(flag).wait()
+    else:
+        mine, handle = None, world.iallreduce_(flag)
+        while not handle.test():
+            time.sleep(0.02)
+    pick = world.bcast_obj(mine)
+    node = comm.node_local(world)
+    nodes = world.allreduce(1.0 if node.rank == 0 else 0.0)
+    intra = link_of(node) if node.size > 1 else base.intra
+    inter = link_of(world) if nodes > 1 else base.inter
+    # One machine (simulated nodes share the kernel, hence its boot id): ranks share cores.
+    hosts = set(world.allgather_obj(_boot_id()))
+    cores = os.cpu_count() or 1
+    share = min(1.0, cores / world.size) if len(hosts) == 1 else 1.0
+    if world.rank:
+        return None
+    load = os.getloadavg()
+    rpn = node.size if node.size > 1 else cores  # one process: one rank per core
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rpn
+    return dataclasses.replace(
+        base, name=os.path.splitext(os.path.basename(name))[0], ranks_per_node=rpn,
+        source=f"hpctrain plan --calibrate on {comm.processor_name()}, "
+               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        peak_flops={cfg.model.dtype: pick["peak"]}, memory=ram,
+        efficiency=min(1.0, pick["rate"] / pick["peak"]), overhead_s=pick["overhead_s"],
+        step_overhead_s=pick["step_overhead_s"], intra=intra, inter=inter,
+        compute_share=share,
+        extra={"load_average": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+               "ranks": world.size, "nodes": int(nodes), "model_rate_flops": pick["rate"],
+               "layer_flops_per_token": layer_flops(cfg, 0)})

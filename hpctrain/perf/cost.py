@@ -1,0 +1,309 @@
+"""The cost model: one step's time per rank from a config and a cluster description (no MPI).
+
+Per pp rank and microbatch (the most loaded rank sets the pace):
+
+- **compute**: the rank's model FLOPs (``telemetry/flops.py`` per layer: its layers, the head
+  on the last stage, split over tp) at ``peak x efficiency x compute_share``; backward 2x
+  forward, +1 forward with ``model.recompute``; plus ``overhead_s`` per layer and pass;
+- **tp**: 2 all-reduces (or all-gather + reduce-scatter with sequence parallelism, the same
+  ring volume) of one ``(B, T, C)`` activation per layer forward, 2 backward (+2 to recompute),
+  plus the small ones of the vocabulary-parallel embedding, head and loss;
+- **ep**: dispatch + combine all-to-alls of ``top_k`` activations per MoE layer, both ways;
+- **pp**: one activation per microbatch per stage boundary, as the simulator's latency.
+
+The pipeline's makespan comes from ``schedule/simulate.py`` fed with these per-rank costs
+(bubble included), or the closed form ``(m + (p-1)/v)(F+B)`` above ``SIMULATED_MAX``
+chunk-microbatches. Then per step: the dp gradient reduction (ZeRO 0: all-reduce of float32
+gradients; 1: reduce-scatter + all-gather of parameters; 2: reduce-scatter per microbatch;
+ZeRO-3/FSDP, a *planned* mode hpctrain cannot run: two all-gathers of parameters and one
+reduce-scatter per microbatch; one latency per ``optim.bucket_mb`` bucket), exposed beyond
+the backward it overlaps with
+(``optim.overlap``; FSDP prefetch overlaps with all compute); the optimizer step (bytes of
+parameters, gradients and Adam state over ``memory_bandwidth``); ``step_overhead_s``; a
+checkpoint's bytes over the nodes' ``checkpoint_bandwidth``, amortised over
+``checkpoint.every`` (or the run's steps).
+
+Collectives (alpha-beta, per rank): ring all-reduce ``2(d-1)a + 2(d-1)/d N b``; tree
+``2 log2(d) a + 2 N b``; hierarchical: reduce-scatter inside the node, a ring all-reduce of
+``N/k`` across nodes, all-gather inside (``topology.dp_reduction = "hierarchical"`` asks for
+it on dp). The link of an axis is the inter-node one when any of its groups spans two nodes
+(``topology.crossing``, ranks packed ``ranks_per_node`` per node).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from ..config import Config, microbatches
+from ..telemetry.flops import train_flops_per_token
+from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate
+from .cluster import Cluster, Link
+
+SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a published model has that hpctrain's config cannot say (plain numbers)."""
+
+    n_kv_heads: int = 0  # grouped-query attention; 0: as many as n_heads
+    gated_mlp: bool = False  # SwiGLU: three C x F matrices (Llama)
+    fsdp: bool = False  # ZeRO-3 (planned in hpctrain, modelled here only)
+    attention_full: bool = False  # the kernel computes the masked half of attention too
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    parts: dict  # name -> seconds (compute ... checkpoint), see the module docstring
+    tokens_per_s: float
+    mfu: float
+    memory: Estimate
+    world: int
+    bubble: float  # idle fraction of the pipeline's makespan
+    links: dict = field(default_factory=dict)  # axis -> "intra" | "inter"
+
+    @property
+    def tokens_per_s_per_rank(self) -> float:
+        return self.tokens_per_s / self.world
+
+
+def equivalent(cfg: Config, ex: Extras) -> Config:
+    """A GPT config with the same parameters and FLOPs per block as a GQA/SwiGLU model: the
+    MLP width absorbs the smaller k/v projections and the third matrix."""
+    m = cfg.model
+    if not ex.n_kv_heads and not ex.gated_mlp:
+        return cfg
+    C, kv = m.d_model, ex.n_kv_heads or m.n_heads
+    per_block = 2 * C * C + 2 * C * C * kv // m.n_heads + (3 if ex.gated_mlp else 2) * C * m.ffn_dim
+    d_ff = (per_block - 4 * C * C) // (2 * C)
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, d_ff=d_ff))
+
+
+# -- collectives -------------------------------------------------------------------------
+def allreduce(n: float, d: int, link: Link, algo: str = "ring", k: int = 1,
+              intra: Link | None = None) -> float:
+    """Seconds of an all-reduce of ``n`` bytes over ``d`` ranks (``k`` of them per node)."""
+    if d <= 1 or n <= 0:
+        return 0.0
+    if algo == "hierarchical" and intra is not None and 1 < k < d and d % k == 0:
+        return 2 * scatter(n, k, intra) + allreduce(n / k, d // k, link, "ring")
+    if algo == "tree":
+        return 2 * math.ceil(math.log2(d)) * link.latency + 2 * n / link.bandwidth
+    return 2 * (d - 1) * link.latency + 2 * (d - 1) / d * n / link.bandwidth
+
+
+def scatter(n: float, d: int, link: Link) -> float:
+    """A ring reduce-scatter (or all-gather, or all-to-all) of ``n`` bytes over ``d`` ranks."""
+    if d <= 1 or n <= 0:
+        return 0.0
+    return (d - 1) * link.latency + (d - 1) / d * n / link.bandwidth
+
+
+def axis_links(cfg: Config, cluster: Cluster) -> dict[str, Link]:
+    """Per axis, the link its groups use (inter-node as soon as one group spans nodes)."""
+    t = cfg.topology
+    world = t.dp * t.tp * t.pp
+    rpn = min(cluster.ranks_per_node, world)
+    if world % rpn:
+        raise ValueError(f"{world} ranks do not fill nodes of {cluster.ranks_per_node} "
+                         f"ranks ({cluster.name})")
+    if t.placement == "naive":
+        from ..topology import crossing
+
+        cross = {a: n > 0 for a, (n, _) in crossing(t, world // rpn, rpn).items()}
+    else:
+        cross = packed_crossing((t.pp, t.dp // t.ep, t.ep, t.tp), rpn)
+    return {axis: cluster.inter if c else cluster.intra for axis, c in cross.items()}
+
+
+AXIS_DIMS = {"tp": (3,), "ep": (2,), "dp": (1, 2), "pp": (0,)}  # as topology.AXIS_DIMS
+
+
+def packed_crossing(dims: tuple, rpn: int) -> dict[str, bool]:
+    """Whether any group of each axis spans two nodes, ranks packed ``rpn`` per node in the
+    grid's row-major order (``topology.crossing`` for ``placement = "auto"``, in O(groups)):
+    a group's ranks lie between its first and last, so it crosses iff those two do."""
+    strides = [1] * 4
+    for k in (2, 1, 0):
+        strides[k] = strides[k + 1] * dims[k + 1]
+    out = {}
+    for axis, varying in AXIS_DIMS.items():
+        span = sum((dims[k] - 1) * strides[k] for k in varying)
+        fixed = [k for k in range(4) if k not in varying]
+        out[axis] = span > 0 and any(
+            base // rpn != (base + span) // rpn
+            for base in (sum(c * strides[k] for c, k in zip(cs, fixed))
+                         for cs in itertools.product(*(range(dims[k]) for k in fixed))))
+    return out
+
+
+# -- per-rank work -----------------------------------------------------------------------
+def layer_flops(cfg: Config, i: int, full: bool = False) -> float:
+    """Forward FLOPs per token of block ``i`` (``telemetry/flops.py``'s terms; ``full``: the
+    keys a causal mask hides are computed too, as attention without a fused kernel does)."""
+    m, T = cfg.model, cfg.train.seq_len
+    C, F = m.d_model, m.ffn_dim
+    attention = 2 * 4 * C * C + 2 * 2 * C * (T if full else (T + 1) / 2)
+    if m.num_experts and (i + 1) % max(1, m.moe_every) == 0:
+        return attention + 2 * C * m.num_experts + m.top_k * 2 * 2 * C * F
+    return attention + 2 * 2 * C * F
+
+
+def rank_work(cfg: Config, full: bool = False) -> list[dict]:
+    """Per pp rank: forward FLOPs per token on this rank (over tp), its layers, MoE layers."""
+    from ..parallel.pipeline import layer_ranges
+
+    m, t = cfg.model, cfg.topology
+    ranges = layer_ranges(cfg)
+    S = len(ranges)
+    out = []
+    for r in range(t.pp):
+        stages = range(r, S, t.pp)
+        layers = [i for s in stages for i in ranges[s]]
+        flops = sum(layer_flops(cfg, i, full) for i in layers)
+        flops += 2 * m.d_model * m.vocab_size if S - 1 in stages else 0
+        moe = sum(1 for i in layers if m.num_experts and (i + 1) % max(1, m.moe_every) == 0)
+        out.append({"flops": flops / t.tp, "layers": len(layers), "moe": moe,
+                    "first": 0 in stages, "last": S - 1 in stages})
+    return out
+
+
+def pass_costs(cfg: Config, cluster: Cluster, links: dict,
+               full: bool = False) -> list[tuple[float, float, dict]]:
+    """Per pp rank: (forward s, whole backward s, {part: s} per microbatch)."""
+    m, t, tr = cfg.model, cfg.topology, cfg.train
+    ps = DTYPE_BYTES[m.dtype]
+    rate = cluster.peak(m.dtype) * cluster.efficiency * cluster.compute_share
+    tokens = tr.micro_batch_size * tr.seq_len
+    act = tokens * m.d_model * ps
+    tp_one = allreduce(act, t.tp, links["tp"], cluster.collective)
+    ep_one = scatter(act * m.top_k, t.ep, links["ep"]) if t.ep > 1 and m.num_experts else 0.0
+    out = []
+    for w in rank_work(cfg, full):
+        f = w["flops"] * tokens / rate
+        over = cluster.overhead_s * w["layers"]
+        redo = 1 if m.recompute else 0
+        # + the vocabulary-parallel ends: the embedding's all-reduce forward (first stage);
+        # the head's input gradient and the loss's max and sums (last stage), small messages
+        ends = (w["first"] + 1.5 * w["last"]) * allreduce(tokens * 8, t.tp, links["tp"])
+        tp = tp_one * w["layers"] * 2 + ends
+        ep = ep_one * w["moe"] * 2
+        fwd = f + over + tp + ep
+        bwd = (2 + redo) * f + (2 + redo) * over + tp * (1 + redo) + ep * (1 + redo)
+        out.append((fwd, bwd, {"compute": (3 + redo) * f + (3 + redo) * over,
+                               "tp": tp * (2 + redo), "ep": ep * (2 + redo)}))
+    return out
+
+
+# -- the step ----------------------------------------------------------------------------
+def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True) -> tuple[float, float]:
+    """(makespan s, bubble fraction) of one step's pipeline with per-rank pass costs: the
+    simulator's, or (``simulated=False``, or too many microbatches) the closed form."""
+    from ..schedule.actions import build
+    from ..schedule.simulate import simulate
+
+    t, s = cfg.topology, cfg.schedule
+    M = microbatches(cfg)
+    v = s.virtual_stages if s.kind == "interleaved" else 1
+    busiest = max(f + b for f, b, _ in costs)
+    if t.pp == 1:
+        return M * busiest, 0.0
+    if M * v > SIMULATED_MAX or not simulated:
+        fill = (t.pp - 1) * busiest / v / (3 if s.kind == "zb-h1" else 1)
+        span = M * busiest + fill + 2 * (t.pp - 1) * p2p
+        return span, fill / span
+    sched = build(s.kind, t.pp, M, v)
+    split = s.kind == "zb-h1"
+
+    def cost(rank, a):
+        f, b, _ = costs[rank]
+        if a.kind == "F":
+            return f / v
+        return (b / 2 if split else b) / v if a.kind in ("B", "W") else 0.0
+
+    res = simulate(sched, cost, latency=p2p)
+    return res.makespan, res.bubble
+
+
+def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras) -> float:
+    """Seconds of one step's gradient (and ZeRO parameter) traffic over dp, not overlapped."""
+    t, o = cfg.topology, cfg.optim
+    d = t.dp
+    if d <= 1:
+        return 0.0
+    ps = DTYPE_BYTES[cfg.model.dtype]
+    gs = 8 if cfg.model.dtype == "float64" else 4
+    link = links["dp"]
+    algo = "hierarchical" if t.dp_reduction == "hierarchical" else cluster.collective
+    k = max(1, min(d, cluster.ranks_per_node // t.tp))
+    M = microbatches(cfg)
+    # hpctrain reduces in buckets of optim.bucket_mb: one collective's latency per bucket
+    extra = (max(1, math.ceil(P * gs / (o.bucket_mb * 2**20))) - 1) * (d - 1) * link.latency
+    if ex.fsdp:
+        return M * (2 * scatter(P * ps, d, link) + scatter(P * gs, d, link))
+    if o.zero == 0:
+        return allreduce(P * gs, d, link, algo, k, cluster.intra) + 2 * extra
+    rs = M if o.zero == 2 else 1
+    return rs * (scatter(P * gs, d, link) + extra) + scatter(P * ps, d, link) + extra
+
+
+def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
+            simulated: bool = True) -> Prediction:
+    """The step time, its parts, tokens/s, MFU and memory of ``cfg`` on ``cluster``
+    (``simulated=False``: the pipeline's closed form, for a quick first ranking)."""
+    c = equivalent(cfg, ex)
+    t, m, tr = c.topology, c.model, c.train
+    world = t.dp * t.tp * t.pp
+    links = axis_links(c, cluster)
+    costs = pass_costs(c, cluster, links, ex.attention_full)
+    ps = DTYPE_BYTES[m.dtype]
+    p2p = links["pp"].p2p(tr.micro_batch_size * tr.seq_len * m.d_model * ps) if t.pp > 1 else 0
+    span, bubble = pipeline(c, costs, p2p, simulated)
+    mem = estimate(c)
+    P = mem.params // ps
+    M = microbatches(c)
+    busiest = max(range(t.pp), key=lambda r: costs[r][0] + costs[r][1])
+    parts = {k: M * v for k, v in costs[busiest][2].items()}
+    parts["pp"] = span - sum(parts.values())  # bubble and transfers: what compute leaves
+    dp = dp_time(c, cluster, links, P, ex)
+    window = span if ex.fsdp else (costs[busiest][1] if c.optim.overlap else 0.0)
+    parts["dp"] = max(0.0, dp - window)
+    parts.update(_update_and_save(c, cluster, mem, P, ex))
+    step = sum(parts.values())
+    tokens = tr.global_batch_size * tr.seq_len
+    mfu = train_flops_per_token(m, tr.seq_len) * tokens / (step * world * cluster.peak(m.dtype))
+    if ex.fsdp:
+        mem = _fsdp_memory(mem, t.dp, c.optim.zero)
+    return Prediction(step, parts, tokens / step, mfu, mem, world, bubble,
+                      {a: ("inter" if ln is cluster.inter else "intra")
+                       for a, ln in links.items()})
+
+
+def _update_and_save(cfg: Config, cluster: Cluster, mem: Estimate, P: int,
+                     ex: Extras) -> dict:
+    """Optimizer step, per-step overhead and the amortised checkpoint, in seconds."""
+    ps = DTYPE_BYTES[cfg.model.dtype]
+    ss = 8 if cfg.model.dtype == "float64" else 4
+    state = 2 * ss + (4 if ps == 2 else 0)
+    sharded = cfg.optim.zero or ex.fsdp
+    n = P / (cfg.topology.dp if sharded else 1)
+    optimizer = n * (2 * (ps + state) + ss) / cluster.memory_bandwidth
+    world = cfg.topology.dp * cfg.topology.tp * cfg.topology.pp
+    nodes = max(1, world // cluster.ranks_per_node)
+    # one copy of the model and its optimizer state is written per save
+    saved = P * cfg.topology.tp * cfg.topology.pp * (ps + state)
+    every = cfg.checkpoint.every or (cfg.train.steps if cfg.checkpoint.save_final else 0)
+    ckpt = saved / (cluster.checkpoint_bandwidth * nodes) / every if every else 0.0
+    return {"optimizer": optimizer, "overhead": cluster.step_overhead_s, "checkpoint": ckpt}
+
+
+def _fsdp_memory(mem: Estimate, dp: int, zero: int) -> Estimate:
+    """FSDP (ZeRO-3) keeps 1/dp of parameters, gradients and state between uses."""
+    undo = dp if zero else 1
+    return dataclasses.replace(mem, params=mem.params // dp,
+                               grads=mem.grads * undo // dp if zero < 2 else mem.grads,
+                               optimizer=mem.optimizer * undo // dp)

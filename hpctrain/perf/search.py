@@ -1,0 +1,164 @@
+"""``hpctrain plan --search``: every layout of a model on a cluster, ranked (no MPI).
+
+For a model, sequence length and global batch (the config) on ``nodes x ranks_per_node``
+ranks, every combination of tp (a power of two dividing the heads), pp, dp (the rest),
+ep (the config's), microbatch size, schedule (1f1b, gpipe, zb-h1, interleaved with 2 or 4
+virtual stages), ZeRO stage (0, 1, 2) and recompute is either
+
+- **rejected**, with the reason: the config's own rules (``validate``: the batch does not
+  split, the layers do not, a schedule does not fit the microbatch count), or the memory
+  estimate over the cluster's memory per rank; or
+- **predicted** (``cost.predict``) and ranked by step time.
+
+cp = 1 only and ZeRO 0/1/2 only: context parallelism and ZeRO-3 are not in hpctrain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from ..config import Config, ConfigError
+from ..telemetry.memory import estimate, fmt_bytes
+from .cluster import Cluster
+from .cost import Prediction, predict
+
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4))
+
+
+@dataclass
+class Candidate:
+    cfg: Config
+    prediction: Prediction | None = None
+    reason: str = ""  # why it was rejected ("" when it fits)
+
+    @property
+    def sets(self) -> list[str]:
+        """The ``--set`` arguments that choose this layout."""
+        t, s, tr = self.cfg.topology, self.cfg.schedule, self.cfg.train
+        out = [f"topology.dp={t.dp}", f"topology.tp={t.tp}", f"topology.pp={t.pp}"]
+        out += [f"topology.ep={t.ep}"] if t.ep > 1 else []
+        out += [f"train.micro_batch_size={tr.micro_batch_size}",
+                f"schedule.kind={s.kind}" if t.pp > 1 else "schedule.kind=1f1b"]
+        out += [f"schedule.virtual_stages={s.virtual_stages}"] if s.kind == "interleaved" else []
+        out += [f"optim.zero={self.cfg.optim.zero}",
+                f"model.recompute={str(self.cfg.model.recompute).lower()}"]
+        return out
+
+    def label(self) -> str:
+        t, s = self.cfg.topology, self.cfg.schedule
+        sched = "-" if t.pp == 1 else s.kind + (f" v={s.virtual_stages}"
+                                                if s.kind == "interleaved" else "")
+        return (f"dp={t.dp} tp={t.tp} pp={t.pp} ep={t.ep} cp=1 {sched} "
+                f"mbs={self.cfg.train.micro_batch_size} zero={self.cfg.optim.zero} "
+                f"recompute={'on' if self.cfg.model.recompute else 'off'}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(cfg: Config, world: int, max_tp: int = 0):
+    """Every (tp, pp, dp, mbs, schedule, virtual, zero, recompute) for ``world`` ranks."""
+    m = cfg.model
+    tps = [d for d in _divisors(world) if m.n_heads % d == 0 and d & (d - 1) == 0
+           and (not max_tp or d <= max_tp)]
+    for tp in tps:
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            for mbs in (1, 2, 4, 8):
+                for (kind, v), zero, rc in itertools.product(
+                        SCHEDULES if pp > 1 else SCHEDULES[:1], (0, 1, 2), (False, True)):
+                    yield _with(cfg, dp, tp, pp, mbs, kind, v, zero, rc)
+
+
+def _with(cfg: Config, dp, tp, pp, mbs, kind, v, zero, rc) -> Config:
+    r = dataclasses.replace
+    return r(cfg, topology=r(cfg.topology, dp=dp, tp=tp, pp=pp,
+                             sequence_parallel=cfg.topology.sequence_parallel and tp > 1),
+             train=r(cfg.train, micro_batch_size=mbs),
+             schedule=r(cfg.schedule, kind=kind, virtual_stages=v, boundaries=""),
+             optim=r(cfg.optim, zero=zero if dp > 1 else 0),
+             model=r(cfg.model, recompute=rc))
+
+
+def judge(cfg: Config, cluster: Cluster, world: int) -> Candidate:
+    """A candidate: rejected with its reason, or with its prediction."""
+    from ..validate import validate
+
+    t = cfg.topology
+    if t.dp % t.ep or (cfg.model.num_experts and cfg.model.num_experts % t.ep):
+        return Candidate(cfg, reason=f"ep={t.ep} must divide dp={t.dp} and the experts")
+    if cfg.train.global_batch_size % (t.dp * cfg.train.micro_batch_size):
+        return Candidate(cfg, reason=(
+            f"global batch {cfg.train.global_batch_size} does not split into dp={t.dp} x "
+            f"micro_batch_size={cfg.train.micro_batch_size}"))
+    try:
+        validate(cfg, world)
+    except ConfigError as e:
+        lines = str(e).splitlines()
+        why = [x.strip().removeprefix("- ") for x in lines[1:]] or lines
+        return Candidate(cfg, reason="; ".join(why))
+    need = estimate(cfg).total
+    if need > cluster.memory:
+        return Candidate(cfg, reason=f"needs {fmt_bytes(need)} per rank, "
+                                     f"{cluster.name} has {fmt_bytes(cluster.memory)}")
+    return Candidate(cfg, predict(cfg, cluster, simulated=False))
+
+
+def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
+           refine: int = 30) -> list[Candidate]:
+    """All candidates on ``nodes`` full nodes: fitting ones first, fastest first, then the
+    rejected ones in enumeration order. Duplicates (ZeRO at dp=1) are dropped. Candidates
+    are ranked by the pipeline's closed form; the best ``refine`` again with the simulator."""
+    world = nodes * cluster.ranks_per_node
+    seen, out = set(), []
+    for c in layouts(cfg, world, max_tp):
+        key = (c.topology, c.train.micro_batch_size, c.schedule.kind,
+               c.schedule.virtual_stages, c.optim.zero, c.model.recompute)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(judge(c, cluster, world))
+    fits = sorted((c for c in out if c.prediction), key=lambda c: c.prediction.step_s)
+    for c in fits[:refine]:
+        c.prediction = predict(c.cfg, cluster)
+    fits[:refine] = sorted(fits[:refine], key=lambda c: c.prediction.step_s)
+    return fits + [c for c in out if not c.prediction]
+
+
+def slurm_line(c: Candidate, nodes: int, cluster: Cluster, config: str) -> str:
+    """``sbatch`` for ``jobs/multi-node.sbatch`` with this layout."""
+    layout = " ".join(c.sets)
+    return (f"CONFIG={config} sbatch --nodes={nodes} --ntasks-per-node="
+            f"{cluster.ranks_per_node} --export=ALL,LAYOUT=\"{layout}\" jobs/multi-node.sbatch")
+
+
+def report(cands: list[Candidate], top: int = 10, rejected: int = 20) -> list[str]:
+    """The ranked table, then the rejected layouts with their reasons."""
+    fits = [c for c in cands if c.prediction]
+    bad = [c for c in cands if not c.prediction]
+    lines = [f"{len(cands)} layouts: {len(fits)} fit, {len(bad)} rejected"]
+    for i, c in enumerate(fits[:top], 1):
+        p = c.prediction
+        lines.append(f"{i:3d}. {c.label():<62} step {p.step_s:.4g} s, "
+                     f"{p.tokens_per_s_per_rank:,.0f} tok/s/rank, MFU {100 * p.mfu:.1f}%, "
+                     f"bubble {100 * p.bubble:.1f}%, memory {fmt_bytes(p.memory.total)}")
+    groups: dict[str, list[Candidate]] = {}
+    for c in bad:  # by the reason's rule, its numbers left out
+        groups.setdefault(_rule(c.reason), []).append(c)
+    for rule, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"rejected {len(members)}: {rule}, e.g.")
+        lines += [f"    {c.label()}: {c.reason}" for c in members[:max(1, rejected)]]
+    return lines
+
+
+def _rule(reason: str) -> str:
+    if reason.startswith("needs "):
+        return "does not fit in memory"
+    if reason.startswith("global batch"):
+        return "the global batch does not split into dp x micro_batch_size"
+    return reason.split(":")[0].split("=")[0].strip() or reason
+
+
