@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,13 +112,45 @@ def read_run(run_dir: Path, stdout: str = "") -> Run:
     return run
 
 
-def train_cli(run_dir: Path, n: int, *overrides: str, config: str = TINY, timeout=300,
-              extra_env: dict | None = None, launcher: tuple = ()) -> Run:
+def train_args(run_dir: Path, *overrides: str, config: str = TINY) -> list[str]:
+    """``-m hpctrain train CONFIG --run-dir RUN_DIR --set O ...``, the arguments of
+    :func:`mpirun` for a training run."""
     args = ["-m", "hpctrain", "train", config, "--run-dir", str(run_dir)]
     for o in overrides:
         args += ["--set", o]
-    proc = mpirun(n, args, timeout=timeout, extra_env=extra_env, launcher=launcher)
+    return args
+
+
+def train_cli(run_dir: Path, n: int, *overrides: str, config: str = TINY, timeout=300,
+              extra_env: dict | None = None, launcher: tuple = ()) -> Run:
+    proc = mpirun(n, train_args(run_dir, *overrides, config=config), timeout=timeout,
+                  extra_env=extra_env, launcher=launcher)
     return read_run(Path(run_dir), proc.stdout)
+
+
+def signal_after_steps(run_dir: Path, n: int, *overrides: str, steps: int = 2,
+                       sig=signal.SIGUSR1, extra_env: dict | None = None,
+                       timeout: float = 120) -> tuple[int, str]:
+    """Train on n ranks outside SLURM and send ``sig`` to mpirun (which forwards it to every
+    rank) once ``metrics.jsonl`` holds ``steps`` records; (exit code, stdout + stderr)."""
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", PY, "-m", "mpi4py",
+           *train_args(run_dir, *overrides)]
+    e = {k: v for k, v in env(**(extra_env or {})).items() if not k.startswith("SLURM_")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = Path(run_dir) / "metrics.jsonl"
+        deadline = time.monotonic() + timeout
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, f"no {steps} steps in {timeout:g} s"
+            time.sleep(0.1)
+        os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out
 
 
 _BASELINES: dict = {}

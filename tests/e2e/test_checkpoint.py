@@ -8,7 +8,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from launch import baseline, hpctrain, mpirun, read_params, read_run, train_cli
+from launch import baseline, hpctrain, mpirun, read_params, read_run, train_args, train_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -86,8 +86,8 @@ def test_killed_save_and_damaged_files_fall_back_to_a_sound_checkpoint(tmp_path)
     bytes and the one before is truncated: resume=auto warns and takes the one before."""
     config = str(Path(__file__).parents[2] / "share/configs/tiny.toml")
     run_dir = tmp_path / "a"
-    args = ["-m", "hpctrain", "train", config, "--run-dir", str(run_dir), "--set",
-            "topology.dp=2", "--set", "train.steps=6", "--set", "checkpoint.every=1"]
+    args = train_args(run_dir, "topology.dp=2", "train.steps=6", "checkpoint.every=1",
+                      config=config)
     proc = mpirun(2, args, check=False, timeout=180, extra_env={
         "HPCTRAIN_FAULT_CKPT_KILL_RANK": 1, "HPCTRAIN_FAULT_CKPT_KILL_STEP": 6})
     assert proc.returncode != 0

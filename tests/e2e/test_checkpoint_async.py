@@ -4,27 +4,21 @@ or a write failing in the background leaves ``latest`` on the previous checkpoin
 preemption during a background write ends with the checkpoint of the step it announced."""
 
 import json
-import os
 import re
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 from launch import (
-    PY,
-    ROOT,
-    TINY,
     assert_same,
     baseline,
-    env,
     hpctrain,
     mpirun,
     read_run,
     rel_err,
+    signal_after_steps,
+    train_args,
     train_cli,
 )
 
@@ -82,9 +76,7 @@ def test_async_files_equal_sync_ones_and_the_run_equals_one_rank(tmp_path, sessi
 
 def test_rank_killed_during_a_background_write_then_resume(tmp_path, session_dir):
     run_dir = tmp_path / "run"
-    args = ["-m", "hpctrain", "train", TINY, "--run-dir", str(run_dir), "--set",
-            "topology.dp=2", "--set", "train.steps=6", "--set", "checkpoint.every=1",
-            "--set", ASYNC]
+    args = train_args(run_dir, "topology.dp=2", "train.steps=6", "checkpoint.every=1", ASYNC)
     proc = mpirun(2, args, check=False, timeout=180, extra_env={
         "HPCTRAIN_FAULT_CKPT_KILL_RANK": 1, "HPCTRAIN_FAULT_CKPT_KILL_STEP": 4})
     assert proc.returncode != 0
@@ -104,9 +96,7 @@ def test_rank_killed_during_a_background_write_then_resume(tmp_path, session_dir
 
 def test_failed_background_write_is_reported_on_every_rank(tmp_path):
     run_dir = tmp_path / "run"
-    args = ["-m", "hpctrain", "train", TINY, "--run-dir", str(run_dir), "--set",
-            "topology.dp=2", "--set", "train.steps=6", "--set", "checkpoint.every=1",
-            "--set", ASYNC]
+    args = train_args(run_dir, "topology.dp=2", "train.steps=6", "checkpoint.every=1", ASYNC)
     proc = mpirun(2, args, check=False, timeout=180, extra_env={
         "HPCTRAIN_FAULT_CKPT_FAIL_RANK": 1, "HPCTRAIN_FAULT_CKPT_FAIL_STEP": 3})
     assert proc.returncode != 0
@@ -126,26 +116,10 @@ def test_preemption_during_a_background_write_commits_the_announced_step(tmp_pat
     """Every step saves and each background write takes >= 1 s (a slow file system), so
     a write is in flight when SIGUSR1 arrives; the run stops at step k with step k whole."""
     run_dir = tmp_path / "run"
-    cmd = ["mpirun", "-n", "2", "--oversubscribe", PY, "-m", "mpi4py", "-m", "hpctrain",
-           "train", TINY, "--run-dir", str(run_dir), "--set", "topology.dp=2",
-           "--set", "train.steps=40", "--set", "checkpoint.every=1", "--set", ASYNC]
-    e = {k: v for k, v in env(HPCTRAIN_FAULT_CKPT_SLOW_S=1).items()
-         if not k.startswith("SLURM_")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "no 2 steps in 120 s"
-            time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGUSR1)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+    returncode, out = signal_after_steps(
+        run_dir, 2, "topology.dp=2", "train.steps=40", "checkpoint.every=1", ASYNC,
+        extra_env={"HPCTRAIN_FAULT_CKPT_SLOW_S": 1})
+    assert returncode == 0, out
     stop = re.search(r"stopping at step (\d+): signal SIGUSR1", out)
     assert stop, out
     k = int(stop.group(1))

@@ -10,7 +10,16 @@ import math
 import re
 
 import pytest
-from launch import TINY, assert_same, baseline, mpirun, read_params, read_run, rel_err, train_cli
+from launch import (
+    assert_same,
+    baseline,
+    mpirun,
+    read_params,
+    read_run,
+    rel_err,
+    train_args,
+    train_cli,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -22,10 +31,8 @@ MARGIN_S = 60  # start-up of 2 ranks on a loaded machine, grace periods, abort
 
 
 def launch(run_dir, n, *overrides, timeout, mpirun_args=()):
-    args = ["-m", "hpctrain", "train", TINY, "--run-dir", str(run_dir)]  # train_cli's preset
-    for o in overrides:
-        args += ["--set", o]
-    return mpirun(n, args, timeout=timeout, check=False, mpirun_args=mpirun_args)
+    return mpirun(n, train_args(run_dir, *overrides), timeout=timeout, check=False,
+                  mpirun_args=mpirun_args)
 
 
 def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, session_dir):
