@@ -9,12 +9,14 @@ import json
 import sys
 from pathlib import Path
 
+from ..data import DataError, tokenizer_json
+from ..tokenizer import BYTES  # the byte-level vocabulary (token id = byte value)
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-BYTES = "bytes"  # data.TOKENIZER: the byte-level vocabulary
 LINEAGE_KEYS = ("tokenizer_json", "tokenizer_path", "tokenizer_file")
 CHECK_TEXT = "def f(x):\n\treturn x ** 2  # héllo wörld ✓ 日本語 \x00\x7f"
 
@@ -53,15 +55,13 @@ class TokenizerText(str):
 
 
 def _from_data_file(path: str) -> TokenizerText | None:
-    """The ``/tokenizer_json`` dataset of a prepared data file, when it has one."""
-    import h5py
-
+    """The tokenizer.json a prepared data file carries (:func:`hpctrain.data.tokenizer_json`),
+    when it has one and can be read."""
     try:
-        with h5py.File(path, "r") as f:
-            d = f.get("tokenizer_json")
-            return None if d is None else TokenizerText(bytes(d[...]).decode("utf-8"))
-    except (OSError, ValueError):
+        text = tokenizer_json(path)
+    except (DataError, ValueError):  # unreadable file or dataset; text not UTF-8
         return None
+    return None if text is None else TokenizerText(text)
 
 
 def find(lineage_json: str, config_toml: str = "") -> tuple[str | None, str]:

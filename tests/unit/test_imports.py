@@ -30,7 +30,7 @@ ALLOWED = {
     "checks": {"config"},
     "validate": {"checks", "config", "parallel", "schedule"},
     "evaluate": {"data"},
-    "interchange": {"checkpoint", "config", "model"},
+    "interchange": {"checkpoint", "config", "data", "model", "tokenizer"},
     "slurm": {"comm"},
     "train": {"checkpoint", "comm", "config", "data", "evaluate", "interchange", "optim",
               "parallel", "schedule", "slurm", "telemetry", "topology", "validate"},
