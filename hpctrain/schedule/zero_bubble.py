@@ -17,14 +17,25 @@ from __future__ import annotations
 
 import torch
 
-try:  # PyTorch >= 2.4
-    from torch.autograd.graph import GradientEdge
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        stage_backward_input,
-    )
-except ImportError:  # pragma: no cover - older PyTorch: the retained-graph fallback
-    stage_backward_input = None
+_HELPERS: list = []
+
+
+def _helpers():
+    """PyTorch's split-backward helpers, imported on first use: importing
+    ``torch.distributed.pipelining`` costs about 1.4 s of CPU per rank (it pulls in dynamo and
+    DTensor), which every run would pay at start-up though only zero-bubble schedules need it.
+    ``(None, None, None)`` on a PyTorch without them (the retained-graph fallback)."""
+    if not _HELPERS:
+        try:  # PyTorch >= 2.4
+            from torch.autograd.graph import GradientEdge
+            from torch.distributed.pipelining._backward import (
+                _get_grad_fn_or_grad_acc,
+                stage_backward_input,
+            )
+            _HELPERS.extend([stage_backward_input, _get_grad_fn_or_grad_acc, GradientEdge])
+        except ImportError:  # pragma: no cover - older PyTorch
+            _HELPERS.extend([None, None, None])
+    return _HELPERS
 
 
 def input_grad(out: torch.Tensor, grad, x: torch.Tensor | None, params: list):
@@ -32,13 +43,14 @@ def input_grad(out: torch.Tensor, grad, x: torch.Tensor | None, params: list):
     ``out`` (None for a scalar loss). Not collective (model-internal tp/ep ops may be)."""
     if x is None:  # first stage: nothing to send back, W does the whole backward
         return None, ("retained", out, grad)
+    stage_backward_input, grad_node, _ = _helpers()
     if stage_backward_input is None:
         (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
         return gx, ("retained", out, grad)
     grads = None if grad is None else [grad]
     (gx,), groups = stage_backward_input([out], grads, [x], iter(params))
     covered = {node for g in groups if g.get("grads") is not None for node in g["params"]}
-    missing = [p for p in params if _get_grad_fn_or_grad_acc(p) not in covered]
+    missing = [p for p in params if grad_node(p) not in covered]
     if missing:
         raise RuntimeError(f"split backward: {len(missing)} parameters of this stage are not "
                            "reached from its input; use schedule.kind='1f1b'")
@@ -51,7 +63,8 @@ def weight_grad(state, params: list) -> None:
         _, out, grad = state
         torch.autograd.backward(out, grad, inputs=params)
         return
-    by_node = {_get_grad_fn_or_grad_acc(p): p for p in params}
+    _, grad_node, GradientEdge = _helpers()
+    by_node = {grad_node(p): p for p in params}
     for group in state[1]:
         edges, grads, hooks = [], [], []
         for saved, node in zip(group["grads"], group["intermediates"]):

@@ -188,10 +188,13 @@ class Telemetry:
         self.total = t.steps
         self.tokens = t.global_batch_size * t.seq_len
         self.flops_per_token = train_flops_per_token(m, t.seq_len)
-        probe = tc.peak_flops or measure_peak_flops(DTYPES[m.dtype], m.device)
+        # One probe per node (its first rank), while the node's other ranks wait: probes
+        # running at once on shared cores would each measure a fraction of the device.
+        probe = tc.peak_flops or (measure_peak_flops(DTYPES[m.dtype], m.device)
+                                  if topo.local_rank == 0 else None)
         rows = topo.world.allgather_obj((f"rank {topo.world.rank} {topo.coords}", probe))
         self.names = [name for name, _ in rows]
-        self.peak = _median(sorted(p for _, p in rows))  # one MFU denominator for all ranks
+        self.peak = _median(sorted(p for _, p in rows if p is not None))  # one MFU denominator
         self.window: list[tuple[float, float]] = []  # (step_s, busy_s) since the last report
         self.tracer = self.watchdog = None
         if tc.trace:
