@@ -1,7 +1,6 @@
 """Held-out loss on any layout, lineage, stop rules and generation."""
 
 import json
-from pathlib import Path
 
 import pytest
 from launch import TINY, baseline, hpctrain, rel_err, train_cli
@@ -15,23 +14,16 @@ def val_losses(run):
     return [m["val_loss"] for m in run.metrics if "val_loss" in m]
 
 
-def have(module: str) -> bool:
-    return (Path(__file__).resolve().parents[2] / "hpctrain" / module).exists()
-
-
 LAYOUTS = [
-    ("dp2", 2, ["topology.dp=2"], None),
-    ("tp2_pp2_sp", 4, ["topology.tp=2", "topology.pp=2", "topology.sequence_parallel=true"],
-     "schedule/actions.py"),
+    ("dp2", 2, ["topology.dp=2"]),
+    ("tp2_pp2_sp", 4, ["topology.tp=2", "topology.pp=2", "topology.sequence_parallel=true"]),
     ("pp2_interleaved", 2, ["topology.pp=2", "schedule.kind=\"interleaved\"",
-                            "schedule.virtual_stages=2"], "schedule/actions.py"),
+                            "schedule.virtual_stages=2"]),
 ]
 
 
-@pytest.mark.parametrize("name,n,layout,needs", LAYOUTS, ids=[x[0] for x in LAYOUTS])
-def test_validation_loss_equals_one_rank(tmp_path, session_dir, name, n, layout, needs):
-    if needs and not have(needs):
-        pytest.skip(f"needs hpctrain/{needs}")
+@pytest.mark.parametrize("name,n,layout", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_validation_loss_equals_one_rank(tmp_path, session_dir, name, n, layout):
     ref = baseline(session_dir, *EVAL)
     run = train_cli(tmp_path / name, n, *layout, *EVAL)
     assert len(val_losses(ref)) == 1 and val_losses(run)
@@ -43,8 +35,6 @@ def test_validation_loss_equals_one_rank(tmp_path, session_dir, name, n, layout,
 
 
 def test_validation_loss_with_experts(tmp_path, session_dir):
-    if not have("model/moe.py"):
-        pytest.skip("needs hpctrain/model/moe.py")
     moe = ("model.num_experts=4", "model.top_k=2")
     # MoE balance statistics are per global microbatch: one rank takes the dp ranks'
     # microbatches together (micro_batch_size = dp * 1) to see the same groups.

@@ -2,8 +2,6 @@
 pp=4, and pp composed with dp and tp, trains the same model as one rank (losses, grad norms,
 final parameters in global shape; float64, relative error <= 1e-9)."""
 
-from pathlib import Path
-
 import pytest
 from launch import TINY, assert_same, baseline, train_cli
 
@@ -13,7 +11,6 @@ from hpctrain.schedule.simulate import simulate
 
 pytestmark = pytest.mark.e2e
 
-HAVE_TP = (Path(__file__).resolve().parents[2] / "hpctrain/parallel/tensor.py").is_file()
 SP = "topology.sequence_parallel=true"
 
 
@@ -61,6 +58,4 @@ def test_schedule_float64_equals_one_rank(tmp_path, session_dir, name, n, overri
 
 @pytest.mark.parametrize("name,n,overrides", COMPOSED, ids=[c[0] for c in COMPOSED])
 def test_pp_composed_float64_equals_one_rank(tmp_path, session_dir, name, n, overrides):
-    if "tp" in name and not HAVE_TP:
-        pytest.skip("tensor parallelism (hpctrain/parallel/tensor.py) is not in this tree")
     _check(tmp_path, session_dir, name, n, overrides)

@@ -105,9 +105,8 @@ def submitted(slurm, tmp_path_factory):
                   dict(CONFIG=TINY, KEY="optim.lr", VALUES="1e-3 2e-3 4e-3",
                        OVERRIDES="train.steps=2")),
     }
-    if (ROOT / "hpctrain/cli/plan.py").is_file():
-        jobs["plan"] = (d / "plan", "jobs/dry-run.sbatch", ["--ntasks-per-node=4"],
-                        dict(CONFIG=TINY, LAYOUT="topology.tp=2 topology.dp=2"))
+    jobs["plan"] = (d / "plan", "jobs/dry-run.sbatch", ["--ntasks-per-node=4"],
+                    dict(CONFIG=TINY, LAYOUT="topology.tp=2 topology.dp=2"))
     jobs["singletons"] = (d / "singletons", str(_singletons_script(d / "singletons")),
                           ["--ntasks=2"], {})
     out = {}
@@ -233,9 +232,6 @@ def test_sweep_array_runs_each_value(submitted):
 
 
 def test_dry_run_template_plans(submitted):
-    if "plan" not in submitted:
-        pytest.skip("hpctrain plan (hpctrain/cli/plan.py) does not exist yet; "
-                    "jobs/dry-run.sbatch calls it")
     job_id, d = submitted["plan"]
     assert_completed(wait_for(job_id), d)
     out = output_of(d, job_id)
