@@ -26,8 +26,9 @@ def _bucket_bytes(run) -> float:
     return load(TINY, []).optim.bucket_mb * 2**20
 
 
-@pytest.mark.parametrize("zero,dp,overlap", [(1, 2, False), (1, 4, True), (2, 2, False),
-                                             (2, 4, False), (0, 2, True)])
+# ZeRO-1 at dp=4 with overlap, ZeRO-2 at dp=2 without, overlap alone at dp=2 (ZeRO-2 with
+# tp, ZeRO-1 with pp and ZeRO-2 with ep follow): each stage and mode once, one launch each.
+@pytest.mark.parametrize("zero,dp,overlap", [(1, 4, True), (2, 2, False), (0, 2, True)])
 def test_zero_equals_one_rank(tmp_path, session_dir, zero, dp, overlap):
     ref = baseline(session_dir)
     run = train_cli(tmp_path / "run", dp, f"topology.dp={dp}", f"optim.zero={zero}",
@@ -111,10 +112,11 @@ def test_zero1_with_pp_overlap(tmp_path, session_dir):
     assert_same(run, ref, rel=1e-9, what="zero=1 dp=2 pp=2 overlap")
 
 
-def test_zero_with_ep_equals_plain_dp(tmp_path):
+def test_zero_with_ep_equals_one_rank(tmp_path, session_dir):
     """Experts shard over edp_comm, dense weights over dp_comm: ZeRO-2 on dp=4, ep=2 equals
-    zero 0 on the same layout."""
-    moe = ("model.num_experts=4", "model.moe_every=2", "topology.dp=4", "topology.ep=2")
-    plain = train_cli(tmp_path / "z0", 4, *moe, "optim.zero=0")
-    run = train_cli(tmp_path / "z2", 4, *moe, "optim.zero=2")
-    assert_same(run, plain, rel=1e-9, what="zero=2 dp=4 ep=2")
+    one rank (whose microbatch is the global one: micro_batch_size = dp, as in
+    test_moe_equivalence.py, whose baseline this shares)."""
+    moe = ("model.num_experts=4", "model.moe_every=2")
+    ref = baseline(session_dir, *moe, "train.micro_batch_size=4")
+    run = train_cli(tmp_path / "z2", 4, *moe, "topology.dp=4", "topology.ep=2", "optim.zero=2")
+    assert_same(run, ref, rel=1e-9, what="zero=2 dp=4 ep=2")
