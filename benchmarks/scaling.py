@@ -72,13 +72,16 @@ def combine(results: list[dict]) -> None:
     base = {t["design"]: t for t in runs[1]["table"]}
     for n, res in sorted(runs.items()):
         for t in res["table"]:
-            one = base[t["design"]]["samples_tokens_per_s"]
-            effs = [x / (n * y) for x, y in zip(t["samples_tokens_per_s"], one)]
-            t["efficiency"] = median(effs)
+            one = base[t["design"]]
+            t["efficiency"] = t["tokens_per_s"] / (n * one["tokens_per_s"])  # of medians
+            effs = [x / (n * y) for x, y in zip(t["samples_tokens_per_s"],
+                                                 one["samples_tokens_per_s"])]
             if n > 1:
-                q = ratio(f"efficiency 1->{n} ranks, {t['design'].split()[0]}", 0.0,
-                          ">= 0.5", effs)
-                q["noise"] = False  # an efficiency, not an A/B ratio: 1.0 is not "no change"
+                q = ratio(f"efficiency 1->{n} ranks, {t['design'].split()[0]}",
+                          t["efficiency"], ">= 0.5")
+                # the spread of per-sample efficiencies (k-th sample at n over k-th at 1);
+                # an efficiency, not an A/B ratio: 1.0 is not "no change"
+                q.update(spread=[min(effs), max(effs)], pairs=len(effs), noise=False)
                 res["ratios"].append(q)
         res["notes"] += [f"{t['design']}: {t['tokens_per_s']:.0f} tokens/s, efficiency "
                          f"{t['efficiency']:.2f} vs 1 rank" for t in res["table"]]

@@ -80,7 +80,7 @@ def one_step(topo, dtype, zero: int, overlap: bool, clip_to: float = 0.0,
 @pytest.mark.parametrize("zero,overlap,progress", [
     (0, False, "thread"), (0, True, "thread"), (0, True, "test"), (0, True, "wait"),
     (1, False, "thread"), (1, True, "thread"), (1, True, "test"), (2, True, "thread"),
-    (2, True, "wait"), (0, True, "poll"), (2, True, "poll")])
+    (2, True, "wait"), (2, True, "test"), (0, True, "poll"), (2, True, "poll")])
 def test_bf16_gradients_accumulate_and_reduce_in_float32(topo, zero, overlap, progress):
     ref = exact(topo.dp_comm.size, torch.bfloat16)
     ref_norm = sum(float(t.pow(2).sum()) for t in ref.values()) ** 0.5
