@@ -141,7 +141,7 @@ class GradBuffers:
         groups with more than one rank. Collective over them (each is duplicated)."""
         if not self.overlap or self.progress not in ("thread", "poll"):
             return None
-        used = [g for key, g in groups.items()
+        used = [g for g in groups.values()
                 if any(b.group is g for b in self.buckets) and g.size > 1]
         poll_s = POLL_S if self.progress == "poll" else 0.0
         return comm.Offload(used, poll_s) if used else None
