@@ -14,9 +14,12 @@ A result is a dict::
 
     {"bench": name, "ranks": n, "size": "tiny"|"small", "repeats": r, "what": str,
      "rows":   [{"variant", "median", "unit", "samples"}],
-     "ratios": [{"name", "value", "target", "met"}],        # target is text, e.g. ">= 1.1"
+     "ratios": [{"name", "value", "ratio", "target", "met",  # target is text: ">= 1.1"
+                 "spread", "pairs", "noise"}],  # interleaved A/B pairs: [min, max], count,
+                                                # and whether the spread covers 1.0
      "check":  {"what", "values", "rel_err", "tol", "ok"},  # both sides computed the same
-     "notes":  [str], "table": [...]}                        # table: optional extra rows
+     "notes":  [str], "table": [...],                        # table: optional extra rows
+     "load": {"before": [1, 5, 15 min], "after": [...]}}     # set by the worker
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from __future__ import annotations
 # name -> world sizes it runs at; the module is benchmarks.<name>.
 BENCHES = {
     "gradsync": (2, 4),
+    "overlap": (2, 4),  # exposed gradient-sync time; how overlapped reductions progress
     "ddp": (2,),
     "pipeline": (2,),
     "overhead": (1,),
     "collectives": (4,),
     "checkpoint": (2, 4),  # save/load bandwidth vs per-rank torch.save (checkpoint issue)
     "memory": (1, 2, 4),  # ZeRO 0/1/2 peak memory and step time (ZeRO issue)
+    "scaling": (1, 2, 4),  # "just add devices": naive design vs hpctrain's, efficiency
     "cluster": (1,),  # 2 simulated nodes: placement, hierarchical dp, overlap, scaling
 }
 SIZES = ("tiny", "small")

@@ -60,6 +60,8 @@ def overrides_of(variant: tuple, size: str) -> list[str]:
     """The ``--set``-style overrides of one variant: model, layout and reduction."""
     _, overrides, reduction = variant
     chosen = [f'optim.reduction="{reduction}"'] if reduction else []
+    if "optim.overlap=true" not in overrides:  # overlap only where a variant asks for it
+        chosen.append("optim.overlap_across_nodes=false")
     return [*MODEL[size], *overrides, *chosen]
 
 

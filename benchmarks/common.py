@@ -57,10 +57,51 @@ def row(variant: str, samples: list[float], unit: str = "s") -> dict:
             "samples": [float(s) for s in samples]}
 
 
-def ratio(name: str, value: float, target: str) -> dict:
+PAIRS = 5  # at least this many interleaved A/B pairs behind every ratio
+
+
+def pairs_of(repeats: int, size: str) -> int:
+    """How many interleaved A/B pairs a benchmark runs: ``repeats``, at least :data:`PAIRS`
+    for a measurement; the ``tiny`` smoke test (seconds, no figures) runs ``repeats``."""
+    return repeats if size == "tiny" else max(PAIRS, repeats)
+
+
+def loadavg() -> list[float]:
+    """The machine's 1, 5 and 15 minute load averages (recorded before and after a part)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def ratio(name: str, value: float, target: str, pairs: list[float] | None = None) -> dict:
+    """A comparison against its target. With ``pairs`` (one ratio per interleaved A/B pair,
+    numerator and denominator measured back to back) the value is their median, ``spread``
+    their [min, max], and ``noise`` says that the spread covers 1.0 (the two sides are not
+    told apart by this run); without, the ratio of medians, no spread."""
+    out = {"name": name, "target": target}
+    if pairs:
+        value = median(pairs)
+        lo, hi = float(min(pairs)), float(max(pairs))
+        out.update(spread=[lo, hi], pairs=len(pairs), noise=bool(lo <= 1.0 <= hi))
     op, bound = target.split()
     met = value >= float(bound) if op == ">=" else value <= float(bound)
-    return {"name": name, "value": float(value), "target": target, "met": bool(met)}
+    out.update(value=float(value), ratio=float(value), met=bool(met))
+    return out
+
+
+def pair_ratios(num: list[float], den: list[float], offset: float = 0.0) -> list[float]:
+    """Per-pair ratios ``num[i] / den[i] + offset`` of two interleaved sample lists."""
+    return [a / b + offset for a, b in zip(num, den)]
+
+
+def interleaved(variants: dict, pairs: int) -> dict[str, list]:
+    """Run every variant (name -> callable returning one sample) ``pairs`` times, order
+    reversed every other round (ABBA...), so drifts of the machine hit every side alike;
+    returns name -> samples. Collective when the callables are."""
+    names = list(variants)
+    samples: dict[str, list] = {n: [] for n in names}
+    for r in range(pairs):
+        for n in names if r % 2 == 0 else names[::-1]:
+            samples[n].append(variants[n]())
+    return samples
 
 
 def same_losses(values: dict[str, list[float]], tol: float = 1e-4) -> dict:

@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"run only this benchmark (repeatable): {', '.join(BENCHES)}")
     p.add_argument("--size", choices=SIZES, default="small",
                    help="tiny: seconds (smoke test); small: the README's numbers")
-    p.add_argument("--repeats", type=int, default=3, help="repetitions of each measurement")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="repetitions of each measurement (interleaved A/B pairs: at least 5)")
     p.add_argument("--out", required=True, help="directory for bench.json and bench.md")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mpirun launch")
     return p
@@ -93,6 +94,10 @@ def run(args) -> int:
             print(f"[bench]   {res['bench']}: {summary(res)}", flush=True)
     order = {n: i for i, n in enumerate(BENCHES)}
     results.sort(key=lambda r: (order[r["bench"]], r["ranks"]))
+    if "scaling" in names:
+        from .scaling import combine
+
+        combine(results)
     doc = write(out_dir, results, args.size, args.repeats)
     print((out_dir / "bench.md").read_text())
     bad = [r for r in doc["results"] if "error" in r or (r.get("check") and
@@ -103,7 +108,7 @@ def run(args) -> int:
 def summary(res: dict) -> str:
     if "error" in res:
         return f"FAILED: {res['error']} (log: {res['log']})"
-    ratios = ", ".join(f"{q['name']} = {q['value']:.3g} (target {q['target']})"
-                       for q in res.get("ratios", []))
+    ratios = ", ".join(f"{q['name']} = {q['value']:.3g}{' (noise)' if q.get('noise') else ''}"
+                       f" (target {q['target']})" for q in res.get("ratios", []))
     check = res.get("check") or {}
     return f"{ratios or 'done'}; same result: {check.get('ok')} ({res['wall_s']:.0f} s)"

@@ -41,22 +41,52 @@ def _check(res: dict) -> str:
     return ("same" if c["ok"] else "DIFFER") + f" (rel {c['rel_err']:.1e})"
 
 
+def _ratio_cell(q: dict) -> str:
+    """``name = median [min-max over N pairs] (noise)``; the spread only for paired ratios."""
+    cell = f"{q['name']} = {q['value']:.3g}"
+    if "spread" in q:
+        lo, hi = q["spread"]
+        cell += f" [{lo:.3g}-{hi:.3g}, {q['pairs']} pairs]"
+        cell += " **noise**" if q.get("noise") else ""
+    return cell
+
+
+def _load(res: dict) -> str:
+    ld = res.get("load")
+    return f"{ld['before'][0]:.1f} / {ld['after'][0]:.1f}" if ld else "-"
+
+
+def comparisons(results: list[dict]) -> list[dict]:
+    """Every comparison of the run, flat: bench, ranks, name, ratio, target, met, spread,
+    pairs, noise, and the machine load before/after its part."""
+    out = []
+    for res in results:
+        for q in res.get("ratios", []):
+            out.append({"bench": res["bench"], "ranks": res.get("ranks"), "name": q["name"],
+                        "ratio": q["value"], "target": q["target"], "met": q["met"],
+                        "spread": q.get("spread"), "pairs": q.get("pairs"),
+                        "noise": q.get("noise"), "load": res.get("load")})
+    return out
+
+
 def main_table(results: list[dict]) -> list[str]:
-    out = ["| benchmark | ranks | variant | median | ratio | target | met | same result |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| benchmark | ranks | variant | median | ratio [spread] | target | met | same result "
+           "| load before / after |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         if "error" in res:
             out.append(f"| {res['bench']} | {res.get('ranks', '?')} | FAILED: "
-                       f"{res['error'][:80]} | | | | | |")
+                       f"{res['error'][:80]} | | | | | | |")
             continue
-        ratios = list(res.get("ratios", []))
-        for i, r in enumerate(res.get("rows", [])):
+        ratios, rows = list(res.get("ratios", [])), list(res.get("rows", []))
+        for i in range(max(len(rows), len(ratios))):
+            r = rows[i] if i < len(rows) else None
             q = ratios[i] if i < len(ratios) else None
             cells = [res["bench"] if i == 0 else "", str(res["ranks"]) if i == 0 else "",
-                     r["variant"], _fmt(r["median"], r["unit"]),
-                     f"{q['name']} = {q['value']:.3g}" if q else "",
+                     r["variant"] if r else "", _fmt(r["median"], r["unit"]) if r else "",
+                     _ratio_cell(q) if q else "",
                      q["target"] if q else "", ("yes" if q["met"] else "**no**") if q else "",
-                     _check(res) if i == 0 else ""]
+                     _check(res) if i == 0 else "", _load(res) if i == 0 else ""]
             out.append("| " + " | ".join(cells) + " |")
     return out
 
@@ -81,7 +111,9 @@ def markdown(doc: dict) -> str:
     m = doc["meta"]
     lines = [f"Measured {m['date']} on {m['host']} ({m['cpus']} CPUs, {m['platform']}), "
              f"torch {m['torch']}, {m['mpi']}; size `{doc['size']}`, {doc['repeats']} "
-             "repeats, medians; ratios taken within one run.", ""]
+             "repeats, medians; ratios taken within one run: the median of the per-pair ratios "
+             "of interleaved A/B runs, [min-max] over the pairs, **noise** where that spread "
+             "covers 1.0.", ""]
     results = doc["results"]
     lines += main_table([r for r in results if r.get("bench") != "collectives"])
     for r in results:
@@ -98,7 +130,8 @@ def markdown(doc: dict) -> str:
 
 def write(out_dir: Path, results: list[dict], size: str, repeats: int) -> dict:
     """Write ``bench.json`` and ``bench.md`` into ``out_dir``; returns the document."""
-    doc = {"meta": meta(), "size": size, "repeats": repeats, "results": results}
+    doc = {"meta": meta(), "size": size, "repeats": repeats, "results": results,
+           "comparisons": comparisons(results)}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(doc, indent=1))
     (out_dir / "bench.md").write_text(markdown(doc))

@@ -29,12 +29,16 @@ def main(argv=None) -> int:
     from hpctrain import comm
 
     world = comm.world()
+    from .common import loadavg
+
     for name in args.names:
         t0 = time.perf_counter()
+        before = loadavg()
         module = importlib.import_module(f".{name}", __package__)
         res = module.run(world, args.size, args.repeats)
         if world.rank == 0:
             res["wall_s"] = time.perf_counter() - t0
+            res["load"] = {"before": before, "after": loadavg()}
             with open(Path(args.out) / f"{name}_n{world.size}.json", "w") as f:
                 json.dump(res, f, indent=1)
     return 0

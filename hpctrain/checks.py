@@ -11,7 +11,7 @@ by ``validate`` of a config that passes these.
 
 from __future__ import annotations
 
-from .config import ARCHS, REDUCTIONS, Config
+from .config import ARCHS, OVERLAP_PROGRESS, REDUCTIONS, Config
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -87,6 +87,7 @@ def _check_layout(cfg: Config, world_size: int, need) -> None:
                                        and top.dp_reduction == "flat"),
          f"optim.reduction={o.reduction} needs optim.zero=0, optim.overlap=false and "
          "topology.dp_reduction=flat (it replaces the bucketed reduction they use)")
+    _one_of(cfg, need, OVERLAP_PROGRESS, "optim.overlap_progress")
     _above(cfg, need, 0, "optim.bucket_mb")
 
 

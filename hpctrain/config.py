@@ -24,6 +24,8 @@ else:  # pragma: no cover - Python 3.10
 
 
 REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
+# How overlapped reductions progress while backward computes (optim.overlap_progress).
+OVERLAP_PROGRESS = ("test", "thread", "poll", "wait")
 ARCHS = ("gpt", "llama")  # model.arch
 
 
@@ -118,10 +120,20 @@ class OptimConfig:
     zero: int = 0  # 0, 1 or 2
     bucket_mb: float = 4.0  # gradient bucket size for the data-parallel reduction
     overlap: bool = False  # post bucket reductions during the last backward
+    # ... and do so, though overlap is false, where the dp (or edp) group crosses nodes and
+    # the reduction is the flat bucketed one: measured faster over TCP, slower on shared
+    # memory (docs/benchmarks.md, "Overlap and the naive baseline").
+    overlap_across_nodes: bool = True
     # How gradients are summed over dp without overlap: "bucketed" (one blocking all-reduce
     # per bucket, in order), "bucketed-nonblocking" (every bucket posted, then waited for),
     # "per-parameter" (one blocking all-reduce per parameter: the naive baseline).
     reduction: str = "bucketed"
+    # What advances overlapped reductions (overlap or zero 2) while backward computes: "test"
+    # (libnbc nonblocking collectives, MPI_Test on them from every gradient hook; fastest
+    # measured), "thread" (a thread owning a duplicate communicator runs each bucket's
+    # blocking all-reduce / reduce-scatter as it is posted), "poll" (that thread posts
+    # libnbc collectives and tests them every 0.5 ms) or "wait" (the final wait alone).
+    overlap_progress: str = "test"
     loss_scale: float = 65536.0  # float16: initial dynamic loss scale
 
 

@@ -31,7 +31,7 @@ from .evaluate import Evaluator, StopRules
 from .interchange import init_from
 from .optim import NumericGuard, build_optimizer, lr_at
 from .parallel import build_model, hierarchical, named_parameters
-from .parallel.data import GradBuffers
+from .parallel.data import GradBuffers, overlap_on
 from .parallel.moe_exchange import set_loss_scale, step_metrics
 from .schedule.runner import pipeline_metrics, run_step
 from .telemetry import Faults, Meter, RunLog, Telemetry
@@ -96,8 +96,10 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     if cfg.checkpoint.init_from:  # parameters from another model; a resume overrides them
         log.info(f"parameters from {init_from.load(cfg, topo, params)} (checkpoint.init_from)")
     grads = GradBuffers(params, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero,
-                        overlap=cfg.optim.overlap, hierarchical=hierarchical.reducer(topo),
-                        microbatches=microbatches_per_rank(cfg), mode=cfg.optim.reduction)
+                        overlap=overlap_on(cfg.optim, topo, cfg.topology.dp_reduction),
+                        hierarchical=hierarchical.reducer(topo),
+                        microbatches=microbatches_per_rank(cfg), mode=cfg.optim.reduction,
+                        progress=cfg.optim.overlap_progress)
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)
     d = cfg.data
     tokens = load_tokens(d.path, "train", d.corpus_mb, d.val_fraction, d.tokenizer)
@@ -228,6 +230,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
         if end_of_step(tr, record, t0):
             break
     tr.saver.wait()  # no save left in flight
+    tr.grads.close()  # the overlap's offload thread
     tr.tel.close()
     tr.log.close()
     tr.job.exit_if_stopped()  # preempted: exit 75, the job script requeues (slurm.py)

@@ -13,3 +13,6 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_mpi_yield_when_idle=1
 export OMPI_MCA_rmaps_base_oversubscribe=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+# Nonblocking all-reduce (libnbc: overlapped and nonblocking gradient reductions) as a ring:
+# its default choice for a few ranks was 1.6x slower over TCP (docs/benchmarks.md, Overlap).
+export OMPI_MCA_coll_libnbc_iallreduce_algorithm=1

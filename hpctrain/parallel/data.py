@@ -27,7 +27,12 @@ Modes (``optim.zero``, ``optim.overlap``):
   is reduce-scattered into its shard (and its staging freed) as soon as all its parameters
   have this microbatch's gradient. Microbatches are summed in the float32 shard.
 - overlap (zero 0/1): the same hooks post a bucket's nonblocking reduction as soon as all its
-  gradients of the LAST microbatch are final; :meth:`reduce` waits for all of them.
+  gradients of the LAST microbatch are final; :meth:`reduce` waits for all of them. How
+  posted reductions progress while autograd computes is ``progress``
+  (``optim.overlap_progress``): ``test`` (default: libnbc, ``MPI_Test`` on every outstanding
+  one from each hook), ``thread``/``poll`` (``comm.Offload``: a thread runs them on a
+  duplicate communicator, blocking or nonblocking + ``MPI_Test``), ``wait`` (libnbc, only
+  the final wait). :func:`overlap_on` also turns overlap on where dp crosses nodes.
 - without overlap, ``optim.reduction`` picks how zero 0 sums: ``bucketed`` (default: one
   blocking all-reduce per bucket, in order), ``bucketed-nonblocking`` (all buckets posted,
   then waited for) or ``per-parameter`` (the naive baseline the benchmarks compare with).
@@ -46,6 +51,7 @@ import torch
 from .. import comm
 
 _LOW = (torch.bfloat16, torch.float16)  # accumulated and reduced in float32 main grads
+POLL_S = 0.0005  # optim.overlap_progress = "poll": seconds between MPI_Test calls
 
 
 @dataclass
@@ -74,6 +80,16 @@ def shard_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def overlap_on(ocfg, topo, dp_reduction: str) -> bool:
+    """Whether this run overlaps the dp reduction with backward: ``optim.overlap``, or
+    (``optim.overlap_across_nodes``) a flat bucketed reduction whose dp groups cross nodes
+    (``topo.within_node``, the same answer on every rank; edp groups lie inside dp's)."""
+    if ocfg.overlap:
+        return True
+    return bool(ocfg.overlap_across_nodes and not topo.within_node.get("dp", True)
+                and ocfg.reduction == "bucketed" and dp_reduction == "flat")
+
+
 def main_grad(p: torch.Tensor) -> torch.Tensor | None:
     """The gradient the optimizer reads: a 16-bit parameter's float32 ``p.main_grad`` (zero
     0/1 :class:`GradBuffers`), else ``p.grad`` itself."""
@@ -87,7 +103,7 @@ class GradBuffers:
 
     def __init__(self, named_params, topo, bucket_mb: float, hierarchical=None, *,
                  zero: int = 0, overlap: bool = False, microbatches: int = 1,
-                 mode: str = "bucketed"):
+                 mode: str = "bucketed", progress: str = "test"):
         if zero and hierarchical is not None:
             raise ValueError("optim.zero > 0 needs topology.dp_reduction = flat")
         if mode != "bucketed" and (zero or overlap or hierarchical is not None):
@@ -95,6 +111,7 @@ class GradBuffers:
         self.topo, self.zero_level, self.microbatches = topo, zero, microbatches
         self.mode = mode  # optim.reduction
         self.overlap = overlap or zero == 2
+        self.progress = progress  # optim.overlap_progress: thread, poll, test or wait
         self.named = list(named_params)
         self.hierarchical = hierarchical  # optional callable(flat) for multi-node dp
         by_group: dict[str, list] = {"dp": [], "edp": []}
@@ -114,9 +131,26 @@ class GradBuffers:
         self._count = {id(p): 0 for _, p in self.named}  # gradients accumulated this step
         self._pending: list = []  # (handle, bucket, recv or None)
         self.posted_early = 0  # reductions posted from hooks, i.e. during backward
+        self.offload = self._offload(groups)
         for _, p in self.named:  # 16-bit: into the float32 main grad after every backward
             if self.overlap or p.dtype in _LOW:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _offload(self, groups: dict) -> comm.Offload | None:
+        """The thread that runs overlapped reductions (``progress`` thread or poll), over the
+        groups with more than one rank. Collective over them (each is duplicated)."""
+        if not self.overlap or self.progress not in ("thread", "poll"):
+            return None
+        used = [g for g in groups.values()
+                if any(b.group is g for b in self.buckets) and g.size > 1]
+        poll_s = POLL_S if self.progress == "poll" else 0.0
+        return comm.Offload(used, poll_s) if used else None
+
+    def close(self) -> None:
+        """Stop the offload thread, if any (after the reductions already posted)."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
 
     def _build(self, items, group: comm.Group, limit: int) -> None:
         dtype = items[0][1].dtype
@@ -192,6 +226,9 @@ class GradBuffers:
         if self.overlap:
             self._count[id(p)] += 1
             self._post_ready()
+            if self.progress == "test":  # drive libnbc: MPI progresses only inside calls
+                for handle, _, _ in self._pending:
+                    handle.test()
 
     def _targets(self) -> list[int]:
         """The microbatch counts at which buckets are reduced, in posting order."""
@@ -214,16 +251,21 @@ class GradBuffers:
 
     def _post(self, b: Bucket) -> None:
         b.posted += 1
+        thread = self.offload if b.group.size > 1 else None
         if self.zero_level == 0:
             if b.group.size > 1:
-                self._pending.append((b.group.iallreduce_(b.flat), b, None))
+                h = (thread.allreduce_(b.group, b.flat) if thread is not None
+                     else b.group.iallreduce_(b.flat))
+                self._pending.append((h, b, None))
             return
         send = b.flat
         if self.zero_level == 2:
             send = b.staging if b.staging is not None else b.shard.new_zeros(b.numel)
             b.staging = None  # freed when the reduction completes
         recv = torch.empty_like(b.shard)
-        self._pending.append((b.group.ireduce_scatter(send, recv), b, recv))
+        h = (thread.reduce_scatter(b.group, send, recv) if thread is not None
+             else b.group.ireduce_scatter(send, recv))
+        self._pending.append((h, b, recv))
 
     def _wait_all(self) -> None:
         for handle, b, recv in self._pending:

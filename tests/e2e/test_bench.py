@@ -15,6 +15,14 @@ PAIRS = {  # benchmark -> (ranks, variants that must both appear)
     "ddp": ((2,), ("hpctrain dp (MPI, bucketed)", "torch DDP (gloo)")),
     "pipeline": ((2,), ("hpctrain 1f1b (MPI isend/irecv)", "torch Schedule1F1B (gloo)")),
     "overhead": ((1,), ("hpctrain train", "plain PyTorch loop")),
+    "scaling": ((1, 2, 4), ("naive (per-parameter, blocking, placement naive)",
+                            "hpctrain (bucketed, overlap across nodes, placement auto)")),
+    "overlap": ((2, 4), ("compute only (no sync)", "no overlap: blocking buckets after backward",
+                         "overlap, progress wait (libnbc)",
+                         "overlap, progress test (libnbc + MPI_Test in hooks)",
+                         "overlap, progress thread (offload)",
+                         "overlap, progress poll (offload thread, libnbc + MPI_Test)",
+                         "per-parameter (naive)")),
 }
 
 
@@ -55,10 +63,29 @@ def test_comparison_shape_and_same_result(bench, name):
                                    for q in r["ratios"])
         check = r["check"]
         assert check["ok"], (name, r["ranks"], check)
-        if name != "gradsync":  # training: both sides' per-step losses, same and finite
+        if name not in ("gradsync", "overlap"):  # training: both sides' losses, same, finite
             losses = list(check["values"].values())
             assert len(losses) == 2 and len(losses[0]) == len(losses[1]) >= 2
             assert check["rel_err"] <= 1e-4
+
+
+def test_every_comparison_has_ratio_target_met_and_load(bench):
+    """bench.json lists every comparison flat (ratio, target, met; spread and noise when
+    paired) and each part records the machine load before and after it; the scaling part
+    has each design's efficiency from 1 to 2 and 4 ranks."""
+    _, doc, md = bench
+    comps = doc["comparisons"]
+    assert len(comps) == sum(len(r.get("ratios", [])) for r in doc["results"]) > 0
+    for c in comps:
+        assert {"bench", "ranks", "ratio", "target", "met"} <= set(c)
+        assert isinstance(c["met"], bool) and math.isfinite(c["ratio"])
+        assert c["spread"] is None or c["spread"][0] <= c["ratio"] <= c["spread"][1]
+    assert all(len(r["load"]["before"]) == 3 and len(r["load"]["after"]) == 3
+               for r in doc["results"] if "error" not in r)
+    eff = {c["name"] for c in comps if c["bench"] == "scaling"}
+    assert {f"efficiency 1->{n} ranks, {d}" for n in (2, 4) for d in ("naive", "hpctrain")} \
+        <= eff, eff
+    assert "load before / after" in md
 
 
 def test_collectives_table(bench):

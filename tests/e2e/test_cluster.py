@@ -64,6 +64,8 @@ def test_dp_x_tp_across_nodes_equals_one_rank(cluster, tmp_path, session_dir):
     run = train_cli(tmp_path / "dp2tp2", 4, "topology.dp=2", "topology.tp=2",
                     launcher=cluster)
     assert_same(run, ref, rel=1e-9, what="dp2 x tp2 on 2 nodes")
+    # dp groups cross the link: overlap is on by default there (optim.overlap_across_nodes)
+    assert all(m["grad_buckets_posted_in_backward"] > 0 for m in run.metrics), run.metrics
 
 
 def test_hierarchical_equals_flat_across_nodes(cluster, tmp_path, session_dir):
@@ -74,6 +76,9 @@ def test_hierarchical_equals_flat_across_nodes(cluster, tmp_path, session_dir):
     assert_same(hier, ref, rel=1e-9, what="hierarchical dp4 on 2 nodes")
     assert_same(flat, ref, rel=1e-9, what="flat dp4 on 2 nodes")
     assert rel_err(hier.losses, flat.losses) <= 1e-12
+    # hierarchical never overlaps; flat across nodes does (optim.overlap_across_nodes)
+    assert all(m["grad_buckets_posted_in_backward"] == 0 for m in hier.metrics)
+    assert all(m["grad_buckets_posted_in_backward"] > 0 for m in flat.metrics)
     # Both levels carried gradients: within the node and across the link.
     for m in hier.metrics:
         assert m["comm_bytes"].get("dp-local", 0) > 0 and m["comm_bytes"].get("dp-cross", 0) > 0

@@ -53,32 +53,38 @@ def exact(size: int, dtype) -> dict[str, torch.Tensor]:
             for name in SHAPES}
 
 
-def one_step(topo, dtype, zero: int, overlap: bool, clip_to: float = 0.0):
+def one_step(topo, dtype, zero: int, overlap: bool, clip_to: float = 0.0,
+             progress: str = "thread"):
     named = [(n, _param(s, ParamMeta(s), dtype)) for n, s in SHAPES.items()]
     for _, p in named:
         torch.nn.init.normal_(p.data)
     ocfg = OptimConfig(zero=zero, overlap=overlap, grad_clip=clip_to, weight_decay=0.0,
                        bucket_mb=200 / 2**20)
     grads = GradBuffers(named, topo, ocfg.bucket_mb, zero=zero, overlap=overlap,
-                        microbatches=MICROBATCHES)
+                        microbatches=MICROBATCHES, progress=progress)
     opt = build_optimizer(named, ocfg, topo, grads, str(dtype).removeprefix("torch."))
     grads.zero()
     for j in range(MICROBATCHES):
         c = coefficients(topo.dp_comm.rank, j, dtype)
         sum((p * c[n]).sum() for n, p in named).backward()
     grads.reduce()
+    grads.close()
     norm = opt.grad_norm()
     opt.clip_and_step(1e-3, norm)
     used = {n: st["exp_avg"].double() / (1 - ocfg.beta1) for n, st in opt.state.items()}
     return named, grads, norm, used
 
 
-@pytest.mark.parametrize("zero,overlap", [(0, False), (0, True), (1, False), (1, True),
-                                          (2, True)])
-def test_bf16_gradients_accumulate_and_reduce_in_float32(topo, zero, overlap):
+# Overlapped reductions progress through the offload thread (default), MPI_Test from the
+# hooks, or the final wait alone: the same sums every way.
+@pytest.mark.parametrize("zero,overlap,progress", [
+    (0, False, "thread"), (0, True, "thread"), (0, True, "test"), (0, True, "wait"),
+    (1, False, "thread"), (1, True, "thread"), (1, True, "test"), (2, True, "thread"),
+    (2, True, "wait"), (2, True, "test"), (0, True, "poll"), (2, True, "poll")])
+def test_bf16_gradients_accumulate_and_reduce_in_float32(topo, zero, overlap, progress):
     ref = exact(topo.dp_comm.size, torch.bfloat16)
     ref_norm = sum(float(t.pow(2).sum()) for t in ref.values()) ** 0.5
-    _, _, norm, used = one_step(topo, torch.bfloat16, zero, overlap)
+    _, _, norm, used = one_step(topo, torch.bfloat16, zero, overlap, progress=progress)
     for name, want in ref.items():
         err = float(((used[name] - want).abs() / want.abs()).max())
         # bfloat16 accumulation: ~1e-3 (its unit roundoff is 3.9e-3); float32: ~1e-7
