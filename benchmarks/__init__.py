@@ -25,7 +25,7 @@ from __future__ import annotations
 BENCHES = {
     "gradsync": (2, 4),
     "ddp": (2,),
-    "pipeline": (2,),
+    "pipeline": (2, 4),
     "overhead": (1,),
     "collectives": (4,),
     "checkpoint": (2, 4),  # save/load bandwidth vs per-rank torch.save (checkpoint issue)

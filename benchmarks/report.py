@@ -41,6 +41,15 @@ def _check(res: dict) -> str:
     return ("same" if c["ok"] else "DIFFER") + f" (rel {c['rel_err']:.1e})"
 
 
+def _ratio(q: dict) -> str:
+    """``name = median``, with the spread of the pairs and "noise" when it covers 1.0."""
+    text = f"{q['name']} = {q['value']:.3g}"
+    if "spread" in q:
+        lo, hi = q["spread"]
+        text += f" ({q['pairs']} pairs, {lo:.3g}-{hi:.3g}{', noise' if q['noise'] else ''})"
+    return text
+
+
 def main_table(results: list[dict]) -> list[str]:
     out = ["| benchmark | ranks | variant | median | ratio | target | met | same result |",
            "|---|---|---|---|---|---|---|---|"]
@@ -54,7 +63,7 @@ def main_table(results: list[dict]) -> list[str]:
             q = ratios[i] if i < len(ratios) else None
             cells = [res["bench"] if i == 0 else "", str(res["ranks"]) if i == 0 else "",
                      r["variant"], _fmt(r["median"], r["unit"]),
-                     f"{q['name']} = {q['value']:.3g}" if q else "",
+                     _ratio(q) if q else "",
                      q["target"] if q else "", ("yes" if q["met"] else "**no**") if q else "",
                      _check(res) if i == 0 else ""]
             out.append("| " + " | ".join(cells) + " |")

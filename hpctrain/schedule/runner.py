@@ -27,8 +27,9 @@ import torch
 
 from ..config import microbatches as microbatch_count
 from ..model.gpt import DTYPES
+from ..parallel.pipeline import virtual_stages
 from . import moe_executor, moe_overlap, zero_bubble
-from .actions import Action, Schedule, build, link
+from .actions import Action, Schedule, build
 from .simulate import simulate
 
 
@@ -39,9 +40,7 @@ def _schedule(kind: str, pp: int, m: int, v: int) -> Schedule:
 
 def schedule_for(cfg, m: int) -> Schedule:
     """The (cached) schedule of this config for ``m`` microbatches per step."""
-    s = cfg.schedule
-    v = s.virtual_stages if s.kind == "interleaved" else 1
-    return _schedule(s.kind, cfg.topology.pp, m, v)
+    return _schedule(cfg.schedule.kind, cfg.topology.pp, m, virtual_stages(cfg))
 
 
 class StepState:
@@ -131,7 +130,7 @@ def _params(chunk) -> list:
 
 
 def _post_recv(st: StepState, a: Action) -> None:
-    peer, tag = link(a, st.stage(a), st.sched.pp)
+    peer, tag = st.sched.peer(st.rank, a)
     buf = torch.empty(st.boundary, dtype=st.dtype, device=st.device)
     st.recvs[(a.kind, a.microbatch, a.c)] = (st.topo.pp_comm.irecv(buf, peer, tag), buf)
 
@@ -139,7 +138,7 @@ def _post_recv(st: StepState, a: Action) -> None:
 def _post_send(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     t = st.outputs[key].detach() if a.kind == "SF" else st.grad_in.pop(key)
-    peer, tag = link(a, st.stage(a), st.sched.pp)
+    peer, tag = st.sched.peer(st.rank, a)
     st.sends.append(st.topo.pp_comm.isend(t.contiguous(), peer, tag))
 
 
