@@ -100,12 +100,12 @@ def torch_pipeline(cfg, world) -> tuple[list[float], list[float]]:
     return times, losses
 
 
-def bench_config(size: str, pp: int, kind: str = "1f1b"):
+def bench_config(size: str, pp: int, kind: str = "1f1b", *more: str):
     """pp=2: the size preset as it is; pp=4: 8 layers (two per rank for zbv's V) and
     micro_batch_size halved (twice the microbatches: zbv's steady state needs 2pp-1)."""
     extra = [] if pp == 2 else ["model.n_layers=8", "train.micro_batch_size=" + (
         "1" if size == "tiny" else "2")]
-    return train_config(size, f"topology.pp={pp}", f'schedule.kind="{kind}"', *extra)
+    return train_config(size, f"topology.pp={pp}", f'schedule.kind="{kind}"', *extra, *more)
 
 
 def run(world, size: str, repeats: int) -> dict:
@@ -130,8 +130,10 @@ def run(world, size: str, repeats: int) -> dict:
             return median(steady(times))
         return sample
 
+    spin = bench_config(size, pp, "1f1b", 'schedule.p2p_wait="spin"')
     sides = {"hpctrain 1f1b": side("hpctrain 1f1b", lambda: hpctrain_run(cfg, world)),
-             "torch Schedule1F1B": side("torch", lambda: torch_pipeline(cfg, world))}
+             "torch Schedule1F1B": side("torch", lambda: torch_pipeline(cfg, world)),
+             "hpctrain 1f1b, spinning MPI_Wait": side("spin", lambda: hpctrain_run(spin, world))}
     if pp >= 4:  # the zero-bubble schedules against hpctrain's own 1F1B, same run
         for kind in ("zb-h1", "zbv"):
             c = bench_config(size, pp, kind)
@@ -143,6 +145,8 @@ def run(world, size: str, repeats: int) -> dict:
     ours, theirs = samples["hpctrain 1f1b"], samples["torch Schedule1F1B"]
     out["ratios"] = [paired("throughput hpctrain 1f1b / torch Schedule1F1B", theirs, ours,
                             ">= 1.15")]
+    out["ratios"].append(paired("step spinning MPI_Wait / yielding wait",
+                                samples["hpctrain 1f1b, spinning MPI_Wait"], ours, ">= 1.0"))
     for kind in ("zb-h1", "zbv"):
         if f"hpctrain {kind}" in samples:
             out["ratios"].append(paired(f"step 1f1b / {kind}", ours,

@@ -193,6 +193,7 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
     top, m, s = cfg.topology, cfg.model, cfg.schedule
     _one_of(cfg, need, KINDS, "schedule.kind")
     _at_least(cfg, need, 1, "schedule.virtual_stages")
+    _one_of(cfg, need, ("yield", "spin"), "schedule.p2p_wait")
     need(s.kind == "interleaved" or s.virtual_stages <= 1,
          f"schedule.virtual_stages={s.virtual_stages} is used only by "
          f"schedule.kind='interleaved', not {s.kind!r}: set it to 1 or use interleaved")

@@ -67,6 +67,9 @@ class StepState:
         self.loss_sum = 0.0
         self.waited = 0.0
         self.peak_inflight = 0
+        # a rank idle in the bubble sleeps between polls (yield) or spins in MPI_Wait
+        self.wait = (lambda h: h.wait_yielding()) if cfg.schedule.p2p_wait == "yield" else (
+            lambda h: h.wait())
 
     def stage(self, a: Action) -> int:
         return self.sched.stage(self.rank, a)
@@ -78,7 +81,7 @@ class StepState:
         """Wait for the receive posted by the ``kind`` action of ``a``'s microbatch."""
         handle, buf = self.recvs.pop((kind, a.microbatch, a.c))
         t0 = time.perf_counter()
-        handle.wait()
+        self.wait(handle)
         self.waited += time.perf_counter() - t0
         return buf
 
@@ -170,7 +173,7 @@ def execute(st: StepState, timers=None) -> dict[str, float]:
             busy[a.kind] += time.perf_counter() - t0 - (st.waited - w0)
     t0 = time.perf_counter()
     for h in st.sends:
-        h.wait()
+        st.wait(h)
     st.waited += time.perf_counter() - t0
     wall = time.perf_counter() - t_start
     if st.outputs or st.recvs:
