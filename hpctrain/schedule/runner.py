@@ -63,6 +63,7 @@ class StepState:
         self.grad_in: dict = {}  # (mb, chunk) -> gradient of the input, to send
         self.recvs: dict = {}  # (kind, mb, chunk) -> (Handle, buffer)
         self.sends: list = []
+        self.local: dict = {}  # (tag, mb) -> tensor a rank sends itself (zbv), until taken
         self.handlers = HANDLERS  # action kind -> handler (MoE overlap adds its own)
         self.loss_sum = 0.0
         self.waited = 0.0
@@ -80,6 +81,8 @@ class StepState:
     def take(self, kind: str, a: Action) -> torch.Tensor:
         """Wait for the receive posted by the ``kind`` action of ``a``'s microbatch."""
         handle, buf = self.recvs.pop((kind, a.microbatch, a.c))
+        if buf is None:  # from this rank itself (the tip of zbv's V): handed over, no MPI
+            return self.local.pop(handle)
         t0 = time.perf_counter()
         self.wait(handle)
         self.waited += time.perf_counter() - t0
@@ -134,6 +137,9 @@ def _params(chunk) -> list:
 
 def _post_recv(st: StepState, a: Action) -> None:
     peer, tag = st.sched.peer(st.rank, a)
+    if peer == st.rank:  # zbv: the tensor is handed over by _post_send, no buffer, no copy
+        st.recvs[(a.kind, a.microbatch, a.c)] = ((tag, a.microbatch), None)
+        return
     buf = torch.empty(st.boundary, dtype=st.dtype, device=st.device)
     st.recvs[(a.kind, a.microbatch, a.c)] = (st.topo.pp_comm.irecv(buf, peer, tag), buf)
 
@@ -142,6 +148,9 @@ def _post_send(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     t = st.outputs[key].detach() if a.kind == "SF" else st.grad_in.pop(key)
     peer, tag = st.sched.peer(st.rank, a)
+    if peer == st.rank:
+        st.local[(tag, a.microbatch)] = t
+        return
     st.sends.append(st.topo.pp_comm.isend(t.contiguous(), peer, tag))
 
 
@@ -176,7 +185,7 @@ def execute(st: StepState, timers=None) -> dict[str, float]:
         st.wait(h)
     st.waited += time.perf_counter() - t0
     wall = time.perf_counter() - t_start
-    if st.outputs or st.recvs:
+    if st.outputs or st.recvs or st.local:
         raise RuntimeError(f"rank {st.rank}: schedule left {len(st.outputs)} activations and "
                            f"{len(st.recvs)} receives behind")
     return {**{f"pp_{k}": busy[k] for k in COMPUTE_KINDS}, "pp_step": wall,

@@ -28,8 +28,8 @@ SCHEDULES = [
      + (["schedule.virtual_stages=2"] if k == "interleaved" else []))
     for pp in (2, 4) for k in ("gpipe", "1f1b", "interleaved", "zb-h1")
 ] + [("1f1b-pp2-boundaries", 2, ["topology.pp=2", 'schedule.boundaries="3"']),  # 3 + 5 layers
-     # ZB-V: 2 chunks per rank in a V (pp rank 3 holds the two middle stages; its link
-     # between them is a message to itself), 16 microbatches >= 2pp-1 (steady state)
+     # ZB-V: 2 chunks per rank in a V (pp rank 3 holds the two middle stages and hands the
+     # tensors between them over in memory), 16 microbatches >= 2pp-1 (steady state)
      ("zbv-pp4", 4, ["topology.pp=4", kind("zbv")])]
 COMPOSED = [
     ("dp2xpp2-zb", 4, ["topology.dp=2", "topology.pp=2", kind("zb-h1")]),
