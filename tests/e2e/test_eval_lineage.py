@@ -25,6 +25,8 @@ LAYOUTS = [
      "schedule/actions.py"),
     ("pp2_interleaved", 2, ["topology.pp=2", "schedule.kind=\"interleaved\"",
                             "schedule.virtual_stages=2"], "schedule/actions.py"),
+    # the V: the loss is on pp rank 0, rank 1 passes the middle activation to itself
+    ("pp2_zbv", 2, ["topology.pp=2", "schedule.kind=\"zbv\""], "schedule/actions.py"),
 ]
 
 
