@@ -29,7 +29,7 @@ BENCHES = {
     "gradsync": (2, 4),
     "overlap": (2, 4),  # exposed gradient-sync time; how overlapped reductions progress
     "ddp": (2,),
-    "pipeline": (2,),
+    "pipeline": (2, 4),
     "overhead": (1,),
     "collectives": (4,),
     "checkpoint": (2, 4),  # save/load bandwidth vs per-rank torch.save (checkpoint issue)

@@ -1,6 +1,7 @@
-"""Pipeline training throughput on 2 ranks: ``hpctrain train`` with ``schedule.kind=1f1b``,
-pp=2, against ``torch.distributed.pipelining.Schedule1F1B`` (gloo), same split of layers
-(``parallel.pipeline.partition``), init, data and microbatches; same losses required."""
+"""Pipeline training throughput at pp=2 and pp=4: ``hpctrain train`` with
+``schedule.kind=1f1b`` against ``torch.distributed.pipelining.Schedule1F1B`` (gloo), same
+split of layers (``parallel.pipeline.partition``), init, data and microbatches; same losses
+required. At pp=4 also hpctrain's zb-h1 and zbv against its 1f1b in the same rounds."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from hpctrain.model import GPTStage, init_parameters
 from hpctrain.optim import lr_at
 from hpctrain.parallel.pipeline import partition
 
+from .abtest import MIN_PAIRS, interleave, loadavg, paired
 from .common import (
     hpctrain_run,
     median,
-    ratio,
     result,
     row,
     same_losses,
@@ -27,7 +28,7 @@ from .common import (
     train_config,
 )
 
-RANKS = (2,)
+RANKS = (2, 4)
 
 
 class _Logits(torch.nn.Module):
@@ -99,25 +100,58 @@ def torch_pipeline(cfg, world) -> tuple[list[float], list[float]]:
     return times, losses
 
 
+def bench_config(size: str, pp: int, kind: str = "1f1b", *more: str):
+    """pp=2: the size preset as it is; pp=4: 8 layers (two per rank for zbv's V) and
+    micro_batch_size halved (twice the microbatches: zbv's steady state needs 2pp-1)."""
+    extra = [] if pp == 2 else ["model.n_layers=8", "train.micro_batch_size=" + (
+        "1" if size == "tiny" else "2")]
+    return train_config(size, f"topology.pp={pp}", f'schedule.kind="{kind}"', *extra, *more)
+
+
 def run(world, size: str, repeats: int) -> dict:
-    """Collective over ``world``; alternates the two sides ``repeats`` times."""
-    cfg = train_config(size, f"topology.pp={world.size}", 'schedule.kind="1f1b"')
+    """Collective over ``world``; the sides run in turns (>= 5 rounds, order rotated), each
+    sample the median steady step of one training run."""
+    pp = world.size
+    cfg = bench_config(size, pp)
     torch_dist(world)
-    split = [f"{r.start}-{r.stop - 1}" for r in partition(cfg.model.n_layers, world.size)]
-    out = result("pipeline", world, size, repeats,
-                 f"1F1B, pp={world.size}, layers {split}, "
-                 f"{cfg.train.global_batch_size // cfg.train.micro_batch_size} microbatches")
-    ours, theirs, losses = [], [], {}
-    for r in range(repeats):
-        sides = [("hpctrain", lambda: hpctrain_run(cfg, world)),
-                 ("torch Schedule1F1B", lambda: torch_pipeline(cfg, world))]
-        for name, fn in sides if r % 2 == 0 else sides[::-1]:
+    split = [f"{r.start}-{r.stop - 1}" for r in partition(cfg.model.n_layers, pp)]
+    m = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    rounds = max(repeats, MIN_PAIRS)
+    out = result("pipeline", world, size, rounds,
+                 f"pp={pp}, {cfg.model.n_layers} layers ({split} for 1F1B), {m} microbatches "
+                 f"of {cfg.train.micro_batch_size}x{cfg.train.seq_len}; A/B interleaved, "
+                 f"{rounds} rounds")
+    losses: dict = {}
+
+    def side(name, fn):
+        def sample():
             times, loss = fn()
-            (ours if name == "hpctrain" else theirs).append(median(steady(times)))
             losses.setdefault(name, loss)
-    out["rows"] = [row("hpctrain 1f1b (MPI isend/irecv)", ours, "s/step"),
-                   row("torch Schedule1F1B (gloo)", theirs, "s/step")]
-    out["ratios"] = [ratio("throughput hpctrain / torch", median(theirs) / median(ours),
-                           ">= 1.1")]
+            return median(steady(times))
+        return sample
+
+    spin = bench_config(size, pp, "1f1b", 'schedule.p2p_wait="spin"')
+    sides = {"hpctrain 1f1b": side("hpctrain 1f1b", lambda: hpctrain_run(cfg, world)),
+             "torch Schedule1F1B": side("torch", lambda: torch_pipeline(cfg, world)),
+             "hpctrain 1f1b, spinning MPI_Wait": side("spin", lambda: hpctrain_run(spin, world))}
+    if pp >= 4:  # the zero-bubble schedules against hpctrain's own 1F1B, same run
+        for kind in ("zb-h1", "zbv"):
+            c = bench_config(size, pp, kind)
+            sides[f"hpctrain {kind}"] = side(kind, lambda c=c: hpctrain_run(c, world))
+    load0 = loadavg()
+    samples = interleave(sides, rounds)
+    load1 = loadavg()
+    out["rows"] = [row(n, v, "s/step") for n, v in samples.items()]
+    ours, theirs = samples["hpctrain 1f1b"], samples["torch Schedule1F1B"]
+    out["ratios"] = [paired("throughput hpctrain 1f1b / torch Schedule1F1B", theirs, ours,
+                            ">= 1.15")]
+    out["ratios"].append(paired("step spinning MPI_Wait / yielding wait",
+                                samples["hpctrain 1f1b, spinning MPI_Wait"], ours, ">= 1.0"))
+    for kind in ("zb-h1", "zbv"):
+        if f"hpctrain {kind}" in samples:
+            out["ratios"].append(paired(f"step 1f1b / {kind}", ours,
+                                        samples[f"hpctrain {kind}"], ">= 1.0"))
+    out["load"] = {"before": load0, "after": load1}
+    out["notes"].append(f"load average before {load0}, after {load1}")
     out["check"] = same_losses(losses)
     return out

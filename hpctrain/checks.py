@@ -14,7 +14,7 @@ from __future__ import annotations
 from .config import ARCHS, OVERLAP_PROGRESS, REDUCTIONS, Config
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 
 
 def problems(cfg: Config, world_size: int) -> list[str]:
@@ -194,10 +194,11 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
     top, m, s = cfg.topology, cfg.model, cfg.schedule
     _one_of(cfg, need, KINDS, "schedule.kind")
     _at_least(cfg, need, 1, "schedule.virtual_stages")
+    _one_of(cfg, need, ("yield", "spin"), "schedule.p2p_wait")
     need(s.kind == "interleaved" or s.virtual_stages <= 1,
          f"schedule.virtual_stages={s.virtual_stages} is used only by "
          f"schedule.kind='interleaved', not {s.kind!r}: set it to 1 or use interleaved")
-    v = s.virtual_stages if s.kind == "interleaved" else 1
+    v = s.virtual_stages if s.kind == "interleaved" else 2 if s.kind == "zbv" else 1
     need(not (s.moe_overlap and m.recompute), "schedule.moe_overlap cannot be combined with "
          "model.recompute (the forward is cut into segments at the expert all-to-alls)")
     need(m.n_layers >= top.pp * v,

@@ -148,10 +148,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    kind: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1
+    kind: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zbv (V-shaped, 2 chunks per rank)
     virtual_stages: int = 1
     boundaries: str = ""  # "3,6": first layer of (virtual) stages 1..S-1; "" balanced
     moe_overlap: bool = False  # expert all-to-alls as D/C actions overlapped with compute
+    p2p_wait: str = "yield"  # pipeline receives: "yield" (poll, then sleep) or "spin" (Wait)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .data import Sampler, load_tokens
+from .parallel.pipeline import chunks_of_rank, rank_of_stage, style_of
 
 EVAL_SEED_OFFSET = 7919  # the validation stream is independent of the training stream
 
@@ -45,7 +46,7 @@ class Evaluator:
         total = 0.0
         for b in range(self.cfg.train.eval_batches):
             total += forward_only(self.chunks, self.sampler.local(b), topo, self.cfg)
-        owner = topo.is_last_stage and topo.tp_rank == 0
+        owner = any(c.last for c in self.chunks) and topo.tp_rank == 0  # zbv: pp rank 0
         loss = topo.world.allreduce(total if owner else 0.0) / self.tokens
         self.info(f"validation loss {loss:.4f} ({self.tokens:,} held-out tokens)")
         return loss
@@ -60,27 +61,30 @@ def activation_shape(cfg, topo) -> tuple[int, int, int]:
 
 def forward_only(chunks, microbatches, topo, cfg) -> float:
     """Sum of token losses of ``microbatches`` (non-zero on the last stage only). Chunk k of
-    this rank is virtual stage ``pp_rank + k*pp``; its input comes from pp rank
-    ``(pp_rank - 1) % pp`` and its output goes to ``(pp_rank + 1) % pp``. Tags: see
-    :func:`eval_tag`."""
+    this rank is virtual stage ``stages[k]`` (``parallel.pipeline.chunks_of_rank``: ``pp_rank
+    + k*pp``, or the V of zbv); its input comes from the rank holding the stage before and
+    its output goes to the rank holding the stage after (the rank itself between the two
+    middle stages of the V). Tags: see :func:`eval_tag`."""
     pp, r = topo.pp_size, topo.pp_rank
-    prev, nxt = (r - 1) % pp, (r + 1) % pp
+    style = style_of(cfg.schedule.kind)
+    stages = chunks_of_rank(r, pp, len(chunks), style)
     shape = activation_shape(cfg, topo)
     tag_ub = topo.pp_comm.tag_ub
     sends, total = [], 0.0
     for x, y in microbatches:
-        for k, chunk in enumerate(chunks):
-            stage = r + k * pp
+        for stage, chunk in zip(stages, chunks):
             if chunk.first:
                 h = x
             else:
                 h = torch.empty(shape, dtype=next(chunk.parameters()).dtype, device=x.device)
+                prev = rank_of_stage(stage - 1, pp, style)
                 topo.pp_comm.irecv(h, prev, tag=eval_tag(stage, tag_ub)).wait()
             out = chunk(h, y if chunk.last else None)
             if chunk.last:
                 total += float(out)
             else:
                 out = out.contiguous()
+                nxt = rank_of_stage(stage + 1, pp, style)
                 sends.append(topo.pp_comm.isend(out, nxt, tag=eval_tag(stage + 1, tag_ub)))
     for s in sends:
         s.wait()

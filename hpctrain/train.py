@@ -174,7 +174,7 @@ def train_step(tr: Trainer, step: int) -> dict:
 
     # 4. Update: one global norm, clip, AdamW at this step's learning rate; a non-finite or
     #    spiking step skips the update (NumericGuard), repeated ones roll back.
-    owner = topo.is_last_stage and topo.tp_rank == 0
+    owner = any(c.last for c in tr.chunks) and topo.tp_rank == 0  # zbv: pp rank 0
     loss = topo.world.allreduce(loss_sum if owner else 0.0) / tr.global_tokens
     tr.losses.append(loss)
     with timers("optimizer"):

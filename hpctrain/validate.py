@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .checks import problems
 from .config import Config, ConfigError, microbatches
-from .parallel.pipeline import layer_ranges
+from .parallel.pipeline import layer_ranges, virtual_stages
 from .schedule.actions import check_fits
 
 
@@ -22,8 +22,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if not errors:
         s = cfg.schedule
         try:  # does the microbatch count fit the schedule; do the boundaries cut the layers
-            check_fits(s.kind, cfg.topology.pp, microbatches(cfg),
-                       s.virtual_stages if s.kind == "interleaved" else 1)
+            check_fits(s.kind, cfg.topology.pp, microbatches(cfg), virtual_stages(cfg))
             if s.boundaries.strip():  # balanced splits always cut (n_layers >= stages)
                 layer_ranges(cfg)
         except ValueError as e:

@@ -77,39 +77,44 @@ def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
     """The pipeline part of the plan: partition, per-rank actions, simulated bubble (above
     ``SIMULATED_MAX`` chunk-microbatches per rank: the partition and the 1F1B reference)."""
     from ..config import microbatches
-    from ..parallel.pipeline import layer_ranges
+    from ..parallel.pipeline import layer_ranges, style_of, virtual_stages
     from ..schedule.actions import from_config
     from ..schedule.simulate import simulate
 
     top, s = cfg.topology, cfg.schedule
     m, p = microbatches(cfg), top.pp
-    v = s.virtual_stages if s.kind == "interleaved" else 1
+    v, style = virtual_stages(cfg), style_of(s.kind)
     ranges = layer_ranges(cfg)
     lines = [f"schedule {s.kind}: pp={p}, {v} virtual stage(s) per rank, "
              f"{m} microbatches per step (global_batch_size {cfg.train.global_batch_size} / "
              f"(dp {top.dp} x micro_batch_size {cfg.train.micro_batch_size}))"]
     reference = f"1F1B reference (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f}"
     if m * v > SIMULATED_MAX:
-        lines += [_stages_line(r, p, v, ranges) for r in range(p)]
+        lines += [_stages_line(r, p, v, ranges, style) for r in range(p)]
         return lines + [f"not simulated: {m * v} chunk-microbatches per rank > "
                         f"{SIMULATED_MAX} (the simulation grows as their square); {reference}"]
     sched = from_config(cfg, m)
     result = simulate(sched, costs)
     for r in range(p):
-        lines.append(f"{_stages_line(r, p, v, ranges)}; "
+        lines.append(f"{_stages_line(r, p, v, ranges, style)}; "
                      f"bubble {result.bubble_per_rank[r]:.3f}, "
                      f"peak in-flight microbatches {result.peak_inflight[r]}")
         lines += _wrap(sched.text(r), width, "    ")
     shown = " ".join(f"{k}={x:g}" for k, x in (costs or {"F": 1, "B": 1, "W": 1}).items())
     lines.append(f"simulated (costs {shown}): makespan {result.makespan:g}, "
-                 f"bubble fraction {result.bubble:.4f} ({reference})")
+                 f"bubble fraction {result.bubble:.4f} of the total time ({reference}); "
+                 f"bubble {result.bubble_time:g} = {result.bubble_rate:.4f} of the ideal time; "
+                 f"idle inside a rank's own span {result.span_bubble:g}")
     return lines
 
 
-def _stages_line(r: int, pp: int, virtual: int, ranges: list[range]) -> str:
-    stages = list(range(r, pp * virtual, pp))
+def _stages_line(r: int, pp: int, virtual: int, ranges: list[range], style: str) -> str:
+    from ..parallel.pipeline import chunks_of_rank
+
+    stages = chunks_of_rank(r, pp, virtual, style)
     layers = ", ".join(f"{ranges[x].start}-{ranges[x].stop - 1}" for x in stages)
-    extra = (" + embedding" if r == 0 else "") + (" + head, loss" if r == pp - 1 else "")
+    last = pp * virtual - 1 in stages
+    extra = (" + embedding" if r == 0 else "") + (" + head, loss" if last else "")
     return f"pp rank {r}: stage(s) {stages}, layers {layers}{extra}"
 
 

@@ -86,6 +86,22 @@ class Handle:
         self._req.Wait()
         self._finish(time.perf_counter() - t0)
 
+    def wait_yielding(self, spin_s: float = 50e-6, max_sleep_s: float = 200e-6) -> None:
+        """Complete like :meth:`wait`, but after ``spin_s`` of polling (``Test``, which
+        drives MPI progress) sleep between polls, doubling from 10 us to ``max_sleep_s``:
+        a rank waiting in the pipeline bubble gives its core to the ranks that compute
+        (``MPI_Wait`` spins; on an oversubscribed node the spinning rank is then descheduled
+        when its message arrives)."""
+        if self.done:
+            return
+        t0 = time.perf_counter()
+        req, nap = self._req, 10e-6
+        while not req.Test():
+            if time.perf_counter() - t0 > spin_s:
+                time.sleep(nap)
+                nap = min(2 * nap, max_sleep_s)
+        self._finish(time.perf_counter() - t0)
+
     def _finish(self, waited: float) -> None:
         self.done = True
         if self._finalise is not None:

@@ -7,11 +7,7 @@ from __future__ import annotations
 from ..comm import gpu
 from ..config import Config
 from ..model import GPTStage, LocalOps, init_parameters
-from .pipeline import chunks_of_rank, layer_ranges
-
-
-def virtual_stages(cfg: Config) -> int:
-    return cfg.schedule.virtual_stages if cfg.schedule.kind == "interleaved" else 1
+from .pipeline import chunks_of_rank, layer_ranges, style_of, virtual_stages
 
 
 def tp_ops(cfg: Config, topo):
@@ -38,7 +34,7 @@ def build_model(cfg: Config, topo) -> list[GPTStage]:
     chunks = [
         GPTStage(cfg.model, ranges[s], first=(s == 0), last=(s == S - 1), ops=ops,
                  ffn_factory=ffn_factory)
-        for s in chunks_of_rank(topo.pp_rank, topo.pp_size, v)
+        for s in chunks_of_rank(topo.pp_rank, topo.pp_size, v, style_of(cfg.schedule.kind))
     ]
     init_parameters(chunks, cfg.train.seed, topo.tp_size, topo.tp_rank, topo.ep_size,
                     topo.ep_rank)

@@ -155,14 +155,14 @@ def layer_flops(cfg: Config, i: int, full: bool = False) -> float:
 
 def rank_work(cfg: Config, full: bool = False) -> list[dict]:
     """Per pp rank: forward FLOPs per token on this rank (over tp), its layers, MoE layers."""
-    from ..parallel.pipeline import layer_ranges
+    from ..parallel.pipeline import chunks_of_rank, layer_ranges, style_of
 
     m, t = cfg.model, cfg.topology
     ranges = layer_ranges(cfg)
     S = len(ranges)
     out = []
     for r in range(t.pp):
-        stages = range(r, S, t.pp)
+        stages = chunks_of_rank(r, t.pp, S // t.pp, style_of(cfg.schedule.kind))
         layers = [i for s in stages for i in ranges[s]]
         flops = sum(layer_flops(cfg, i, full) for i in layers)
         flops += 2 * m.d_model * m.vocab_size if S - 1 in stages else 0
@@ -203,21 +203,23 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
 def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True) -> tuple[float, float]:
     """(makespan s, bubble fraction) of one step's pipeline with per-rank pass costs: the
     simulator's, or (``simulated=False``, or too many microbatches) the closed form."""
+    from ..parallel.pipeline import virtual_stages
     from ..schedule.actions import build
     from ..schedule.simulate import simulate
 
     t, s = cfg.topology, cfg.schedule
     M = microbatches(cfg)
-    v = s.virtual_stages if s.kind == "interleaved" else 1
+    v = virtual_stages(cfg)
     busiest = max(f + b for f, b, _ in costs)
     if t.pp == 1:
         return M * busiest, 0.0
     if M * v > SIMULATED_MAX or not simulated:
-        fill = (t.pp - 1) * busiest / v / (3 if s.kind == "zb-h1" else 1)
+        fill = ((t.pp - 1) * busiest / v / (3 if s.kind == "zb-h1" else 1) if s.kind != "zbv"
+                else (t.pp - 1) * busiest / 6)  # zbv: only the fill, F/2 per stage
         span = M * busiest + fill + 2 * (t.pp - 1) * p2p
         return span, fill / span
     sched = build(s.kind, t.pp, M, v)
-    split = s.kind == "zb-h1"
+    split = s.kind in ("zb-h1", "zbv")
 
     def cost(rank, a):
         f, b, _ = costs[rank]

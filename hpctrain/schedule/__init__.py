@@ -1,9 +1,10 @@
 """Stage 2's order of work: pipeline schedules as data, checked and executed.
 
 - ``actions.py``: :class:`Action` (``F3``, ``B3``, ``W3``, ``SF3``...) and the schedule
-  builders (gpipe, 1f1b, interleaved, zb-h1), pure functions.
+  builders (gpipe, 1f1b, interleaved, zb-h1, zbv), pure functions.
 - ``simulate.py``: all ranks' lists in one process: matching, order, deadlock, bubble.
-- ``runner.py``: one rank's list executed with nonblocking p2p over ``pp_comm``.
+- ``runner.py``: one rank's list executed with nonblocking p2p over ``pp_comm``; a receive
+  is waited for by polling, then sleeping (``schedule.p2p_wait``).
 - ``zero_bubble.py``: the backward split into input (B) and weight (W) gradients.
 - ``moe_overlap.py``: the pure planner that adds expert all-to-all actions (D/E/C/G...).
 - ``moe_executor.py``: the runner's handlers for those actions.

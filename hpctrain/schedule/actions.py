@@ -6,7 +6,9 @@ An :class:`Action` is ``kind`` + ``microbatch`` + ``chunk`` (this rank's virtual
 schedule has no ``W``), ``W3`` weight gradient, ``SF3``/``RF3`` send/receive an activation,
 ``SB3``/``RB3`` send/receive a gradient; ``F3v1`` is microbatch 3 on the rank's chunk 1.
 
-Virtual stage ``s`` of ``S = pp * v`` lives on pp rank ``s % pp`` as chunk ``s // pp``.
+Virtual stage ``s`` of ``S = pp * v`` lives on pp rank ``s % pp`` as chunk ``s // pp``, except
+in the V-shaped ``zbv`` (``parallel.pipeline.chunks_of_rank``: rank r holds stages r and
+2pp-1-r).
 Receives (``R*``) *post* a nonblocking receive; the compute action that needs the data waits
 for it. Sends (``S*``) post a nonblocking send right after the compute that produced the data.
 Every schedule here is built in two steps: the order of compute actions per rank
@@ -20,7 +22,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
+from ..parallel.pipeline import chunks_of_rank, rank_of_stage, style_of, virtual_stages
+
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 COMPUTE = ("F", "B", "W")
 
 
@@ -64,28 +68,38 @@ class Schedule:
     def stages(self) -> int:
         return self.pp * self.virtual
 
+    @property
+    def style(self) -> str:
+        """Placement of virtual stages on ranks: ``"v"`` for zbv, else ``"loop"``."""
+        return style_of(self.kind)
+
     def stage(self, rank: int, action: Action) -> int:
         """The global virtual stage an action of ``rank`` runs on."""
-        return rank + action.c * self.pp
+        return chunks_of_rank(rank, self.pp, self.virtual, self.style)[action.c]
+
+    def peer(self, rank: int, action: Action) -> tuple[int, int]:
+        """(peer pp rank, tag) of a transfer action of ``rank`` (see :func:`link`)."""
+        return link(action, self.stage(rank, action), self.pp, self.style)
 
     def text(self, rank: int) -> str:
         return " ".join(str(a) for a in self.ranks[rank])
 
 
-def link(action: Action, stage: int, pp: int) -> tuple[int, int]:
+def link(action: Action, stage: int, pp: int, style: str = "loop") -> tuple[int, int]:
     """(peer pp rank, MPI tag) of a transfer action on virtual stage ``stage``.
 
     The tag names the receiving stage and the direction (even: activation, odd: gradient),
     so a sender and its receiver compute the same tag; on one (peer, tag) link messages match
-    in posting order."""
+    in posting order. In the V placement the two middle stages share rank pp-1: that link is
+    the rank itself."""
     if action.kind == "SF":
-        return (stage + 1) % pp, 2 * (stage + 1)
+        return rank_of_stage(stage + 1, pp, style), 2 * (stage + 1)
     if action.kind == "RF":
-        return (stage - 1) % pp, 2 * stage
+        return rank_of_stage(stage - 1, pp, style), 2 * stage
     if action.kind == "SB":
-        return (stage - 1) % pp, 2 * (stage - 1) + 1
+        return rank_of_stage(stage - 1, pp, style), 2 * (stage - 1) + 1
     if action.kind == "RB":
-        return (stage + 1) % pp, 2 * stage + 1
+        return rank_of_stage(stage + 1, pp, style), 2 * stage + 1
     raise ValueError(f"{action} is not a transfer")
 
 
@@ -124,35 +138,69 @@ def _interleaved(pp: int, m: int, rank: int, v: int) -> list[Action]:
     return out + [act("B", k) for k in range(total - warm, total)]
 
 
-def _zb_h1(pp: int, m: int) -> list[list[Action]]:
-    """Zero-bubble H1: backward split into B (input gradient, on the critical path) and W
-    (weight gradient, free to move). Built greedily on unit costs with 1F1B's activation
-    memory (rank r keeps at most pp - r microbatches between F and W): a free rank runs B if
-    its gradient has arrived, else F if allowed and its input has arrived, else a pending W
-    (this fills what 1F1B leaves idle)."""
-    orders: list[list[Action]] = [[] for _ in range(pp)]
-    f_done = [[-1] * m for _ in range(pp)]  # time each F / B finished, -1 not yet
-    b_done = [[-1] * m for _ in range(pp)]
-    nf, nb, nw = [0] * pp, [0] * pp, [0] * pp
-    t = 0
-    while any(nw[r] < m for r in range(pp)):
-        for r in range(pp):
-            i_b, i_f = nb[r], nf[r]
-            if i_b < nf[r] and (r == pp - 1 or 0 <= b_done[r + 1][i_b] <= t):
-                orders[r].append(Action("B", i_b))
-                b_done[r][i_b] = t + 1
-                nb[r] += 1
-            elif i_f < m and i_f - nw[r] < pp - r and (r == 0 or 0 <= f_done[r - 1][i_f] <= t):
-                orders[r].append(Action("F", i_f))
-                f_done[r][i_f] = t + 1
-                nf[r] += 1
-            elif nw[r] < nb[r]:
-                orders[r].append(Action("W", nw[r]))
-                nw[r] += 1
-        t += 1
-        if t > 10 * (m + pp) + 10:  # pragma: no cover - a bug in the rules above
-            raise RuntimeError("zb-h1 construction did not converge")
-    return orders
+def _zb_h1(pp: int, m: int, rank: int) -> list[Action]:
+    """Zero-bubble H1 (Qi et al. 2023): 1F1B with the backward split into B (input gradient,
+    on the critical path) and W (weight gradient). Rank r warms up with pp - r forwards like
+    1F1B, then runs B, W, F per microbatch, but its W passes lag its B passes by r: the
+    deferred W fill the cooldown that 1F1B leaves idle. Every rank then holds at most pp
+    microbatches between F and W (1F1B's peak, on rank 0); with unit costs and W <= F,
+    m >= pp the makespan is m(F+B+W) + (pp-1)(F+B-W)."""
+    warm = min(pp - rank, m)
+    out = [Action("F", i) for i in range(warm)]
+    nw = 0
+    for k in range(m):
+        out.append(Action("B", k))
+        if k >= rank:
+            out.append(Action("W", nw))
+            nw += 1
+        if k + warm < m:
+            out.append(Action("F", k + warm))
+    return out + [Action("W", j) for j in range(nw, m)]
+
+
+def _zbv(pp: int, m: int, rank: int) -> list[Action]:
+    """ZB-V (Qi et al., zero-bubble paper section 6): two chunks per rank in a V (chunk 0 is
+    stage r, chunk 1 stage 2pp-1-r). Warm-up: 2(pp-r)-1 chunk-0 forwards, r pairs (F on
+    chunk 1, F on chunk 0), pp-r triples F B W on chunk 1; steady: F B W on chunk 0 then on
+    chunk 1; cool-down: r pairs of B, pp-r (B, W) on chunk 0, then the remaining W. Built for
+    max(m, 2pp-1) microbatches and cut to m (the order stays sound). With F=B=W every rank
+    is busy from its first action to its last: no bubble inside a rank's span; peak pp
+    microbatches of whole-stage activations (2pp chunk-microbatches), as 1F1B."""
+    n = max(2 * pp - 1, m)
+    out: list[Action] = []
+    done = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+
+    def add(kind: str, chunk: int, then_w: bool = False) -> None:
+        out.append(Action(kind, done[(kind, chunk)], chunk))
+        done[(kind, chunk)] += 1
+        if then_w:
+            out.append(Action("W", done[(kind, chunk)] - 1, chunk))
+
+    for _ in range(2 * (pp - rank) - 1):
+        add("F", 0)
+    for _ in range(rank):
+        add("F", 1)
+        add("F", 0)
+    for _ in range(pp - rank):
+        add("F", 1)
+        add("B", 1, then_w=True)
+    while done[("F", 1)] < done[("F", 0)] or done[("F", 0)] < n:
+        if done[("F", 0)] < n:
+            add("F", 0)
+        add("B", 0, then_w=True)
+        add("F", 1)
+        add("B", 1, then_w=True)
+    w = [done[("B", 0)], done[("B", 1)]]
+    for _ in range(rank):
+        add("B", 0)
+        add("B", 1)
+    for _ in range(pp - rank):
+        add("B", 0)
+        out.append(Action("W", w[0], 0))
+        w[0] += 1
+    out += [Action("W", j, 1) for j in range(w[1], done[("B", 1)])]
+    out += [Action("W", j, 0) for j in range(w[0], done[("B", 0)])]
+    return [a for a in out if a.microbatch < m]
 
 
 def check_fits(kind: str, pp: int, microbatches: int, virtual: int = 1) -> None:
@@ -162,7 +210,10 @@ def check_fits(kind: str, pp: int, microbatches: int, virtual: int = 1) -> None:
     if pp < 1 or microbatches < 1 or virtual < 1:
         raise ValueError(f"pp={pp}, microbatches={microbatches}, virtual_stages={virtual} "
                          "must all be >= 1")
-    if kind != "interleaved" and virtual != 1:
+    if kind == "zbv" and virtual != 2:
+        raise ValueError(f"schedule.kind='zbv' holds two stages per rank in a V; "
+                         f"virtual_stages={virtual} must be 2")
+    if kind not in ("interleaved", "zbv") and virtual != 1:
         raise ValueError(f"schedule.kind={kind!r} holds one stage per rank; "
                          f"virtual_stages={virtual} needs schedule.kind='interleaved'")
     if kind == "interleaved" and virtual > 1 and microbatches % pp:
@@ -178,14 +229,17 @@ def compute_order(kind: str, pp: int, microbatches: int, virtual: int = 1) -> li
     check_fits(kind, pp, microbatches, virtual)
     m = microbatches
     if kind == "zb-h1":
-        return _zb_h1(pp, m)
+        return [_zb_h1(pp, m, r) for r in range(pp)]
+    if kind == "zbv":
+        return [_zbv(pp, m, r) for r in range(pp)]
     if kind == "interleaved" and virtual > 1:
         return [_interleaved(pp, m, r, virtual) for r in range(pp)]
     build = _gpipe if kind == "gpipe" else _one_f_one_b
     return [build(pp, m, r) for r in range(pp)]
 
 
-def with_comm(orders: list[list[Action]], pp: int, virtual: int) -> list[list[Action]]:
+def with_comm(orders: list[list[Action]], pp: int, virtual: int,
+              style: str = "loop") -> list[list[Action]]:
     """Insert transfers: a send right after the compute that produced its tensor, a receive
     posted one compute action before the compute that needs it (or first)."""
     S = pp * virtual
@@ -193,8 +247,9 @@ def with_comm(orders: list[list[Action]], pp: int, virtual: int) -> list[list[Ac
     for rank, order in enumerate(orders):
         recv_before: dict[int, list[Action]] = {}
         sends_after: dict[int, list[Action]] = {}
+        stages = chunks_of_rank(rank, pp, virtual, style)
         for i, a in enumerate(order):
-            s = rank + a.c * pp
+            s = stages[a.c]
             if a.kind == "F" and s > 0:
                 recv_before.setdefault(max(i - 1, 0), []).append(Action("RF", a.microbatch,
                                                                         a.chunk))
@@ -212,18 +267,19 @@ def with_comm(orders: list[list[Action]], pp: int, virtual: int) -> list[list[Ac
     return out
 
 
-def build(kind: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+def build(kind: str, pp: int, microbatches: int, virtual: int | None = None) -> Schedule:
     """The schedule ``kind`` for ``pp`` ranks, ``microbatches`` per step and ``virtual``
-    chunks per rank (interleaved only). Pure; raises ValueError when it does not fit."""
+    chunks per rank (interleaved: any, zbv: 2, the default; others 1). Pure; raises
+    ValueError when it does not fit."""
+    if virtual is None:
+        virtual = 2 if kind == "zbv" else 1
     orders = compute_order(kind, pp, microbatches, virtual)
     if virtual == 1:
         orders = [[Action(a.kind, a.microbatch) for a in o] for o in orders]
-    ranks = with_comm(orders, pp, virtual)
+    ranks = with_comm(orders, pp, virtual, style_of(kind))
     return Schedule(kind, pp, virtual, microbatches, tuple(tuple(r) for r in ranks))
 
 
 def from_config(cfg, microbatches: int) -> Schedule:
     """The schedule a config asks for (``cfg.schedule``, ``cfg.topology.pp``)."""
-    s = cfg.schedule
-    v = s.virtual_stages if s.kind == "interleaved" else 1
-    return build(s.kind, cfg.topology.pp, microbatches, v)
+    return build(cfg.schedule.kind, cfg.topology.pp, microbatches, virtual_stages(cfg))

@@ -27,8 +27,9 @@ import torch
 
 from ..config import microbatches as microbatch_count
 from ..model.gpt import DTYPES
+from ..parallel.pipeline import virtual_stages
 from . import moe_executor, moe_overlap, zero_bubble
-from .actions import Action, Schedule, build, link
+from .actions import Action, Schedule, build
 from .simulate import simulate
 
 
@@ -39,9 +40,7 @@ def _schedule(kind: str, pp: int, m: int, v: int) -> Schedule:
 
 def schedule_for(cfg, m: int) -> Schedule:
     """The (cached) schedule of this config for ``m`` microbatches per step."""
-    s = cfg.schedule
-    v = s.virtual_stages if s.kind == "interleaved" else 1
-    return _schedule(s.kind, cfg.topology.pp, m, v)
+    return _schedule(cfg.schedule.kind, cfg.topology.pp, m, virtual_stages(cfg))
 
 
 class StepState:
@@ -64,10 +63,14 @@ class StepState:
         self.grad_in: dict = {}  # (mb, chunk) -> gradient of the input, to send
         self.recvs: dict = {}  # (kind, mb, chunk) -> (Handle, buffer)
         self.sends: list = []
+        self.local: dict = {}  # (tag, mb) -> tensor a rank sends itself (zbv), until taken
         self.handlers = HANDLERS  # action kind -> handler (MoE overlap adds its own)
         self.loss_sum = 0.0
         self.waited = 0.0
         self.peak_inflight = 0
+        # a rank idle in the bubble sleeps between polls (yield) or spins in MPI_Wait
+        self.wait = (lambda h: h.wait_yielding()) if cfg.schedule.p2p_wait == "yield" else (
+            lambda h: h.wait())
 
     def stage(self, a: Action) -> int:
         return self.sched.stage(self.rank, a)
@@ -78,8 +81,10 @@ class StepState:
     def take(self, kind: str, a: Action) -> torch.Tensor:
         """Wait for the receive posted by the ``kind`` action of ``a``'s microbatch."""
         handle, buf = self.recvs.pop((kind, a.microbatch, a.c))
+        if buf is None:  # from this rank itself (the tip of zbv's V): handed over, no MPI
+            return self.local.pop(handle)
         t0 = time.perf_counter()
-        handle.wait()
+        self.wait(handle)
         self.waited += time.perf_counter() - t0
         return buf
 
@@ -131,7 +136,10 @@ def _params(chunk) -> list:
 
 
 def _post_recv(st: StepState, a: Action) -> None:
-    peer, tag = link(a, st.stage(a), st.sched.pp)
+    peer, tag = st.sched.peer(st.rank, a)
+    if peer == st.rank:  # zbv: the tensor is handed over by _post_send, no buffer, no copy
+        st.recvs[(a.kind, a.microbatch, a.c)] = ((tag, a.microbatch), None)
+        return
     buf = torch.empty(st.boundary, dtype=st.dtype, device=st.device)
     st.recvs[(a.kind, a.microbatch, a.c)] = (st.topo.pp_comm.irecv(buf, peer, tag), buf)
 
@@ -139,7 +147,10 @@ def _post_recv(st: StepState, a: Action) -> None:
 def _post_send(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     t = st.outputs[key].detach() if a.kind == "SF" else st.grad_in.pop(key)
-    peer, tag = link(a, st.stage(a), st.sched.pp)
+    peer, tag = st.sched.peer(st.rank, a)
+    if peer == st.rank:
+        st.local[(tag, a.microbatch)] = t
+        return
     st.sends.append(st.topo.pp_comm.isend(t.contiguous(), peer, tag))
 
 
@@ -171,10 +182,10 @@ def execute(st: StepState, timers=None) -> dict[str, float]:
             busy[a.kind] += time.perf_counter() - t0 - (st.waited - w0)
     t0 = time.perf_counter()
     for h in st.sends:
-        h.wait()
+        st.wait(h)
     st.waited += time.perf_counter() - t0
     wall = time.perf_counter() - t_start
-    if st.outputs or st.recvs:
+    if st.outputs or st.recvs or st.local:
         raise RuntimeError(f"rank {st.rank}: schedule left {len(st.outputs)} activations and "
                            f"{len(st.recvs)} receives behind")
     return {**{f"pp_{k}": busy[k] for k in COMPUTE_KINDS}, "pp_step": wall,

@@ -16,9 +16,9 @@ received tensor has arrived (the send time plus ``latency``). Errors raise
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .actions import COMPUTE, Action, Schedule, link
+from .actions import COMPUTE, Action, Schedule
 
 DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # unsplit B costs B + W
 
@@ -29,9 +29,42 @@ class ScheduleError(ValueError):
 
 @dataclass
 class SimResult:
+    """Timing of one step. Bubble conventions (unit costs F=B=W=1, p ranks, m microbatches):
+
+    * ``bubble`` (per total time): mean over ranks of idle / makespan; 1F1B (p-1)/(m+p-1).
+      What ``pp_bubble_sim`` and ``hpctrain plan`` print.
+    * ``bubble_time`` (the zero-bubble paper's "bubble size"): makespan - the busiest rank's
+      compute, in cost units; 1F1B (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W).
+    * ``bubble_rate`` (per ideal time, the paper's table): ``bubble_time`` / the busiest
+      rank's compute; 1F1B (p-1)/m, ZB-H1 (p-1)/3m.
+    * ``span_bubble`` (per rank's own span, the paper's parallelogram when the next step may
+      start early): the most idle time any rank has between its own first and last compute;
+      ZB-V 0 when F=B=W.
+    """
+
     makespan: float
     busy: list[float]  # per rank, compute seconds (or cost units)
-    peak_inflight: list[int]  # per rank, most microbatches between F and their last B/W
+    peak_inflight: list[int]  # per rank, most chunk-microbatches between F and last B/W
+    start: list[float] = field(default_factory=list)  # per rank, its first compute's start
+    end: list[float] = field(default_factory=list)  # per rank, its last compute's end
+    virtual: int = 1  # chunks per rank
+
+    @property
+    def peak_microbatches(self) -> list[float]:
+        """Peak activations per rank in whole-stage microbatches (chunk ones / chunks)."""
+        return [p / self.virtual for p in self.peak_inflight]
+
+    @property
+    def bubble_time(self) -> float:
+        return self.makespan - max(self.busy)
+
+    @property
+    def bubble_rate(self) -> float:
+        return self.bubble_time / max(self.busy) if max(self.busy) else 0.0
+
+    @property
+    def span_bubble(self) -> float:
+        return max(e - s - b for s, e, b in zip(self.start, self.end, self.busy))
 
     @property
     def bubble_per_rank(self) -> list[float]:
@@ -65,10 +98,10 @@ def match(sched: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
     for r, actions in enumerate(sched.ranks):
         for i, a in enumerate(actions):
             if a.kind in ("SF", "SB"):
-                peer, tag = link(a, sched.stage(r, a), sched.pp)
+                peer, tag = sched.peer(r, a)
                 sends[(r, peer, tag)].append(i)
             elif a.kind in ("RF", "RB"):
-                peer, tag = link(a, sched.stage(r, a), sched.pp)
+                peer, tag = sched.peer(r, a)
                 recvs[(peer, r, tag)].append(i)
     pairs = {}
     for key in sends.keys() | recvs.keys():
@@ -154,6 +187,7 @@ def simulate(sched: Schedule, costs=None, latency: float = 0.0) -> SimResult:
     cost = _cost_fn(costs, sched)
     n = sched.pp
     clock, busy, pos = [0.0] * n, [0.0] * n, [0] * n
+    first: list[float | None] = [None] * n  # start of each rank's first compute
     sent: dict[tuple[int, int], float] = {}  # (rank, index of send) -> time posted
     posted: dict[tuple[int, str, int, int], int] = {}  # (rank, kind, mb, chunk) -> index
     while True:
@@ -175,6 +209,8 @@ def simulate(sched: Schedule, costs=None, latency: float = 0.0) -> SimResult:
                     sent[(r, i)] = clock[r]
                 else:
                     dt = cost(r, a)
+                    if first[r] is None:
+                        first[r] = start
                     clock[r] = start + dt
                     busy[r] += dt
                 pos[r] += 1
@@ -187,7 +223,8 @@ def simulate(sched: Schedule, costs=None, latency: float = 0.0) -> SimResult:
                      for r in range(n) if pos[r] < len(sched.ranks[r])]
             raise ScheduleError("deadlock: " + "; ".join(stuck))
     peaks = [_peak_inflight(actions) for actions in sched.ranks]
-    return SimResult(max(clock), busy, peaks)
+    return SimResult(max(clock), busy, peaks, [f or 0.0 for f in first], clock,
+                     sched.virtual)
 
 
 def _waits_for(sched, pairs, posted, r, i) -> str:

@@ -10,7 +10,7 @@
 - optimizer state: Adam's two moments (+ a float32 master copy for 16-bit parameters), all
   divided by dp under ZeRO;
 - activations: what autograd saves per microbatch, times the microbatches in flight on the
-  first stage (pp=1: 1; 1f1b/zb-h1/interleaved: min(pp, microbatches); gpipe: all).
+  first stage (pp=1: 1; 1f1b/zb-h1/zbv/interleaved: min(pp, microbatches); gpipe: all).
   Recompute keeps each block's input plus one block's activations during its backward.
 
 **Measured peak** (:class:`Meter`): bytes of the parameters + gradient storage (flat
@@ -116,16 +116,17 @@ class Estimate:
 
 def estimate(cfg: Config) -> Estimate:
     """Per-rank bytes of the most loaded pipeline stage (see the module docstring)."""
-    from ..parallel.pipeline import partition
+    from ..parallel.pipeline import chunks_of_rank, partition, style_of, virtual_stages
 
     m, top, o = cfg.model, cfg.topology, cfg.optim
     ps = DTYPE_BYTES[m.dtype]
     ss = 8 if m.dtype == "float64" else 4  # shard / state element size
-    v = cfg.schedule.virtual_stages if cfg.schedule.kind == "interleaved" else 1
+    v = virtual_stages(cfg)
     ranges = partition(m.n_layers, top.pp * v)
     S = len(ranges)
+    style = style_of(cfg.schedule.kind)
     per_rank = [sum(_stage_params(cfg, len(ranges[s]), s == 0, s == S - 1)
-                    for s in range(r, S, top.pp)) for r in range(top.pp)]
+                    for s in chunks_of_rank(r, top.pp, v, style)) for r in range(top.pp)]
     P = max(per_rank)
     d = top.dp
     e = Estimate(params=P * ps)

@@ -14,12 +14,15 @@ def val_losses(run):
     return [m["val_loss"] for m in run.metrics if "val_loss" in m]
 
 
-# Layouts whose validation pass crosses ranks: tp x pp with SP, interleaved pp; the MoE case
+# Layouts whose validation pass crosses ranks: tp x pp with SP, interleaved pp, the V of
+# zbv; the MoE case
 # below runs dp=2 x ep=2 (validation batches split over dp and reduced).
 LAYOUTS = [
     ("tp2_pp2_sp", 4, ["topology.tp=2", "topology.pp=2", "topology.sequence_parallel=true"]),
     ("pp2_interleaved", 2, ["topology.pp=2", "schedule.kind=\"interleaved\"",
                             "schedule.virtual_stages=2"]),
+    # the V: the loss is on pp rank 0, rank 1 passes the middle activation to itself
+    ("pp2_zbv", 2, ["topology.pp=2", "schedule.kind=\"zbv\""]),
 ]
 
 

@@ -19,12 +19,15 @@ def kind(k: str) -> str:
 
 
 # (name, ranks, overrides). tiny.toml: 8 layers, 16 sequences of 1 -> 16 microbatches per
-# dp rank; interleaved at pp=4 with 2 virtual stages uses all 8 layers (one per chunk).
+# dp rank; interleaved and zbv at pp=4 with 2 virtual stages use all 8 layers (one per chunk).
 SCHEDULES = [
     (f"{k}-pp{pp}", pp, [f"topology.pp={pp}", kind(k)]
      + (["schedule.virtual_stages=2"] if k == "interleaved" else []))
     for pp in (2, 4) for k in ("gpipe", "1f1b", "interleaved", "zb-h1")
-] + [("1f1b-pp2-boundaries", 2, ["topology.pp=2", 'schedule.boundaries="3"'])]  # 3 + 5 layers
+] + [("1f1b-pp2-boundaries", 2, ["topology.pp=2", 'schedule.boundaries="3"']),  # 3 + 5 layers
+     # ZB-V: 2 chunks per rank in a V (pp rank 3 holds the two middle stages and hands the
+     # tensors between them over in memory), 16 microbatches >= 2pp-1 (steady state)
+     ("zbv-pp4", 4, ["topology.pp=4", kind("zbv")])]
 COMPOSED = [
     ("dp2xpp2-zb", 4, ["topology.dp=2", "topology.pp=2", kind("zb-h1")]),
     ("tp2xpp2", 4, ["topology.tp=2", "topology.pp=2", kind("1f1b")]),

@@ -97,6 +97,25 @@ def test_isend_irecv_ring(world):
     assert torch.equal(got, rank_data((r - 1) % n, (3, 2), torch.bfloat16))
 
 
+def test_wait_yielding_completes_like_wait(world):
+    """The pipeline runner's wait (poll, then sleep between polls): the same data, and the
+    receive counts as exposed time once, a late message included (the sender sleeps first,
+    so the receiver goes past its spinning phase into the sleeps)."""
+    import time
+
+    n, r = world.size, world.rank
+    got = torch.empty(1000, dtype=torch.float64)
+    hr = world.irecv(got, source=(r - 1) % n, tag=9)
+    time.sleep(0.01)
+    hs = world.isend(torch.full((1000,), float(r), dtype=torch.float64), dest=(r + 1) % n,
+                     tag=9)
+    hr.wait_yielding()
+    hs.wait_yielding()
+    hr.wait_yielding()  # idempotent
+    assert hr.done and hs.done
+    assert torch.equal(got, torch.full((1000,), float((r - 1) % n), dtype=torch.float64))
+
+
 def test_proc_null_is_a_no_op(world):
     t = torch.zeros(2)
     h = world.irecv(t, source=comm.PROC_NULL)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hpctrain.evaluate import forward_only
+from hpctrain.parallel.pipeline import chunks_of_rank, rank_of_stage, style_of
 from hpctrain.schedule.actions import Action, link
 
 MPI_MIN_TAG_UB = 32767  # the least MPI_TAG_UB the standard allows
@@ -48,25 +49,26 @@ class FakeChunk(torch.nn.Module):
         return torch.tensor(1.0) if self.last else torch.zeros(h.shape)
 
 
-def run_rank(pp: int, rank: int, virtual: int, m: int, tag_ub: int) -> list:
+def run_rank(pp: int, rank: int, virtual: int, m: int, tag_ub: int, kind="1f1b") -> list:
     cfg = SimpleNamespace(train=SimpleNamespace(micro_batch_size=1, seq_len=2),
-                          model=SimpleNamespace(d_model=3),
+                          model=SimpleNamespace(d_model=3), schedule=SimpleNamespace(kind=kind),
                           topology=SimpleNamespace(sequence_parallel=False))
     comm = FakeComm(tag_ub)
     topo = SimpleNamespace(pp_size=pp, pp_rank=rank, tp_size=1, pp_comm=comm)
-    chunks = [FakeChunk(rank + k * pp, pp * virtual) for k in range(virtual)]
+    style = style_of(kind)
+    chunks = [FakeChunk(s, pp * virtual) for s in chunks_of_rank(rank, pp, virtual, style)]
     microbatches = [(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
                     for _ in range(m)]
     total = forward_only(chunks, microbatches, topo, cfg)
-    assert total == (m if rank == (pp * virtual - 1) % pp else 0)
+    assert total == (m if rank == rank_of_stage(pp * virtual - 1, pp, style) else 0)
     return comm.ops
 
 
-def match(pp: int, virtual: int, m: int, tag_ub: int) -> int:
+def match(pp: int, virtual: int, m: int, tag_ub: int, kind="1f1b") -> int:
     """All ranks' transfers matched link by link in posting order; returns the top tag."""
     sends, recvs, top = defaultdict(list), defaultdict(list), 0
     for rank in range(pp):
-        for op, peer, tag in run_rank(pp, rank, virtual, m, tag_ub):
+        for op, peer, tag in run_rank(pp, rank, virtual, m, tag_ub, kind):
             top = max(top, tag)
             key = (rank, peer, tag) if op == "send" else (peer, rank, tag)
             (sends if op == "send" else recvs)[key].append(op)
@@ -75,10 +77,12 @@ def match(pp: int, virtual: int, m: int, tag_ub: int) -> int:
     return top
 
 
-@pytest.mark.parametrize("pp,virtual", [(2, 1), (4, 1), (2, 3), (4, 2)])
+@pytest.mark.parametrize("pp,virtual,kind", [(2, 1, "1f1b"), (4, 1, "1f1b"),
+                                             (2, 3, "interleaved"), (4, 2, "interleaved"),
+                                             (2, 2, "zbv"), (4, 2, "zbv")])
 @pytest.mark.parametrize("tag_ub", [MPI_MIN_TAG_UB, 16])
-def test_eval_tags_stay_within_tag_ub_for_a_long_evaluation(pp, virtual, tag_ub):
-    top = match(pp, virtual, m=1500, tag_ub=tag_ub)  # old tags: 1e6 + 1024 * mb + stage
+def test_eval_tags_stay_within_tag_ub_for_a_long_evaluation(pp, virtual, kind, tag_ub):
+    top = match(pp, virtual, m=1500, tag_ub=tag_ub, kind=kind)  # old: 1e6 + 1024 * mb + stage
     assert top <= tag_ub
 
 

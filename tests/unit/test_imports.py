@@ -29,7 +29,7 @@ ALLOWED = {
     "prepare": {"data", "formats", "tokenizer"},
     "checks": {"config"},
     "validate": {"checks", "config", "parallel", "schedule"},
-    "evaluate": {"data"},
+    "evaluate": {"data", "parallel"},
     "interchange": {"checkpoint", "config", "data", "model", "tokenizer"},
     "slurm": {"comm"},
     "train": {"checkpoint", "comm", "config", "data", "evaluate", "interchange", "optim",

@@ -10,7 +10,8 @@ from hpctrain.schedule.simulate import ScheduleError, simulate
 
 CASES = [(k, pp, v, m)
          for k in KINDS for pp in (2, 4) for v in (1, 2) for m in (pp, 2 * pp, 2 * pp + 1)
-         if v == 1 or k == "interleaved"]
+         if (v == 2) == (k == "zbv") or (k == "interleaved" and v == 1)]
+CASES += [("zbv", pp, 2, m) for pp in (1, 3) for m in (1, 2, 5)]
 
 
 def _positions(actions):
@@ -27,7 +28,7 @@ def test_schedule_is_sound(kind, pp, v, m):
     sched = build(kind, pp, m, v)
     result = simulate(sched)  # raises on unmatched transfers, misordering, deadlock
     assert len(sched.ranks) == pp and result.makespan > 0
-    split = kind == "zb-h1"
+    split = kind in ("zb-h1", "zbv")
     for r, actions in enumerate(sched.ranks):
         pos = _positions(actions)
         for mb in range(m):
@@ -35,7 +36,7 @@ def test_schedule_is_sound(kind, pp, v, m):
                 assert pos[("F", mb, c)] < pos[("B", mb, c)]
                 if split:
                     assert pos[("B", mb, c)] < pos[("W", mb, c)]
-                stage = r + c * pp
+                stage = sched.stage(r, Action("F", mb, c))
                 if stage > 0:  # received before used, sent back after the backward
                     assert pos[("RF", mb, c)] < pos[("F", mb, c)] < pos[("B", mb, c)]
                     assert pos[("B", mb, c)] < pos[("SB", mb, c)]
@@ -64,9 +65,52 @@ def test_interleaved_and_zero_bubble_beat_1f1b(pp, m):
     base = simulate(build("1f1b", pp, m)).bubble
     assert simulate(build("interleaved", pp, m, 2)).bubble < base
     assert simulate(build("zb-h1", pp, m)).bubble < base
-    # zb-h1 keeps 1F1B's activation memory
-    assert (simulate(build("zb-h1", pp, m)).peak_inflight
-            == simulate(build("1f1b", pp, m)).peak_inflight)
+    zbv, zb = simulate(build("zbv", pp, m)).bubble, simulate(build("zb-h1", pp, m)).bubble
+    assert zbv < zb if m >= 2 * pp - 1 else zbv <= zb  # zbv's steady state needs 2pp-1
+    # zb-h1 and zbv keep 1F1B's peak activation memory (rank 0's pp microbatches)
+    peak = max(simulate(build("1f1b", pp, m)).peak_microbatches)
+    for kind in ("zb-h1", "zbv"):
+        assert max(simulate(build(kind, pp, m)).peak_microbatches) == peak == pp
+
+
+# (pp, m) with m >= pp: the closed forms of Qi et al. 2023 hold there (m < pp: too few
+# microbatches to fill the pipeline; the simulator still times them).
+CLOSED = [(pp, m) for pp in (2, 3, 4, 5, 8) for m in (pp, pp + 1, 2 * pp, 3 * pp + 1)]
+
+
+@pytest.mark.parametrize("pp,m", CLOSED)
+def test_1f1b_and_zb_h1_closed_forms(pp, m):
+    """Makespan m(F+B+W) + (p-1)(F+B+W) for 1F1B, + (p-1)(F+B-W) for ZB-H1 (the paper's
+    Table 2: one third of 1F1B's bubble at F=B=W), for unit costs and others with W <= F;
+    the bubble in each convention of SimResult."""
+    one = simulate(build("1f1b", pp, m))
+    assert one.makespan == 3 * m + 3 * (pp - 1) and one.bubble_time == 3 * (pp - 1)
+    assert one.bubble_rate == pytest.approx((pp - 1) / m, rel=1e-12)
+    zb = simulate(build("zb-h1", pp, m))
+    assert zb.makespan == 3 * m + (pp - 1) and zb.bubble_time == pp - 1
+    assert zb.bubble_rate == pytest.approx((pp - 1) / (3 * m), rel=1e-12)
+    assert zb.peak_inflight == [pp] * pp  # every rank holds what 1F1B holds on rank 0
+    for F, B, W in ((1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.5, 0.5)):
+        res = simulate(build("zb-h1", pp, m), costs={"F": F, "B": B, "W": W})
+        assert res.makespan == pytest.approx(m * (F + B + W) + (pp - 1) * (F + B - W))
+
+
+@pytest.mark.parametrize("pp,m", CLOSED)
+def test_zbv_zero_bubble_and_1f1b_memory(pp, m):
+    """ZB-V: no idle time inside any rank's span at F=B=W (the published zero bubble), the
+    step is the ideal time plus only the pipeline fill (p-1) F/2, and every rank's peak is
+    pp microbatches of whole-stage activations, 1F1B's."""
+    if m < 2 * pp - 1:  # the steady state needs 2pp-1 microbatches
+        m = 2 * pp - 1 + m % 3
+    res = simulate(build("zbv", pp, m))
+    assert res.span_bubble == 0.0
+    assert res.makespan == pytest.approx(3 * m + (pp - 1) / 2)
+    assert res.peak_microbatches == [pp] * pp
+    assert res.peak_inflight == [2 * pp] * pp  # chunk-microbatches: half a stage each
+    sched = build("zbv", pp, m)
+    assert sched.stage(0, Action("F", 0, 1)) == 2 * pp - 1  # rank 0: first and last stage
+    assert sched.stage(pp - 1, Action("F", 0, 0)) == pp - 1
+    assert sched.stage(pp - 1, Action("F", 0, 1)) == pp  # the two middle stages
 
 
 def test_unequal_costs_change_the_makespan():
@@ -116,7 +160,7 @@ def test_action_strings_round_trip_and_bad_input():
         parse("3F")
     with pytest.raises(ValueError, match="needs schedule.kind='interleaved'"):
         build("1f1b", 2, 4, virtual=2)
-    with pytest.raises(ValueError, match="valid: gpipe, 1f1b, interleaved, zb-h1"):
+    with pytest.raises(ValueError, match="valid: gpipe, 1f1b, interleaved, zb-h1, zbv"):
         build("pipedream", 2, 4)
 
 
