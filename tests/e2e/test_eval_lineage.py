@@ -15,8 +15,7 @@ def val_losses(run):
 
 
 # Layouts whose validation pass crosses ranks: tp x pp with SP, interleaved pp, the V of
-# zbv; the MoE case
-# below runs dp=2 x ep=2 (validation batches split over dp and reduced).
+# zbv; the MoE case below runs dp=2 x ep=2 (validation batches split over dp, reduced).
 LAYOUTS = [
     ("tp2_pp2_sp", 4, ["topology.tp=2", "topology.pp=2", "topology.sequence_parallel=true"]),
     ("pp2_interleaved", 2, ["topology.pp=2", "schedule.kind=\"interleaved\"",
