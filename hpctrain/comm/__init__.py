@@ -5,7 +5,8 @@
 - ``records.py``: :class:`Recorder`, the per-run record of every operation (per-axis time
   and bytes, the flight-recorder ring).
 - ``setup.py``: building communicators (world, Cartesian grid, sub-communicators, node-local
-  splits) and process-level calls (abort, finalize, MPI-IO hints, the thread level).
+  splits) and process-level calls (abort, finalize, MPI-IO hints requested and applied, the thread
+  level).
 - ``gpu.py``: the GPU buffer seam (CUDA-aware MPI or host staging).
 """
 
@@ -13,6 +14,7 @@ from .group import PROC_NULL, Group, Handle, wait_all
 from .records import OpRecord, Recorder
 from .setup import (
     abort,
+    applied_hints,
     cartesian,
     finalize,
     mpi_info,
@@ -27,6 +29,6 @@ from .setup import (
     wtime,
 )
 
-__all__ = ["PROC_NULL", "Group", "Handle", "OpRecord", "Recorder", "abort", "cartesian",
-           "finalize", "mpi_info", "node_local", "processor_name", "shift", "split", "sub",
-           "thread_multiple", "wait_all", "with_recorder", "world", "wtime"]
+__all__ = ["PROC_NULL", "Group", "Handle", "OpRecord", "Recorder", "abort", "applied_hints",
+           "cartesian", "finalize", "mpi_info", "node_local", "processor_name", "shift",
+           "split", "sub", "thread_multiple", "wait_all", "with_recorder", "world", "wtime"]
