@@ -198,6 +198,11 @@ class Checkpointer:
             if w is not None:
                 w.join_prune()  # old checkpoints deleted (rank 0)
 
+    def background_write(self) -> tuple[float, str] | None:
+        """(start, what) while this rank writes a checkpoint in the background, else None
+        (for ``Watchdog.watch``). Not collective."""
+        return self.background.running() if self.background is not None else None
+
     def _finished(self, metrics: dict | None) -> None:
         """A background save's figures join this step's record; a second one ending in the
         same step (the last step waits for its own save) is renamed ``ckpt_prev_*``."""
@@ -299,24 +304,23 @@ class Checkpointer:
             with torch.no_grad():
                 for dpath in paths:
                     piece, dset = pieces.get(dpath), f[dpath]
-                    big = dset.size * dset.dtype.itemsize >= self.collective_min_bytes
+                    size = dset.size * dset.dtype.itemsize
+                    nbytes += size  # the checkpoint's bytes: the same on every rank
+                    big = size >= self.collective_min_bytes
                     into = piece.direct() if piece is not None else None
                     buf = transfer(dset, piece, write=False, collective=self.mpio and big,
                                    buf=into)
-                    if piece is not None:
-                        if into is None:  # read into a buffer, then into the tensor
-                            piece.scatter(buf)
-                        nbytes += buf.nbytes
+                    if piece is not None and into is None:  # via a buffer
+                        piece.scatter(buf)
                 attrs["rng_restored"] = self._load_rng(f, attrs)
         if hasattr(optimizer, "step_count"):
             optimizer.step_count = int(attrs["optim_step"])
         if getattr(optimizer, "scaler", None) is not None:  # float16 dynamic loss scale
             optimizer.scaler.load_state_dict({k[len(SCALER):]: v for k, v in attrs.items()
                                               if k.startswith(SCALER)})
-        total = world.allreduce(float(nbytes))
         dt = time.perf_counter() - t0
-        self.metrics.update({"ckpt_load_s": dt, "ckpt_load_bytes": total,
-                             "ckpt_load_GBps": total / dt / 1e9})
+        self.metrics.update({"ckpt_load_s": dt, "ckpt_load_bytes": float(nbytes),
+                             "ckpt_load_GBps": nbytes / dt / 1e9})
         return attrs
 
     def _load_rng(self, f, attrs) -> bool:
