@@ -19,8 +19,8 @@ training world, or its duplicate in the background):
    CRC compared with the one computed from memory;
 4. rank 0 renames it to ``step_N.h5``, points ``latest`` at it (one directory sync makes
    both renames durable; a crash before it leaves at worst a ``latest`` naming a missing
-   file, which ``latest()`` ignores for the newest file present) and deletes old files in
-   a thread; the other ranks do not wait for the commit.
+   file, which ``latest()`` treats as absent, so ``resume=auto`` takes the newest file
+   present), starts a thread that deletes old files, and a barrier ends the save.
 """
 
 from __future__ import annotations
@@ -257,18 +257,17 @@ class Writer:
     def _commit(self, tmp: Path, final: Path) -> None:
         """Rank 0 renames the file, points ``latest`` at it (both made durable by one
         directory sync) and deletes old checkpoints in a thread of its own (off the
-        critical path: deleting a large file takes as long as writing a small one). The
-        other ranks do not wait: the background writer's end is agreed by poll(), and a
-        reader finds ``latest`` through rank 0."""
-        if self.world.rank != 0:
-            return
-        self.join_prune()
-        os.replace(tmp, final)
-        cv.write_durably(self.dir / LATEST, final.name + "\n")  # syncs the directory
-        if self.cfg.keep > 0:
-            self._pruner = threading.Thread(target=self._prune, args=(final.name,),
-                                            name="hpctrain-prune", daemon=True)
-            self._pruner.start()
+        critical path: deleting a large file takes as long as writing a small one); every
+        rank returns once the file is committed. Collective."""
+        if self.world.rank == 0:
+            self.join_prune()
+            os.replace(tmp, final)
+            cv.write_durably(self.dir / LATEST, final.name + "\n")  # syncs the directory
+            if self.cfg.keep > 0:
+                self._pruner = threading.Thread(target=self._prune, args=(final.name,),
+                                                name="hpctrain-prune", daemon=True)
+                self._pruner.start()
+        self.world.barrier()
 
     def join_prune(self) -> None:
         """Wait for the deletion of old checkpoints (before the next commit, at the end)."""

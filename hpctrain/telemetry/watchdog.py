@@ -236,7 +236,9 @@ def summarise(records: dict[int, dict], world_size: int, timeout: float) -> str:
         else:
             suspects.append(f"{who}: step {rec['step']}, in '{rec['phase']}' without progress "
                             f"for {rec['idle_s']:.1f} s, no communication in flight")
-    head = (f"hpctrain watchdog: no progress for {timeout:g} s; aborting the job. "
+    what = (f"no progress for {timeout:g} s" if not any(r.get("stuck") for r in records.values())
+            else f"work beside the steps ran longer than its limit of {timeout:g} s")
+    head = (f"hpctrain watchdog: {what}; aborting the job. "
             f"Stuck: {'; '.join(suspects) or 'every rank waits in communication'}.")
     return "\n".join([head, *("  " + x for x in lines),
                       "  flight records and stacks: RUN_DIR/watchdog/rank<R>.json, .stack"])
