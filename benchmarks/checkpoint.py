@@ -7,9 +7,17 @@ Times are the slowest rank's, each including ``fsync``; bandwidth = checkpoint b
 hpctrain's save also includes the checksums and the atomic commit, so its write phase alone
 is reported too. Loads right after saves are served from the page cache.
 
+The load is measured twice: into the layout that wrote the file (each rank reads its rows)
+and into another one (the same tensors split by columns: each rank reads a strided block,
+what a restart on another layout does). A save and a load of 8 datasets of 4 KiB per rank
+give the fixed cost of each (open, allgathers, close, fsyncs, commit: what does not grow
+with the bytes). Checkpointers are built once, as in a training run.
+
 Checksums are computed from memory as the bytes are written (no read-back); the targets of
 the checkpoint issue are printed as ratios of medians taken in the same run (interleaved):
-save >= 1.0x per-rank ``torch.save`` and >= 0.8x the raw write, load >= 0.8x the raw read.
+save >= 1.0x per-rank ``torch.save`` and >= 0.8x the raw write, load (at either layout)
+>= 0.8x the raw read; each target not met is printed with its reason as far as measured:
+the fixed cost's share of the time and the ratio of the rest.
 
 The second part trains the demo model (``share/configs/demo.toml``, dp = world size, a save
 every 3 steps) alternately with ``checkpoint.async`` false and true and compares the time
@@ -53,15 +61,17 @@ class _NoOptimizer:
     step_count = 0
 
 
-def _shards(mb: float, topo) -> list:
-    """(name, local tensor with .hp) for TENSORS matrices of mb MiB in all, rows over tp."""
+def _shards(mb: float, topo, tp_dim: int = 0) -> list:
+    """(name, local tensor with .hp) for TENSORS matrices of mb MiB in all (at least one
+    row per rank), rows (``tp_dim`` 0) or columns (1) split over tp."""
     cols = 1024
     rows = max(topo.tp_size, int(mb * 2**20 / 4 / cols / TENSORS))
     out = []
     for i in range(TENSORS):
-        meta = ParamMeta((rows, cols), tp_dim=0)
-        _, _, local = shard_range(rows, topo.tp_size, topo.tp_rank)
-        t = torch.randn(local, cols, generator=torch.Generator().manual_seed(i))
+        meta = ParamMeta((rows, cols), tp_dim=tp_dim)
+        _, _, local = shard_range((rows, cols)[tp_dim], topo.tp_size, topo.tp_rank)
+        shape = (local, cols) if tp_dim == 0 else (rows, local)
+        t = torch.randn(*shape, generator=torch.Generator().manual_seed(i))
         t.hp = meta
         out.append((f"w{i}", t))
     return out
@@ -80,24 +90,7 @@ def _timed(world, fn) -> float:
     return world.allreduce(time.perf_counter() - t0, "max")
 
 
-def _variants(world, topo, params, nbytes: int, d: Path) -> dict:
-    """One measurement of every variant: {name: seconds}."""
-    out = {}
-    saver = Checkpointer(CheckpointConfig(keep=1), topo, d / "h5")
-    out["hdf5 save (hpctrain)"] = _timed(world, lambda: saver.save(1, params, _NoOptimizer, {}))
-    out["hdf5 write phase"] = saver.take_metrics()["ckpt_write_s"]
-    out["hdf5 load (hpctrain)"] = _timed(
-        world, lambda: saver.load(d / "h5" / store.step_name(1), params, _NoOptimizer))
-    # checkpoint.collective_io = true: collective MPI-IO for datasets >= 64 KiB.
-    coll = Checkpointer(CheckpointConfig(keep=1, collective_io=True), topo, d / "h5")
-    out["hdf5 save, collective I/O"] = _timed(
-        world, lambda: coll.save(2, params, _NoOptimizer, {}))
-    out["hdf5 write phase, collective I/O"] = coll.take_metrics()["ckpt_write_s"]
-    mine = d / f"shard_{world.rank}.pt"
-    shard = {n: p.detach() for n, p in params}
-    out["torch.save per rank"] = _timed(world, lambda: (torch.save(shard, mine), _fsync(mine)))
-    out["torch.load per rank"] = _timed(world, lambda: torch.load(mine, weights_only=True))
-    raw = d / "raw.bin"
+def _raw(world, nbytes: int, raw: Path) -> dict:
     blob = os.urandom(1 << 20)
 
     def write_raw():
@@ -114,24 +107,67 @@ def _variants(world, topo, params, nbytes: int, d: Path) -> dict:
                 while fh.read(8 << 20):
                     pass
 
-    out["raw sequential write (1 rank)"] = _timed(world, write_raw)
-    out["raw sequential read (1 rank)"] = _timed(world, read_raw)
+    return {"raw sequential write (1 rank)": _timed(world, write_raw),
+            "raw sequential read (1 rank)": _timed(world, read_raw)}
+
+
+class _Setup:
+    """What every repeat reuses, as a training run does (built once: the file-access
+    property lists, the applied-hints probe)."""
+
+    def __init__(self, world, topo, mb: float, d: Path):
+        self.world, self.d = world, d
+        self.params = _shards(mb, topo)
+        self.cols = _shards(mb, topo, tp_dim=1)  # the same tensors, another layout
+        self.tiny = _shards(0, topo)  # as many datasets, 32 KiB in all: the fixed cost
+        self.saver = Checkpointer(CheckpointConfig(keep=1), topo, d / "h5")
+        self.coll = Checkpointer(CheckpointConfig(keep=1, collective_io=True), topo, d / "c")
+        self.small = Checkpointer(CheckpointConfig(keep=1), topo, d / "tiny")
+
+
+def _variants(s: _Setup, nbytes: int, step: int) -> dict:
+    """One measurement of every variant: {name: seconds}."""
+    world, d, out = s.world, s.d, {}
+    out["hdf5 save (hpctrain)"] = _timed(world, lambda: s.saver.save(step, s.params,
+                                                                     _NoOptimizer, {}))
+    out["hdf5 write phase"] = s.saver.take_metrics()["ckpt_write_s"]
+    path = d / "h5" / store.step_name(step)
+    out["hdf5 load (hpctrain)"] = _timed(world, lambda: s.saver.load(path, s.params,
+                                                                     _NoOptimizer))
+    out["hdf5 load, another layout (columns)"] = _timed(
+        world, lambda: s.saver.load(path, s.cols, _NoOptimizer))
+    out["hdf5 save, fixed cost (8 x 4 KiB per rank)"] = _timed(
+        world, lambda: s.small.save(step, s.tiny, _NoOptimizer, {}))
+    tiny = d / "tiny" / store.step_name(step)
+    out["hdf5 load, fixed cost (8 x 4 KiB per rank)"] = _timed(
+        world, lambda: s.small.load(tiny, s.tiny, _NoOptimizer))
+    # checkpoint.collective_io = true: collective MPI-IO for datasets >= 64 KiB.
+    out["hdf5 save, collective I/O"] = _timed(
+        world, lambda: s.coll.save(step, s.params, _NoOptimizer, {}))
+    out["hdf5 write phase, collective I/O"] = s.coll.take_metrics()["ckpt_write_s"]
+    mine = d / f"shard_{world.rank}.pt"
+    shard = {n: p.detach() for n, p in s.params}
+    out["torch.save per rank"] = _timed(world, lambda: (torch.save(shard, mine), _fsync(mine)))
+    out["torch.load per rank"] = _timed(world, lambda: torch.load(mine, weights_only=True))
+    out.update(_raw(world, nbytes, d / "raw.bin"))
     return out
 
 
 def measure(world, mb: float, repeats: int, directory: str | None = None) -> list[dict]:
     """Rows {variant, ranks, MiB, median_s, GBps, samples} (rank 0's are the result)."""
     topo = Topology(TopologyConfig(tp=world.size), world)
-    params = _shards(mb, topo)
-    nbytes = int(world.allreduce(float(sum(p.numel() * 4 for _, p in params))))
+    base = Path(world.bcast_obj(tempfile.mkdtemp(prefix="hpctrain-ckpt-bench-", dir=directory)
+                                if world.rank == 0 else None))
+    setup = _Setup(world, topo, mb, base)
+    nbytes = int(world.allreduce(float(sum(p.numel() * 4 for _, p in setup.params))))
     nbytes -= nbytes % (1 << 20)  # the raw write moves whole MiB
-    base = world.bcast_obj(tempfile.mkdtemp(prefix="hpctrain-ckpt-bench-", dir=directory)
-                           if world.rank == 0 else None)
     samples: dict[str, list[float]] = {}
     try:
-        for _ in range(repeats):
-            for name, s in _variants(world, topo, params, nbytes, Path(base)).items():
-                samples.setdefault(name, []).append(s)
+        for i in range(repeats):
+            for name, sec in _variants(setup, nbytes, i + 1).items():
+                samples.setdefault(name, []).append(sec)
+        for saver in (setup.saver, setup.coll, setup.small):
+            saver.wait()  # old files deleted
     finally:
         world.barrier()
         if world.rank == 0:
@@ -141,17 +177,37 @@ def measure(world, mb: float, repeats: int, directory: str | None = None) -> lis
             for name, s in samples.items()]
 
 
+SAVE, LOAD = "hdf5 save (hpctrain)", "hdf5 load (hpctrain)"
 TARGETS = (  # (name, numerator variant, denominator variant, target)
-    ("save / torch.save per rank", "hdf5 save (hpctrain)", "torch.save per rank", ">= 1.0"),
-    ("save / raw write", "hdf5 save (hpctrain)", "raw sequential write (1 rank)", ">= 0.8"),
-    ("load / raw read", "hdf5 load (hpctrain)", "raw sequential read (1 rank)", ">= 0.8"),
+    ("save / torch.save per rank", SAVE, "torch.save per rank", ">= 1.0"),
+    ("save / raw write", SAVE, "raw sequential write (1 rank)", ">= 0.8"),
+    ("load / raw read", LOAD, "raw sequential read (1 rank)", ">= 0.8"),
+    ("load at another layout / raw read", "hdf5 load, another layout (columns)",
+     "raw sequential read (1 rank)", ">= 0.8"),
 )
+TINY_LOAD = "hdf5 load, fixed cost (8 x 4 KiB per rank)"
+FIXED = {SAVE: "hdf5 save, fixed cost (8 x 4 KiB per rank)", LOAD: TINY_LOAD,
+         "hdf5 load, another layout (columns)": TINY_LOAD}
 
 
 def bandwidth_ratios(rows: list[dict]) -> list[dict]:
-    """The issue's targets as bandwidth ratios (time of the reference / time of hpctrain)."""
+    """The issue's targets as bandwidth ratios (time of the reference / time of hpctrain);
+    where one is not met, ``why``: the share of hpctrain's time that does not depend on the
+    bytes (the same save or load of 8 datasets of 4 KiB per rank: open, allgathers, close,
+    fsyncs, commit) and the ratio without it."""
     by = {r["variant"]: r["median_s"] for r in rows}
-    return [ratio(name, by[den] / by[num], target) for name, num, den, target in TARGETS]
+    out = []
+    for name, num, den, target in TARGETS:
+        r = ratio(name, by[den] / by[num], target)
+        fixed = by.get(FIXED.get(num, ""))
+        if not r["met"] and fixed is not None:
+            rest = max(by[num] - fixed, 1e-9)
+            r["why"] = (f"fixed cost {fixed:.3f} s of {by[num]:.3f} s ({fixed / by[num]:.0%}); "
+                        f"the bytes alone: {by[den] / rest:.2f}x")
+            if "load" in name:
+                r["why"] += "; the raw read is one process reading the page cache"
+        out.append(r)
+    return out
 
 
 def _demo_run(world, run_dir: Path, use_async: bool) -> list[dict]:
@@ -232,10 +288,10 @@ def _print(rows, ratios, demo, load_avg) -> None:
         print("\n| demo model, per save | median s | min s | max s | n |\n|---|---|---|---|---|")
         for k, v in demo.items():
             print(f"| {k} | {median(v):.4f} | {min(v):.4f} | {max(v):.4f} | {len(v)} |")
-    print("\n| ratio | value | target | met |\n|---|---|---|---|")
+    print("\n| ratio | value | target | met | why not |\n|---|---|---|---|---|")
     for r in ratios:
         print(f"| {r['name']} | {r['value']:.2f} | {r['target']} | "
-              f"{'met' if r['met'] else 'NOT met'} |")
+              f"{'met' if r['met'] else 'NOT met'} | {r.get('why', '')} |")
     print(f"load average after: {os.getloadavg()}")
 
 

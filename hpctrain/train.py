@@ -120,6 +120,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     start, ckpt_attrs = restore(cfg, topo, log, saver, params, optimizer, tokens.lineage,
                                 run_dir)
     tel = Telemetry(cfg, topo, run_dir, log)
+    if tel.watchdog:  # a background write that hangs is reported, although steps go on
+        tel.watchdog.watch(saver.background_write)
     guard = NumericGuard(cfg.telemetry, functools.partial(saver.roll_back, params, optimizer))
     evaluator = (Evaluator(cfg, topo, chunks, device, log.info) if t.eval_every else None)
     stops = StopRules.from_config(t, topo.world, job.end_time)

@@ -34,7 +34,7 @@ class InFlight:
     def __init__(self, writer, world):
         self.writer, self.world = writer, world  # writer on a duplicate; world: training's
         self.thread: threading.Thread | None = None
-        self.step = 0
+        self.step, self.started = 0, 0.0
         self._outcome: tuple | None = None
 
     @property
@@ -43,7 +43,7 @@ class InFlight:
 
     def start(self, snap) -> None:
         assert self.thread is None, "one background save at a time"
-        self.step, self._outcome = snap.step, None
+        self.step, self._outcome, self.started = snap.step, None, time.perf_counter()
         self.thread = threading.Thread(target=self._run, args=(snap,), daemon=True,
                                        name=f"hpctrain-ckpt-{snap.step}")
         self.thread.start()
@@ -56,6 +56,14 @@ class InFlight:
             self._outcome = ("ok", metrics)
         except BaseException as e:  # noqa: BLE001 - reported on every rank by poll()
             self._outcome = ("failed", f"{type(e).__name__}: {e}")
+
+    def running(self) -> tuple[float, str] | None:
+        """(perf_counter at its start, what) while this rank's write runs, else None: the
+        watchdog fires when it runs longer than a checkpoint may (telemetry/watchdog.py),
+        since the training loop's progress says nothing about it. Any thread."""
+        if self.thread is None or self._outcome is not None:
+            return None
+        return self.started, f"the background write of checkpoint step {self.step}"
 
     def _state(self) -> str:
         if self._outcome is None:
@@ -84,4 +92,7 @@ class InFlight:
                 return {**self._outcome[1], "ckpt_async_step": self.step}
             if not block:
                 return None
-            self.thread.join(timeout=0.005)
+            if self._outcome is None:  # wait for this rank's own write without MPI
+                self.thread.join()
+            else:  # for the other ranks'
+                time.sleep(0.005)

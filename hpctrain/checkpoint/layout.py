@@ -119,6 +119,21 @@ class Piece:
             flat = flat.clone()  # a view of the live tensor
         return np.ascontiguousarray(flat.numpy(), dtype=self.dtype)
 
+    def direct(self) -> np.ndarray | None:
+        """The tensor's own memory as the 1-D buffer :meth:`gather` would give (one whole,
+        contiguous CPU tensor of the file's dtype), so that a load reads straight into it;
+        None otherwise (a load then reads into a buffer and :meth:`scatter` copies)."""
+        t = self.tensor
+        if (len(self.parts) != 1 or t.is_cuda or not t.is_contiguous()
+                or tuple(self.parts[0][1][1]) != tuple(t.shape)
+                or t.dtype in (torch.bfloat16, torch.float16)):
+            return None
+        flat = t.detach().numpy().reshape(-1)
+        view = self.parts[0][0](t)
+        if flat.dtype != self.dtype or view.data_ptr() != t.data_ptr():
+            return None
+        return flat
+
     @torch.no_grad()
     def scatter(self, buf: np.ndarray) -> None:
         """Inverse of :meth:`gather`: copy a 1-D buffer into the local tensor."""
@@ -230,7 +245,8 @@ def transfer(dset, piece: Piece | None, write: bool, collective: bool,
     ``piece`` None (or a non-writer on write) selects nothing: with ``collective`` True
     every rank of the file's communicator must call this for the same dataset in the same
     order (HDF5 collective I/O). ``buf``: on write, the piece's bytes already gathered
-    (a snapshot). Returns the 1-D buffer read."""
+    (a snapshot); on read, where to read to (:meth:`Piece.direct`). Returns the 1-D buffer
+    read."""
     from h5py import h5fd, h5p, h5s
 
     fspace = dset.id.get_space()
@@ -245,7 +261,7 @@ def transfer(dset, piece: Piece | None, write: bool, collective: bool,
         buf = buf if buf is not None else piece.gather()
     elif write:
         buf = np.empty((0,), dtype=dset.dtype)
-    else:
+    elif buf is None or buf.size != n:
         buf = np.empty((n,), dtype=dset.dtype)
     if n == 0 and not collective:
         return buf

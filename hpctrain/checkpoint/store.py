@@ -39,6 +39,7 @@ from .. import comm
 from ..config import CheckpointConfig
 from . import integrity as cv
 from .background import CheckpointFailed, InFlight
+from .files import Opener
 from .layout import Piece, misfits, pieces_of, transfer, unknown_params
 from .lineage import LineageError
 from .write import (
@@ -120,10 +121,10 @@ class Checkpointer:
             why = f"{SERIAL_ENV} is set" if forced else "h5py was built without MPI"
             self.warn(f"checkpoints use the serial fallback ({why}): ranks write in turn")
         self.metrics: dict[str, float] = {}
-        self._info = comm.mpi_info(ccfg.mpi_hints) if self.mpio else None  # MPI-IO hints
         self._env: dict | None = None  # versions and git commit, once per run (rank 0)
         self.writer = Writer(topo.world, self.dir, self._opener(topo.world), self.mpio, ccfg,
                              collective_min_bytes)
+        self._reader = self.writer.open  # the world's opener: its property list is shared
         self.background = self._background(collective_min_bytes)
 
     def _background(self, collective_min_bytes: int) -> InFlight | None:
@@ -148,22 +149,9 @@ class Checkpointer:
         out, self.metrics = self.metrics, {}
         return out
 
-    def _opener(self, group):
-        def open_file(path, mode: str):
-            import h5py
-
-            kw = {}
-            if self.cfg.alignment > 0:
-                kw.update(alignment_threshold=ALIGN_MIN_BYTES,
-                          alignment_interval=self.cfg.alignment)
-            if self.mpio:
-                kw.update(driver="mpio", comm=group.mpi, info=self._info)
-            return h5py.File(path, mode, **kw)
-
-        return open_file
-
-    def _open(self, path, mode: str):
-        return self._opener(self.topo.world)(path, mode)
+    def _opener(self, group) -> Opener:
+        return Opener(group, self.mpio, self.cfg.mpi_hints, self.cfg.alignment,
+                      ALIGN_MIN_BYTES)
 
     def _rng_piece(self, rows: int, state: torch.Tensor) -> Piece:
         r, n = self.topo.world.rank, state.numel()
@@ -206,6 +194,14 @@ class Checkpointer:
             t0 = time.perf_counter()
             self._finished(self.background.poll(block=True))
             self.metrics["ckpt_wait_s"] = time.perf_counter() - t0
+        for w in (self.writer, self.background and self.background.writer):
+            if w is not None:
+                w.join_prune()  # old checkpoints deleted (rank 0)
+
+    def background_write(self) -> tuple[float, str] | None:
+        """(start, what) while this rank writes a checkpoint in the background, else None
+        (for ``Watchdog.watch``). Not collective."""
+        return self.background.running() if self.background is not None else None
 
     def _finished(self, metrics: dict | None) -> None:
         """A background save's figures join this step's record; a second one ending in the
@@ -232,7 +228,7 @@ class Checkpointer:
                "writer": "mpio" if self.mpio else "serial",
                "world_size": self.topo.world.size, "rng_layout": str(self.topo.dims),
                "layout": json.dumps({"dims(pp,dp_outer,ep,tp)": list(self.topo.dims),
-                                     "mpi_hints": dict(self.cfg.mpi_hints),
+                                     "mpi_hints": dict(self.cfg.mpi_hints),  # as requested
                                      "alignment": self.cfg.alignment,
                                      "align_min_bytes": ALIGN_MIN_BYTES,
                                      "collective_io": self.cfg.collective_io,
@@ -292,13 +288,14 @@ class Checkpointer:
         t0 = time.perf_counter()
         world = self.topo.world
         pieces = {p.path: p for p in pieces_of(named_params, optimizer, self.topo)}
-        paths = sorted(set().union(*world.allgather_obj(set(pieces))))
-        with self._open(path, "r") as f:
+        with self._reader(path, "r") as f:
             attrs = {k: cv._plain(v) for k, v in f.attrs.items()}
             if f.attrs.get("format") != FORMAT or "model" not in f:
                 raise CheckpointMismatch(f"{path} is not an hpctrain checkpoint")
-            errors = [e for part in world.allgather_obj(misfits(f, pieces)) for e in part]
-            errors = errors or unknown_params(f, paths)  # the same on every rank
+            # one allgather: every rank's datasets and what does not fit on any rank
+            parts = world.allgather_obj((set(pieces), misfits(f, pieces)))
+            paths = sorted(set().union(*(p[0] for p in parts)))
+            errors = [e for p in parts for e in p[1]] or unknown_params(f, paths)
             if errors:  # before anything is read: every rank refuses alike
                 raise CheckpointMismatch(
                     f"refusing to resume from {path}: it does not fit this model "
@@ -307,21 +304,23 @@ class Checkpointer:
             with torch.no_grad():
                 for dpath in paths:
                     piece, dset = pieces.get(dpath), f[dpath]
-                    big = dset.size * dset.dtype.itemsize >= self.collective_min_bytes
-                    buf = transfer(dset, piece, write=False, collective=self.mpio and big)
-                    if piece is not None:
+                    size = dset.size * dset.dtype.itemsize
+                    nbytes += size  # the checkpoint's bytes: the same on every rank
+                    big = size >= self.collective_min_bytes
+                    into = piece.direct() if piece is not None else None
+                    buf = transfer(dset, piece, write=False, collective=self.mpio and big,
+                                   buf=into)
+                    if piece is not None and into is None:  # via a buffer
                         piece.scatter(buf)
-                        nbytes += buf.nbytes
                 attrs["rng_restored"] = self._load_rng(f, attrs)
         if hasattr(optimizer, "step_count"):
             optimizer.step_count = int(attrs["optim_step"])
         if getattr(optimizer, "scaler", None) is not None:  # float16 dynamic loss scale
             optimizer.scaler.load_state_dict({k[len(SCALER):]: v for k, v in attrs.items()
                                               if k.startswith(SCALER)})
-        total = world.allreduce(float(nbytes))
         dt = time.perf_counter() - t0
-        self.metrics.update({"ckpt_load_s": dt, "ckpt_load_bytes": total,
-                             "ckpt_load_GBps": total / dt / 1e9})
+        self.metrics.update({"ckpt_load_s": dt, "ckpt_load_bytes": float(nbytes),
+                             "ckpt_load_GBps": nbytes / dt / 1e9})
         return attrs
 
     def _load_rng(self, f, attrs) -> bool:

@@ -10,13 +10,17 @@ training world, or its duplicate in the background):
 1. one ``allgather``: every rank's dataset specs and CRC runs. From them every rank derives
    the sorted dataset list, each dataset's CRC-32 (runs joined in global order) and refuses
    (``IncompleteCheckpoint``, nothing created) unless the runs tile every dataset exactly;
+   the first save also asks MPI which hints it applies (files.Opener.applied_hints);
 2. ``.step_N.h5.tmp`` is created collectively (datasets without fill, checksums and
    attributes already set), each rank writes its own hyperslabs (independent I/O below
-   ``collective_min_bytes``), flushes (``MPI_File_sync``), closes and fsyncs;
+   ``collective_min_bytes``), closes and fsyncs its own writes (no collective
+   ``MPI_File_sync`` before the close: the fsync after it covers them), then one barrier;
 3. with ``checkpoint.verify_write`` the file is read back (datasets round-robin) and each
    CRC compared with the one computed from memory;
-4. rank 0 renames it to ``step_N.h5`` (directory synced), points ``latest`` at it (durably)
-   and prunes old files.
+4. rank 0 renames it to ``step_N.h5``, points ``latest`` at it (one directory sync makes
+   both renames durable; a crash before it leaves at worst a ``latest`` naming a missing
+   file, which ``latest()`` treats as absent, so ``resume=auto`` takes the newest file
+   present), starts a thread that deletes old files, and a barrier ends the save.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class Writer:
         self.world, self.dir, self.open, self.mpio, self.cfg = (world, directory, opener, mpio,
                                                                 cfg)
         self.collective_min_bytes = collective_min_bytes
+        self._pruner: threading.Thread | None = None
 
     def write(self, snap: Snapshot) -> dict:
         """Write, verify if asked, commit; returns the save's metrics."""
@@ -177,7 +182,8 @@ class Writer:
                                        f"wrote {len(short)} dataset(s) incompletely: "
                                        + "; ".join(short[:5]))
         total = float(sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in specs))
-        return specs, {**parts[0][2], "checksum": cv.CHECKSUM}, total
+        return specs, {**parts[0][2], "checksum": cv.CHECKSUM,
+                       "mpi_hints_applied": self.open.applied_hints(self.dir)}, total
 
     def _sums(self, specs, snap: Snapshot, crc: threading.Thread) -> dict[str, int]:
         """Every dataset's CRC-32 from every rank's runs (one allgather), the same on every
@@ -209,7 +215,7 @@ class Writer:
                 sums = self._sums(specs, snap, crc)
                 for path, value in sums.items():  # collective: the same values everywhere
                     dsets[path].attrs["crc32"] = np.uint32(value)
-                f.flush()  # collective H5Fflush: MPI_File_sync on every rank
+            # no H5Fflush (a collective MPI_File_sync): every rank fsyncs after the close
         else:
             for r in range(self.world.size):  # serial fallback: ranks take turns
                 if r == self.world.rank:
@@ -217,7 +223,6 @@ class Writer:
                         dsets = _create(f, specs, meta) if r == 0 else {p: f[p] for p, _, _
                                                                         in specs}
                         self._fill(dsets, specs, snap, collective=False)
-                        f.flush()
                 self.world.barrier()
             sums = self._sums(specs, snap, crc)
             if self.world.rank == 0:
@@ -250,17 +255,27 @@ class Writer:
                                     f"dataset(s) differ from what was written: {bad[:5]}")
 
     def _commit(self, tmp: Path, final: Path) -> None:
-        """Rank 0 renames (directory synced), points ``latest`` at the file (durably) and
-        prunes. Collective."""
+        """Rank 0 renames the file, points ``latest`` at it (both made durable by one
+        directory sync) and deletes old checkpoints in a thread of its own (off the
+        critical path: deleting a large file takes as long as writing a small one); every
+        rank returns once the file is committed. Collective."""
         if self.world.rank == 0:
-            cv.replace_durably(tmp, final)
-            cv.write_durably(self.dir / LATEST, final.name + "\n")
-            self._prune(keep_name=final.name)
+            self.join_prune()
+            os.replace(tmp, final)
+            cv.write_durably(self.dir / LATEST, final.name + "\n")  # syncs the directory
+            if self.cfg.keep > 0:
+                self._pruner = threading.Thread(target=self._prune, args=(final.name,),
+                                                name="hpctrain-prune", daemon=True)
+                self._pruner.start()
         self.world.barrier()
 
+    def join_prune(self) -> None:
+        """Wait for the deletion of old checkpoints (before the next commit, at the end)."""
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
+
     def _prune(self, keep_name: str) -> None:
-        if self.cfg.keep <= 0:
-            return
         files = sorted(self.dir.glob("step_*.h5"))
         for old in files[:-self.cfg.keep]:
             if old.name != keep_name:

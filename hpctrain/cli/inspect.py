@@ -1,6 +1,6 @@
 """``hpctrain inspect CKPT [--verify] [--json]``: tensors, shapes, dtypes and lineage of a
 checkpoint (a file, or a checkpoint directory: its ``latest``), and how it was written (MPI-IO
-hints, alignment, I/O mode). ``--verify`` recomputes every
+hints requested and applied, alignment, I/O mode). ``--verify`` recomputes every
 dataset's CRC-32 and exits 1 when any differs or the file is damaged. One process, no MPI."""
 
 from __future__ import annotations
@@ -60,13 +60,18 @@ def run(args) -> int:
 
 
 def io_settings(info: dict) -> list[str]:
-    """How the file was written: the MPI-IO hints passed at open (verbatim), the alignment
-    asked for and how many large datasets start on it, independent or collective I/O."""
+    """How the file was written: the MPI-IO hints passed at open (verbatim), those MPI
+    applied (``MPI_File_get_info``; absent in files written before it was recorded), the
+    alignment asked for and how many large datasets start on it, independent or collective
+    I/O."""
     try:
         layout = json.loads(info["attrs"].get("layout", "{}"))
     except ValueError:
         return []
     out = [f"mpi_hints          {json.dumps(layout.get('mpi_hints', {}), sort_keys=True)}"]
+    applied = info["attrs"].get("mpi_hints_applied")
+    if applied is not None:
+        out.append(f"mpi_hints applied  {applied}")
     align, least = int(layout.get("alignment", 0) or 0), int(layout.get("align_min_bytes", 0))
     big = [t for t in info["tensors"] if t["nbytes"] >= least and t.get("offset") is not None]
     if align > 0:

@@ -97,3 +97,18 @@ def mpi_info(hints: dict):
         info.Set(str(key), str(value))
     return info
 
+
+
+def applied_hints(group, path, info) -> dict[str, str]:
+    """The MPI-IO hints the MPI library applies to ``path`` opened (created if absent) over
+    ``group`` with ``info``: ``MPI_File_get_info`` of an open/close of the file (ROMIO
+    reports every hint in effect, defaults and striping included; keys it ignored are
+    absent). Collective."""
+    fh = MPI.File.Open(group.mpi, str(path), MPI.MODE_CREATE | MPI.MODE_WRONLY, info)
+    try:
+        got = fh.Get_info()
+        out = {got.Get_nthkey(i): got.Get(got.Get_nthkey(i)) for i in range(got.Get_nkeys())}
+        got.Free()
+    finally:
+        fh.Close()
+    return {k: v for k, v in sorted(out.items()) if v is not None}

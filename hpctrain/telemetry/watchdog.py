@@ -16,7 +16,17 @@ events and may come first long after the slowest step seen: ``checkpoint`` gets
 ``CHECKPOINT_FACTOR`` times the limit (parallel file systems are slow, not stuck) and
 ``eval`` one limit per held-out batch (``train.eval_batches``: each is a forward pass of a
 global batch, less than a training step). ``factor = 0`` pins the limit to the floor (the
-fault tests). If the limit passes, this rank writes to ``RUN_DIR/watchdog/``:
+fault tests).
+
+Work that runs beside the steps is watched by its age, not by progress:
+:meth:`Watchdog.watch` takes a callable that returns ``(start, what)`` while such work runs
+(the background write of an asynchronous checkpoint, ``Checkpointer.background_write``)
+and None otherwise. The training loop keeps making progress while a background write
+hangs, and waiting for it polls a collective that completes again and again, so progress
+alone would feed the watchdog forever; instead a background write older than the
+``checkpoint`` limit fires it, and the record names the write and its age.
+
+If the limit passes, this rank writes to ``RUN_DIR/watchdog/``:
 
   ``rank<R>.json``   its flight recorder: step, phase, the last N operations of
                      ``topo.recorder.ring`` (op, axis, peer rank and grid coordinates,
@@ -99,6 +109,8 @@ class Watchdog:
         timers.listeners.append(lambda *_: self._progress())
         self._on_comm = lambda _rec: self._progress()
         self.topo.recorder.listeners.append(self._on_comm)
+        self._watched: list = []  # callables: (start, what) of work beside the steps, or None
+        self.stuck = ""  # what fired the watchdog when it is not the lack of progress
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
         self._thread.start()
@@ -113,6 +125,20 @@ class Watchdog:
     def end_step(self, step_s: float) -> None:
         """A step took ``step_s`` seconds (evaluation and checkpoint included)."""
         self.slowest = max(self.slowest, step_s)
+
+    def watch(self, running) -> None:
+        """Also watch work beside the steps: ``running()`` -> ``(perf_counter at its start,
+        what it is)`` while it runs, else None; it fires after the ``checkpoint`` limit."""
+        self._watched.append(running)
+
+    def _overdue(self, now: float) -> tuple[str, float] | None:
+        """(what, limit) of watched work older than the checkpoint limit, or None."""
+        limit = limit_s(self.floor, self.factor, self.slowest, "checkpoint")
+        for running in self._watched:
+            got = running()
+            if got is not None and now - got[0] > limit:
+                return f"{got[1]} has run for {now - got[0]:.1f} s", limit
+        return None
 
     def limit(self) -> float:
         """The limit now, for the phase this rank is in."""
@@ -136,7 +162,10 @@ class Watchdog:
             now, limit = time.perf_counter(), self.limit()
             ops = list(self.topo.recorder.ring)[-self.ring_ops:]
             stuck = [r for r in ops if not r.completed and now - r.posted > limit]
-            if now - self.last_progress > limit or stuck:
+            overdue = self._overdue(now)
+            if overdue is not None and not stuck and now - self.last_progress <= limit:
+                self.stuck, limit = overdue
+            if now - self.last_progress > limit or stuck or overdue:
                 self._fire(now, ops, limit)
                 return
 
@@ -148,7 +177,7 @@ class Watchdog:
                 "host": self.topo.hostname, "pid": os.getpid(), "step": self.step,
                 "phase": self.timers.current, "step_age_s": round(now - self.t_step, 3),
                 "idle_s": round(now - self.last_progress, 3),
-                "timeout_s": round(self.limit(), 3), "ops": rows}
+                "timeout_s": round(self.limit(), 3), "stuck": self.stuck, "ops": rows}
 
     def _fire(self, now: float, ops, limit: float) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -200,12 +229,16 @@ def summarise(records: dict[int, dict], world_size: int, timeout: float) -> str:
         rec = records[r]
         who = f"rank {r} {rec['coords']} on {rec['host']}"
         waiting = _waiting_in(rec)
-        if waiting:
+        if rec.get("stuck"):  # work beside the steps (a background checkpoint write)
+            suspects.append(f"{who}: step {rec['step']}, {rec['stuck']}")
+        elif waiting:
             lines.append(f"{who}: step {rec['step']}, waiting in {waiting}")
         else:
             suspects.append(f"{who}: step {rec['step']}, in '{rec['phase']}' without progress "
                             f"for {rec['idle_s']:.1f} s, no communication in flight")
-    head = (f"hpctrain watchdog: no progress for {timeout:g} s; aborting the job. "
+    what = (f"no progress for {timeout:g} s" if not any(r.get("stuck") for r in records.values())
+            else f"work beside the steps ran longer than its limit of {timeout:g} s")
+    head = (f"hpctrain watchdog: {what}; aborting the job. "
             f"Stuck: {'; '.join(suspects) or 'every rank waits in communication'}.")
     return "\n".join([head, *("  " + x for x in lines),
                       "  flight records and stacks: RUN_DIR/watchdog/rank<R>.json, .stack"])

@@ -130,3 +130,19 @@ def test_preemption_during_a_background_write_commits_the_announced_step(tmp_pat
     last = read_run(run_dir).metrics[-1]
     assert last["step"] == k and last["ckpt_async_step"] == k
     assert last["ckpt_wait_s"] >= 0.5  # the save before k was still being written
+
+
+def test_a_hanging_background_write_is_reported_by_the_watchdog(tmp_path):
+    """The steps go on while the write of step 2 hangs (120 s before its commit), so they
+    keep the watchdog fed; it watches the write's age instead and fires after the checkpoint
+    limit (10 x the pinned 1 s), naming the write. One rank: the cheapest run."""
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, "train.steps=4", "checkpoint.every=2", ASYNC,
+                      "telemetry.watchdog_s=1", "telemetry.watchdog_factor=0")
+    proc = mpirun(1, args, check=False, timeout=90,  # a hang raises TimeoutExpired
+                  extra_env={"HPCTRAIN_FAULT_CKPT_SLOW_S": 120})
+    assert proc.returncode != 0
+    msg = (run_dir / "watchdog" / "summary.txt").read_text()
+    assert "the background write of checkpoint step 2 has run for 1" in msg, msg
+    assert msg.splitlines()[0] in proc.stderr
+    assert not (run_dir / "checkpoints" / "step_00000002.h5").exists()

@@ -1,6 +1,6 @@
 """A ZeRO checkpoint under MPI-IO at any world size (run under mpirun; every rank is one dp
-rank): each rank writes and reads only its own shards, and every rank's writes are flushed
-and fsynced before rank 0 renames the file."""
+rank): each rank writes and reads only its own shards, and every rank closes the file and
+fsyncs its writes before rank 0 renames it."""
 
 import json
 import os
@@ -60,14 +60,14 @@ def test_zero_shards_saved_in_place_and_synced_by_every_rank(topo, tmp_path, mon
             t.copy_(torch.arange(lo, hi, dtype=t.dtype) + (0.5 if k == "exp_avg_sq" else 0))
     want = opt.state  # the gathered copy (collective), for comparison only
     events = []
-    real_fsync, real_replace, real_flush = os.fsync, os.replace, h5py.File.flush
+    real_fsync, real_replace, real_close = os.fsync, os.replace, h5py.File.close
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(
         (time.monotonic(), "fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name)),
         real_fsync(fd)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(
         (time.monotonic(), "replace", Path(a).name)), real_replace(a, b)))
-    monkeypatch.setattr(h5py.File, "flush", lambda f: (events.append(
-        (time.monotonic(), "flush", "")), real_flush(f)))
+    monkeypatch.setattr(h5py.File, "close", lambda f: (events.append(
+        (time.monotonic(), "close", "")), real_close(f)))
     saver = store.Checkpointer(CheckpointConfig(), topo, _shared_dir(topo, tmp_path),
                                collective_min_bytes=64)
     final = saver.save(3, named, opt, {})
@@ -77,9 +77,9 @@ def test_zero_shards_saved_in_place_and_synced_by_every_rank(topo, tmp_path, mon
     assert len(renamed) == 1, every[0]
     for r, ev in enumerate(every):
         synced = [t for t, what, name in ev if what == "fsync" and name == tmp]
-        flushed = [t for t, what, _ in ev if what == "flush"]
+        closed = [t for t, what, _ in ev if what == "close"]
         assert synced and min(synced) < renamed[0], f"rank {r} did not fsync before the rename"
-        assert flushed and min(flushed) < min(synced), f"rank {r}: no collective flush"
+        assert closed and min(closed) < min(synced), f"rank {r}: fsync before the close"
     with h5py.File(final, "r") as f:  # every rank's shard landed in the global datasets
         for name in SHAPES:
             for key in ("exp_avg", "exp_avg_sq"):
@@ -102,20 +102,26 @@ LUSTRE_GPFS_HINTS = {"striping_factor": "4", "striping_unit": "1048576",
 def test_site_hints_pass_through_unchanged_and_inspect_shows_them(topo, tmp_path, monkeypatch,
                                                                   capsys, collective_io):
     """The MPI-IO hints that matter on Lustre and GPFS reach MPI_File_open verbatim (the
-    MPI.Info handed to HDF5), are recorded in the file, and `inspect` shows them with the
-    alignment: every dataset of >= 64 KiB starts on a stripe (1 MiB) boundary."""
+    MPI.Info handed to HDF5), are recorded in the file with those MPI applied
+    (MPI_File_get_info), and `inspect` shows both with the alignment: every dataset of >=
+    64 KiB starts on a stripe (1 MiB) boundary."""
     if not store.h5py_has_mpi():
         pytest.fail("h5py without MPI: this test is about the MPI-IO writer")
     monkeypatch.delenv(store.SERIAL_ENV, raising=False)
-    opened = []
-    real_file = h5py.File
+    opened, applied = [], []
+    real_info, real_applied = comm.mpi_info, comm.applied_hints
 
-    def recording_file(*a, **kw):
-        if kw.get("info") is not None:
-            opened.append({k: kw["info"].Get(k) for k in LUSTRE_GPFS_HINTS})
-        return real_file(*a, **kw)
+    def recording_info(hints):
+        info = real_info(hints)
+        opened.append({k: info.Get(k) for k in LUSTRE_GPFS_HINTS})
+        return info
 
-    monkeypatch.setattr(h5py, "File", recording_file)
+    def recording_applied(*a):
+        applied.append(real_applied(*a))
+        return applied[-1]
+
+    monkeypatch.setattr(comm, "mpi_info", recording_info)
+    monkeypatch.setattr(comm, "applied_hints", recording_applied)
     named = []
     for name, shape in (("big", (64, 1024)), ("small", (3, 5))):  # 512 KiB and 120 B
         p = torch.nn.Parameter(torch.randn(shape, dtype=torch.float64))
@@ -126,13 +132,14 @@ def test_site_hints_pass_through_unchanged_and_inspect_shows_them(topo, tmp_path
                            collective_io=collective_io)
     saver = store.Checkpointer(cfg, topo, _shared_dir(topo, tmp_path))
     final = saver.save(1, named, opt, {})
-    monkeypatch.setattr(h5py, "File", real_file)
     assert opened and all(o == LUSTRE_GPFS_HINTS for o in opened), opened
+    assert len(applied) == 1 and applied[0], applied  # probed once, at the first save
     if topo.world.rank == 0:
         lines = inspect.io_settings(describe(final))
         assert lines[0] == "mpi_hints          " + json.dumps(LUSTRE_GPFS_HINTS, sort_keys=True)
-        assert lines[1] == ("alignment          1048576 bytes: 3 of 3 datasets of >= 65536 "
+        assert lines[1] == "mpi_hints applied  " + json.dumps(applied[0], sort_keys=True)
+        assert lines[2] == ("alignment          1048576 bytes: 3 of 3 datasets of >= 65536 "
                             "bytes start on it")  # model/big and its two moments
         io = "collective MPI-IO" if collective_io else "independent (own hyperslabs)"
-        assert lines[2] == f"io                 {io}"
+        assert lines[3] == f"io                 {io}"
     topo.world.barrier()

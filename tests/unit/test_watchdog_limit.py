@@ -84,3 +84,49 @@ def test_a_pinned_small_limit_fires(tmp_path, monkeypatch):
     time.sleep(1.0)
     dog.close()
     assert fired == [0.3]
+
+
+class _OneRank:
+    rank, size = 0, 1
+
+    def allgather_obj(self, obj):
+        return [obj]
+
+
+def test_a_hanging_background_write_fires_although_the_steps_go_on(tmp_path, monkeypatch):
+    """The steps keep making progress while an asynchronous save's write hangs: the watchdog
+    watches the write's age (checkpoint limit) and names it; a write that ends in time does
+    not fire it."""
+    from hpctrain.checkpoint.background import InFlight
+    from hpctrain.telemetry.watchdog import summarise
+
+    fired = []
+    monkeypatch.setattr(Watchdog, "_fire",
+                        lambda self, now, ops, limit: fired.append((limit, self.stuck)))
+    timers = Timers()
+    dog = Watchdog(0.05, fake_topo(), tmp_path, timers, factor=0)  # checkpoint: 0.5 s
+    release = threading.Event()
+    flight = InFlight(SimpleNamespace(write=lambda snap: (release.wait(10), {})[1]), _OneRank())
+    dog.watch(flight.running)
+    dog.begin_step(1)
+    flight.start(SimpleNamespace(step=4))  # one that ends in time
+    release.set()
+    assert flight.poll(block=True)["ckpt_async_step"] == 4 and flight.running() is None
+    release.clear()
+    flight.start(SimpleNamespace(step=7))  # one that hangs
+    t0 = time.perf_counter()
+    while not fired and time.perf_counter() - t0 < 5:
+        with timers("compute"):  # steps go on: progress all the time
+            time.sleep(0.01)
+        assert flight.poll(block=False) is None
+    release.set()
+    dog.close()
+    assert flight.poll(block=True)["ckpt_async_step"] == 7
+    assert len(fired) == 1, fired
+    limit, stuck = fired[0]
+    assert limit == 0.05 * CHECKPOINT_FACTOR
+    assert stuck.startswith("the background write of checkpoint step 7 has run for 0.")
+    assert time.perf_counter() - t0 < 2.0
+    rec = {"coords": "(pp=0)", "host": "here", "step": 9, "stuck": stuck, "ops": [],
+           "phase": "compute", "idle_s": 0.0}
+    assert stuck in summarise({0: rec}, 1, limit)
