@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .mpi_env import ROOT, launch_env, with_checkout
+from .mpi_env import ROOT, command, detect, launch_env, with_checkout, without_job
 
 PY = str(ROOT / ".venv" / "bin" / "python")
 CFG = "share/configs/tiny.toml"
@@ -50,15 +50,14 @@ OUT = ROOT / "share" / "perf" / "calibration-runs.json"
 
 
 def _env() -> dict:
-    keep = {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_"))}
-    return with_checkout({**keep, **launch_env()})
+    return with_checkout({**without_job(dict(os.environ)), **launch_env()})
 
 
 def _launch(n: int, args: list[str], cluster: str | None) -> list[str]:
-    base = ["mpirun", "-n", str(n)] if cluster is None else [
-        str(ROOT / "scripts" / "cluster.sh"), "mpirun", cluster, "-n", str(n)]
-    return base + [PY, "-m", "mpi4py", "-m", "hpctrain", *args]
+    launcher = detect() if cluster is None else detect().with_program(
+        (str(ROOT / "scripts" / "cluster.sh"), "mpirun", cluster))
+    return command(n, PY, "-m", "mpi4py", "-m", "hpctrain", *args, launcher=launcher,
+                   oversubscribe=False)
 
 
 def calibrate(n: int, out: Path, cluster: str | None) -> None:

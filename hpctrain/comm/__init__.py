@@ -5,7 +5,8 @@
 - ``records.py``: :class:`Recorder`, the per-run record of every operation (per-axis time
   and bytes, the flight-recorder ring).
 - ``setup.py``: building communicators (world, Cartesian grid, sub-communicators, node-local
-  splits) and process-level calls (abort, finalize, MPI-IO hints, the thread level).
+  splits) and process-level calls (abort, finalize, MPI-IO hints, the thread level, the
+  library's name and version).
 - ``gpu.py``: the GPU buffer seam (CUDA-aware MPI or host staging).
 """
 
@@ -15,6 +16,7 @@ from .setup import (
     abort,
     cartesian,
     finalize,
+    library,
     mpi_info,
     node_local,
     processor_name,
@@ -28,5 +30,5 @@ from .setup import (
 )
 
 __all__ = ["PROC_NULL", "Group", "Handle", "OpRecord", "Recorder", "abort", "cartesian",
-           "finalize", "mpi_info", "node_local", "processor_name", "shift", "split", "sub",
-           "thread_multiple", "wait_all", "with_recorder", "world", "wtime"]
+           "finalize", "library", "mpi_info", "node_local", "processor_name", "shift", "split",
+           "sub", "thread_multiple", "wait_all", "with_recorder", "world", "wtime"]
