@@ -70,23 +70,27 @@ class Launcher:
             raise ValueError(f"unknown launcher family {self.family!r}; one of {FAMILIES}")
 
     def argv(self, n: int, *, oversubscribe: bool = True, bind: str | None = None,
-             export: tuple[str, ...] = ()) -> list[str]:
+             export: tuple[str, ...] = (), keep_going: bool = False) -> list[str]:
         """The command line up to the program of each rank: ``n`` ranks; more ranks than
         cores allowed; ``bind`` ``core`` / ``none`` (None: the launcher's default);
-        ``export``: variables to pass to remote ranks (local ranks inherit everything)."""
+        ``export``: variables to pass to remote ranks (local ranks inherit everything);
+        ``keep_going``: a rank that dies does not end the others (the watchdog's case)."""
         cmd = [*self.program, "-n", str(n)]
         if self.family == "openmpi":
             cmd += ["--oversubscribe"] if oversubscribe else []
             cmd += ["--bind-to", bind] if bind else []
             for name in export:
                 cmd += ["-x", name]
+            cmd += ["--enable-recovery"] if keep_going else []
         elif self.family == "hydra":
             cmd += ["-bind-to", bind] if bind else []
             cmd += ["-genvlist", ",".join(export)] if export else []
+            cmd += ["-disable-auto-cleanup"] if keep_going else []
         else:  # srun
             cmd += ["--overcommit"] if oversubscribe else []
             cmd += [f"--cpu-bind={'cores' if bind == 'core' else bind}"] if bind else []
             cmd += ["--export=ALL"]
+            cmd += ["--kill-on-bad-exit=0"] if keep_going else []
         return cmd
 
     def env(self) -> dict[str, str]:

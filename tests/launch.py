@@ -47,12 +47,14 @@ def env(**extra) -> dict:
 
 
 def mpirun(n: int, args: list[str], timeout: float = 300, check: bool = True,
-           extra_env: dict | None = None, mpirun_args: tuple = (), launcher: tuple = ()):
+           extra_env: dict | None = None, mpirun_args: tuple = (), launcher: tuple = (),
+           keep_going: bool = False):
     """Run ``python -m mpi4py ARGS`` on n ranks; returns the CompletedProcess. ``launcher``
     replaces the launcher's program (e.g. ``scripts/cluster.sh mpirun NAME``: ranks on
-    simulated nodes)."""
+    simulated nodes); ``keep_going``: a dead rank does not end the others."""
     how = LAUNCHER.with_program(launcher) if launcher else LAUNCHER
-    cmd = command(n, *mpirun_args, PY, "-m", "mpi4py", *args, launcher=how)
+    cmd = command(n, *mpirun_args, PY, "-m", "mpi4py", *args, launcher=how,
+                  keep_going=keep_going)
     proc = subprocess.run(cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:

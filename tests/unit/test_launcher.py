@@ -27,6 +27,10 @@ def test_flags_per_family():
         "mpiexec.mpich", "-n", "2", "-bind-to", "none", "-genvlist", "A,B"]
     assert SRUN.argv(4, bind="core") == ["srun", "--mpi=pmi2", "-n", "4", "--overcommit",
                                          "--cpu-bind=cores", "--export=ALL"]
+    # A dead rank does not end the others (the watchdog must):
+    assert OPENMPI.argv(2, keep_going=True)[-1] == "--enable-recovery"
+    assert HYDRA.argv(2, keep_going=True)[-1] == "-disable-auto-cleanup"
+    assert SRUN.argv(2, keep_going=True)[-1] == "--kill-on-bad-exit=0"
 
 
 def test_local_settings_only_for_open_mpi():
