@@ -16,9 +16,10 @@ srun       SLURM ``srun`` (``--mpi=$SRUN_MPI``) ``--overcommit``  ``--export=ALL
 =========  ==================================  ===============  ================  ============
 
 Which launcher: ``HPCTRAIN_LAUNCHER`` (a command line, e.g. ``mpiexec.mpich`` or ``srun
---mpi=pmi2``) when set; else the ``mpiexec`` of the MPI that this interpreter's mpi4py was
-built with (a source build records its ``mpicc``: ``mpicc.mpich`` -> ``mpiexec.mpich``);
-else ``mpirun``. The family is read from ``PROGRAM --version``.
+--mpi=pmi2``) when set; else the ``mpiexec`` of the MPI library this interpreter's mpi4py
+links (a source build: Debian's ``libmpich.so.12`` -> ``mpiexec.mpich``, a site's
+``PREFIX/lib/libmpi.so`` -> ``PREFIX/bin/mpiexec``); else ``mpirun``. The family is read
+from ``PROGRAM --version``.
 
 From the shell::
 
@@ -120,25 +121,44 @@ def family_of(version_text: str, program: str = "") -> str:
                        "HPCTRAIN_LAUNCHER to one of them")
 
 
+def mpi4py_library() -> str:
+    """The MPI library this interpreter's mpi4py links, as ``ldd`` resolves it (a source
+    build has one extension module; the binary wheel carries one per ABI and picks at run
+    time: ""). Nothing is imported, so MPI is not initialised."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mpi4py")
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    exts = sorted(Path(spec.submodule_search_locations[0]).glob("MPI.*.so"))
+    if len(exts) != 1:
+        return ""
+    try:
+        out = subprocess.run(["ldd", str(exts[0])], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    for line in out.splitlines():
+        name, _, where = line.strip().partition(" => ")
+        if name.startswith(("libmpi.so", "libmpich.so", "libmpi_cray.so")):
+            return where.split(" (")[0].strip() or name
+    return ""
+
+
 def default_program() -> tuple[str, ...]:
-    """HPCTRAIN_LAUNCHER; else the mpiexec beside the mpicc mpi4py was built with; else
-    mpirun."""
+    """HPCTRAIN_LAUNCHER; else the mpiexec of the MPI library mpi4py links (Debian's
+    ``libmpich.so.12`` -> ``mpiexec.mpich``; a site's ``/opt/x/lib/libmpi.so`` ->
+    ``/opt/x/bin/mpiexec``); else mpirun."""
     if os.environ.get("HPCTRAIN_LAUNCHER"):
         return tuple(shlex.split(os.environ["HPCTRAIN_LAUNCHER"]))
-    try:
-        import mpi4py  # only its build configuration: MPI itself is not initialised
-        mpicc = mpi4py.get_config().get("mpicc", "")
-    except ImportError:
-        mpicc = ""
-    name = Path(mpicc.split()[0]).name if mpicc else ""
-    for suffix in (".mpich", ".openmpi"):  # Debian: mpicc.mpich -> mpiexec.mpich
-        if name.endswith(suffix) and shutil.which("mpiexec" + suffix):
-            return ("mpiexec" + suffix,)
-    if mpicc and os.path.isabs(mpicc.split()[0]):  # a site's /opt/.../bin/mpicc
-        beside = Path(mpicc.split()[0]).with_name("mpiexec")
-        if beside.exists():
-            return (str(beside),)
-    return ("mpirun",)
+    lib = mpi4py_library()
+    if not lib:
+        return ("mpirun",)
+    family = "mpich" if ("mpich" in Path(lib).name or lib.endswith(".so.12")) else "openmpi"
+    if shutil.which("mpiexec." + family):  # Debian's alternatives: both families installed
+        return ("mpiexec." + family,)
+    beside = Path(lib).resolve().parent.parent / "bin" / "mpiexec"
+    return (str(beside),) if beside.exists() else ("mpirun",)
 
 
 @functools.cache

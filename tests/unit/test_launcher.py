@@ -78,3 +78,19 @@ def test_launcher_flags_live_in_one_module():
                             ":!*.md"],
                            cwd=mpi_env.ROOT, capture_output=True, text=True).stdout.split()
     assert set(files) <= {"benchmarks/mpi_env.py", "tests/unit/test_launcher.py"}, files
+
+
+def test_program_follows_the_library_mpi4py_links(monkeypatch, tmp_path):
+    monkeypatch.delenv("HPCTRAIN_LAUNCHER", raising=False)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib" / "libmpi.so.12").touch()
+    (tmp_path / "bin" / "mpiexec").touch()
+    monkeypatch.setattr(mpi_env.shutil, "which", lambda name: None)
+    monkeypatch.setattr(mpi_env, "mpi4py_library", lambda: str(tmp_path / "lib/libmpi.so.12"))
+    assert mpi_env.default_program() == (str(tmp_path / "bin" / "mpiexec"),)  # a site prefix
+    monkeypatch.setattr(mpi_env.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(mpi_env, "mpi4py_library", lambda: "/lib/libmpich.so.12")
+    assert mpi_env.default_program() == ("mpiexec.mpich",)  # Debian, both families installed
+    monkeypatch.setattr(mpi_env, "mpi4py_library", lambda: "")  # the binary wheel
+    assert mpi_env.default_program() == ("mpirun",)
