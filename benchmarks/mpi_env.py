@@ -2,18 +2,15 @@
 ``scripts/``, the Makefile). Standard library only, so ``python3 -m benchmarks.mpi_env``
 works before any virtual environment exists.
 
-Three launcher families, each with its flags for oversubscription, environment passing and
-binding, and the environment a local launch needs:
+Three launcher families, each with its flags for more ranks than cores, environment passing,
+binding and a rank that dies (``keep_going``), and the environment a local launch needs:
 
-=========  ==================================  ===============  ================  ============
-family     programs                            more ranks than  pass variables    binding
-                                               cores
-=========  ==================================  ===============  ================  ============
-openmpi    Open MPI ``mpirun`` / ``mpiexec``   flag + MCA vars  ``-x NAME``       ``--bind-to``
-hydra      MPICH / Intel MPI / MVAPICH Hydra   (always allowed) ``-genvlist a,b`` ``-bind-to``
-           ``mpiexec`` (``mpiexec.mpich``)
-srun       SLURM ``srun`` (``--mpi=$SRUN_MPI``) ``--overcommit``  ``--export=ALL``  ``--cpu-bind``
-=========  ==================================  ===============  ================  ============
+* ``openmpi``: Open MPI ``mpirun`` / ``mpiexec``: ``--oversubscribe`` (and MCA variables),
+  ``-x NAME``, ``--bind-to``, ``--enable-recovery``; run as root and yield when idle.
+* ``hydra``: MPICH / Intel MPI / MVAPICH Hydra ``mpiexec`` (``mpiexec.mpich``): any number
+  of local ranks as is, ``-genvlist A,B``, ``-bind-to``, ``-disable-auto-cleanup``.
+* ``srun``: SLURM (``--mpi=`` as part of the command): ``--overcommit``, ``--export=ALL``,
+  ``--cpu-bind``, ``--kill-on-bad-exit=0``.
 
 Which launcher: ``HPCTRAIN_LAUNCHER`` (a command line, e.g. ``mpiexec.mpich`` or ``srun
 --mpi=pmi2``) when set; else the ``mpiexec`` of the MPI library this interpreter's mpi4py
