@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .mpi_env import ROOT, command, detect, launch_env, with_checkout, without_job
 
-PY = str(ROOT / ".venv" / "bin" / "python")
+PY = sys.executable  # the venv running this (its mpi4py picks the launcher)
 CFG = "share/configs/tiny.toml"
 MODEL = ('model.dtype="float32"', "model.d_model=64", "model.n_heads=8", "model.d_ff=256",
          "train.seq_len=64", "train.global_batch_size=16", "train.steps=10",
