@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .cluster_worker import MODEL
 from .common import median, ratio, result, row, same_losses
-from .mpi_env import ROOT, launch_env, with_checkout
+from .mpi_env import ROOT, command, detect, launch_env, with_checkout, without_job
 
 RANKS = (1,)
 # The link: this machine computes ~10 GFLOP/s, so 200 Mbit/s gives about the FLOP-per-bit
@@ -42,9 +42,7 @@ SCRIPT = ROOT / "scripts" / "cluster.sh"
 def _env() -> dict:
     """This process's environment without the MPI job it runs in (the cluster's mpirun is a
     new job), plus the settings every local launch uses."""
-    keep = {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_"))}
-    return with_checkout({**keep, **launch_env()})
+    return with_checkout({**without_job(dict(os.environ)), **launch_env()})
 
 
 def launch(size: str, repeats: int, out: Path) -> str:
@@ -54,10 +52,11 @@ def launch(size: str, repeats: int, out: Path) -> str:
     subprocess.run([str(SCRIPT), "up", name, "2", "2", RATE], check=True, env=env,
                    capture_output=True, text=True)
     try:
+        launcher = detect().with_program((str(SCRIPT), "mpirun", name))
         proc = subprocess.run(
-            [str(SCRIPT), "mpirun", name, "-n", "4", "--oversubscribe", sys.executable, "-m",
-             "mpi4py", "-m", f"{__package__}.cluster_worker", "--size", size, "--repeats",
-             str(repeats), "--out", str(out)], env=env, capture_output=True, text=True,
+            command(4, sys.executable, "-m", "mpi4py", "-m", f"{__package__}.cluster_worker",
+                    "--size", size, "--repeats", str(repeats), "--out", str(out),
+                    launcher=launcher), env=env, capture_output=True, text=True,
             timeout=1500, cwd=ROOT)
         log = proc.stdout + proc.stderr
         if proc.returncode != 0:

@@ -1,7 +1,7 @@
 """The ranks inside the simulated cluster of :mod:`benchmarks.cluster`: ONE ``mpirun`` of 4
 ranks over 2 simulated nodes x 2 ranks, started by that driver,
 
-    scripts/cluster.sh mpirun NAME -n 4 --oversubscribe python -m mpi4py \
+    scripts/cluster.sh mpirun NAME -n 4 python -m mpi4py \
         -m benchmarks.cluster_worker --size tiny --repeats 1 --out SAMPLES.json
 
 in which every variant of :data:`VARIANTS` trains the same model and global batch with

@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from importlib.util import find_spec
 from pathlib import Path
 
 from . import BENCHES, SIZES
-from .mpi_env import launch_env, with_checkout
+from .mpi_env import command, launch_env, with_checkout
 
 PROG = "python -m benchmarks"
 
@@ -47,10 +46,8 @@ def launch(names: list[str], ranks: int, args, parts: Path) -> list[dict]:
     """One ``mpirun -n ranks python -m mpi4py -m benchmarks.worker NAME ...`` running every
     benchmark of this world size in turn; their results, ``{"error": ...}`` (with the tail
     of the output) for each that left none."""
-    mpirun = shutil.which("mpirun") or "mpirun"
-    cmd = [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "mpi4py", "-m",
-           f"{__package__}.worker", *names, "--size", args.size, "--repeats", str(args.repeats),
-           "--out", str(parts)]
+    cmd = command(ranks, sys.executable, "-m", "mpi4py", "-m", f"{__package__}.worker", *names,
+                  "--size", args.size, "--repeats", str(args.repeats), "--out", str(parts))
     log = parts / f"n{ranks}.log"
     env = with_checkout({**os.environ, **launch_env()})
     try:

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from .common import median, result, row, same_losses, scratch_dir, train_config
-from .mpi_env import launch_env, with_checkout
+from .mpi_env import command, launch_env, with_checkout
 
 LEVELS = (0, 1, 2)
 
@@ -97,8 +97,8 @@ def main(argv=None) -> int:
                     "from benchmarks.memory import run; "
                     f"r = run(comm.world(), {args.size!r}, {args.repeats}); "
                     f"comm.world().rank == 0 and json.dump(r, open('{out}/m{n}.json', 'w'))")
-            subprocess.run(["mpirun", "-n", str(n), "--oversubscribe", sys.executable, "-m",
-                            "mpi4py", "-c", code], check=True, env=env)
+            subprocess.run(command(n, sys.executable, "-m", "mpi4py", "-c", code), check=True,
+                           env=env)
             res = json.loads(Path(f"{out}/m{n}.json").read_text())
             if not res["check"]["ok"]:
                 print(f"dp={n}: zero levels disagree: {res['check']}", file=sys.stderr)

@@ -1,42 +1,196 @@
-"""The local Open MPI environment (root, oversubscription, yield when idle), read from its one
-source ``scripts/mpi-env.sh`` (also sourced by bash and included by the Makefile), plus the
-defaults every local launch sets. Used by ``tests/launch.py`` and by the benchmark drivers.
+"""How ranks are started: the one launcher abstraction of the checkout (tests, benchmarks,
+``scripts/``, the Makefile). Standard library only, so ``python3 -m benchmarks.mpi_env``
+works before any virtual environment exists.
+
+Three launcher families, each with its flags for more ranks than cores, environment passing,
+binding and a rank that dies (``keep_going``), and the environment a local launch needs:
+
+* ``openmpi``: Open MPI ``mpirun`` / ``mpiexec``: ``--oversubscribe`` (and MCA variables),
+  ``-x NAME``, ``--bind-to``, ``--enable-recovery``; run as root and yield when idle.
+* ``hydra``: MPICH / Intel MPI / MVAPICH Hydra ``mpiexec`` (``mpiexec.mpich``): any number
+  of local ranks as is, ``-genvlist A,B``, ``-bind-to``, ``-disable-auto-cleanup``.
+* ``srun``: SLURM (``--mpi=`` as part of the command): ``--overcommit``, ``--export=ALL``,
+  ``--cpu-bind``, ``--kill-on-bad-exit=0``.
+
+Which launcher: ``HPCTRAIN_LAUNCHER`` (a command line, e.g. ``mpiexec.mpich`` or ``srun
+--mpi=pmi2``) when set; else the ``mpiexec`` of the MPI library this interpreter's mpi4py
+links (a source build: Debian's ``libmpich.so.12`` -> ``mpiexec.mpich``, a site's
+``PREFIX/lib/libmpi.so`` -> ``PREFIX/bin/mpiexec``); else ``mpirun``. The family is read
+from ``PROGRAM --version``.
+
+From the shell::
+
+    python3 -m benchmarks.mpi_env --exports        # `export NAME=value` lines (mpi-env.sh)
+    python3 -m benchmarks.mpi_env --describe       # the launcher found, one line
+    python -m benchmarks.mpi_env -n 4 [--bind core] -- python -m mpi4py -m hpctrain ...
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import os
-import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: benchmarks/ is not installed
-MPI_ENV_FILE = ROOT / "scripts" / "mpi-env.sh"
-# Not Open MPI settings but defaults of every local launch (the Makefile sets them with ?=).
+# Not MPI settings but defaults of every local launch (the Makefile sets them too).
 RUN_DEFAULTS = {"OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE"}
-# A value bash and make read alike: no quotes, `$`, backslashes or spaces.
-_EXPORT = re.compile(r"export ([A-Za-z_][A-Za-z0-9_]*)=([^\s'\"$\\]*)")
+# Open MPI on one machine: running as root (containers, CI); more ranks than cores (laptops,
+# CI): idle ranks yield the CPU instead of spinning, and oversubscription is allowed (Open MPI
+# 4: rmaps_base; Open MPI 5: PRRTE's mapping policy).
+OPENMPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_mpi_yield_when_idle": "1",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+    # Nonblocking all-reduce (libnbc: overlapped and nonblocking gradient reductions) as a
+    # ring: its default choice for a few ranks was 1.6x slower over TCP (docs/benchmarks.md).
+    "OMPI_MCA_coll_libnbc_iallreduce_algorithm": "1",
+}
+# Variables by which a launcher tells its ranks about their job: a process started inside
+# one job that launches another (a simulated cluster) must drop them.
+JOB_PREFIXES = ("OMPI_", "PMIX_", "OPAL_", "ORTE_", "PRTE_", "PMI_", "HYDRA_")
+FAMILIES = ("openmpi", "hydra", "srun")
 
 
-def read(path: str | Path = MPI_ENV_FILE) -> dict[str, str]:
-    """NAME -> value of each ``export NAME=value`` line of ``path``; blank lines and ``#``
-    comments are skipped, any other line is an error (the file must stay valid for both
-    ``source`` and make's ``include``)."""
-    out = {}
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _EXPORT.fullmatch(line)
-        if m is None:
-            raise ValueError(f"{path}:{n}: not of the form `export NAME=value`: {line!r}")
-        out[m[1]] = m[2]
-    return out
+@dataclass(frozen=True)
+class Launcher:
+    """One launcher: its family and the command that starts it (``program``)."""
+
+    family: str
+    program: tuple[str, ...]
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown launcher family {self.family!r}; one of {FAMILIES}")
+
+    def argv(self, n: int, *, oversubscribe: bool = True, bind: str | None = None,
+             export: tuple[str, ...] = (), keep_going: bool = False) -> list[str]:
+        """The command line up to the program of each rank: ``n`` ranks; more ranks than
+        cores allowed; ``bind`` ``core`` / ``none`` (None: the launcher's default);
+        ``export``: variables to pass to remote ranks (local ranks inherit everything);
+        ``keep_going``: a rank that dies does not end the others (the watchdog's case)."""
+        cmd = [*self.program, "-n", str(n)]
+        if self.family == "openmpi":
+            cmd += ["--oversubscribe"] if oversubscribe else []
+            cmd += ["--bind-to", bind] if bind else []
+            for name in export:
+                cmd += ["-x", name]
+            cmd += ["--enable-recovery"] if keep_going else []
+        elif self.family == "hydra":
+            cmd += ["-bind-to", bind] if bind else []
+            cmd += ["-genvlist", ",".join(export)] if export else []
+            cmd += ["-disable-auto-cleanup"] if keep_going else []
+        else:  # srun
+            cmd += ["--overcommit"] if oversubscribe else []
+            cmd += [f"--cpu-bind={'cores' if bind == 'core' else bind}"] if bind else []
+            cmd += ["--export=ALL"]
+            cmd += ["--kill-on-bad-exit=0"] if keep_going else []
+        return cmd
+
+    def env(self) -> dict[str, str]:
+        """What a local launch needs on top of the caller's environment."""
+        extra = OPENMPI_ENV if self.family == "openmpi" else {}
+        return {**extra, **RUN_DEFAULTS}
+
+    def with_program(self, program: tuple[str, ...]) -> Launcher:
+        """The same family started differently (``scripts/cluster.sh mpirun NAME``)."""
+        return Launcher(self.family, tuple(program))
+
+    def describe(self) -> str:
+        return f"{self.family} launcher: {shlex.join(self.program)}"
 
 
-def launch_env() -> dict[str, str]:
-    """What a local ``mpirun`` needs on top of the caller's environment: the Open MPI
-    settings of ``scripts/mpi-env.sh`` and :data:`RUN_DEFAULTS`."""
-    return {**read(), **RUN_DEFAULTS}
+def family_of(version_text: str, program: str = "") -> str:
+    """The family from ``PROGRAM --version`` output (or the program's name for srun)."""
+    text = version_text.lower()
+    if Path(program).name == "srun" or text.startswith("slurm"):
+        return "srun"
+    if "hydra" in text:  # MPICH, Intel MPI, MVAPICH: "HYDRA build details"
+        return "hydra"
+    if "open mpi" in text or "openrte" in text or "prte" in text or "open-mpi" in text:
+        return "openmpi"
+    raise RuntimeError(f"{program or 'the launcher'}: not Open MPI, Hydra or srun "
+                       f"(--version says {version_text.strip()[:120]!r}); set "
+                       "HPCTRAIN_LAUNCHER to one of them")
+
+
+def mpi4py_library() -> str:
+    """The MPI library this interpreter's mpi4py links, as ``ldd`` resolves it (a source
+    build has one extension module; the binary wheel carries one per ABI and picks at run
+    time: ""). Nothing is imported, so MPI is not initialised."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mpi4py")
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    exts = sorted(Path(spec.submodule_search_locations[0]).glob("MPI.*.so"))
+    if len(exts) != 1:
+        return ""
+    try:
+        out = subprocess.run(["ldd", str(exts[0])], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    for line in out.splitlines():
+        name, _, where = line.strip().partition(" => ")
+        if name.startswith(("libmpi.so", "libmpich.so", "libmpi_cray.so")):
+            return where.split(" (")[0].strip() or name
+    return ""
+
+
+def default_program() -> tuple[str, ...]:
+    """HPCTRAIN_LAUNCHER; else the mpiexec of the MPI library mpi4py links (Debian's
+    ``libmpich.so.12`` -> ``mpiexec.mpich``; a site's ``/opt/x/lib/libmpi.so`` ->
+    ``/opt/x/bin/mpiexec``); else mpirun."""
+    if os.environ.get("HPCTRAIN_LAUNCHER"):
+        return tuple(shlex.split(os.environ["HPCTRAIN_LAUNCHER"]))
+    lib = mpi4py_library()
+    if not lib:
+        return ("mpirun",)
+    family = "mpich" if ("mpich" in Path(lib).name or lib.endswith(".so.12")) else "openmpi"
+    if shutil.which("mpiexec." + family):  # Debian's alternatives: both families installed
+        return ("mpiexec." + family,)
+    beside = Path(lib).resolve().parent.parent / "bin" / "mpiexec"
+    return (str(beside),) if beside.exists() else ("mpirun",)
+
+
+@functools.cache
+def _detect(program: tuple[str, ...]) -> Launcher:
+    if Path(program[0]).name == "srun":
+        return Launcher("srun", program)
+    try:
+        proc = subprocess.run([program[0], "--version"], capture_output=True, text=True,
+                              timeout=30)
+    except FileNotFoundError:
+        raise RuntimeError(f"launcher {program[0]!r} is not on the PATH") from None
+    return Launcher(family_of(proc.stdout + proc.stderr, program[0]), program)
+
+
+def detect(program: tuple[str, ...] | None = None) -> Launcher:
+    """The launcher of this process (see the module docstring), cached per program."""
+    return _detect(tuple(program or default_program()))
+
+
+def command(n: int, *args: str, launcher: Launcher | None = None, **flags) -> list[str]:
+    """``LAUNCHER -n N [flags] ARGS...``: see :meth:`Launcher.argv`."""
+    return [*(launcher or detect()).argv(n, **flags), *args]
+
+
+def launch_env(launcher: Launcher | None = None) -> dict[str, str]:
+    """What a local launch needs on top of the caller's environment."""
+    return (launcher or detect()).env()
+
+
+def without_job(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the variables of the MPI job this process runs in."""
+    return {k: v for k, v in env.items() if not k.startswith(JOB_PREFIXES)}
 
 
 def with_checkout(env: dict[str, str]) -> dict[str, str]:
@@ -44,3 +198,39 @@ def with_checkout(env: dict[str, str]) -> dict[str, str]:
     (mpirun's ranks) import ``benchmarks``."""
     path = env.get("PYTHONPATH", "")
     return {**env, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.mpi_env", description=__doc__
+                                .split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--exports", action="store_true", help="print `export NAME=value` lines")
+    p.add_argument("--describe", action="store_true", help="print the launcher found")
+    p.add_argument("-n", type=int, help="ranks: launch the command after --")
+    p.add_argument("--bind", choices=("core", "none"))
+    p.add_argument("--no-oversubscribe", action="store_true")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    launcher = detect()
+    if a.exports:
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in launcher.env().items()
+                 if k not in RUN_DEFAULTS]
+        lines += [f"export {k}=${{{k}:-{v}}}" for k, v in RUN_DEFAULTS.items()]
+        print("\n".join(lines))
+        return 0
+    if a.describe:
+        print(launcher.describe())
+        return 0
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if a.n is None or not cmd:
+        p.error("give -n N -- COMMAND..., --exports or --describe")
+    sys.stdout.flush()
+    argv_ = command(a.n, *cmd, launcher=launcher, bind=a.bind,
+                    oversubscribe=not a.no_oversubscribe)
+    env = {**RUN_DEFAULTS, **os.environ, **launcher.env()}
+    env.update({k: os.environ[k] for k in RUN_DEFAULTS if k in os.environ})  # the caller's win
+    os.execvpe(argv_[0], argv_, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .mpi_env import ROOT, launch_env, with_checkout
+from .mpi_env import ROOT, command, detect, launch_env, with_checkout, without_job
 
-PY = str(ROOT / ".venv" / "bin" / "python")
+PY = sys.executable  # the venv running this (its mpi4py picks the launcher)
 CFG = "share/configs/tiny.toml"
 MODEL = ('model.dtype="float32"', "model.d_model=64", "model.n_heads=8", "model.d_ff=256",
          "train.seq_len=64", "train.global_batch_size=16", "train.steps=10",
@@ -50,15 +50,14 @@ OUT = ROOT / "share" / "perf" / "calibration-runs.json"
 
 
 def _env() -> dict:
-    keep = {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_"))}
-    return with_checkout({**keep, **launch_env()})
+    return with_checkout({**without_job(dict(os.environ)), **launch_env()})
 
 
 def _launch(n: int, args: list[str], cluster: str | None) -> list[str]:
-    base = ["mpirun", "-n", str(n)] if cluster is None else [
-        str(ROOT / "scripts" / "cluster.sh"), "mpirun", cluster, "-n", str(n)]
-    return base + [PY, "-m", "mpi4py", "-m", "hpctrain", *args]
+    launcher = detect() if cluster is None else detect().with_program(
+        (str(ROOT / "scripts" / "cluster.sh"), "mpirun", cluster))
+    return command(n, PY, "-m", "mpi4py", "-m", "hpctrain", *args, launcher=launcher,
+                   oversubscribe=False)
 
 
 def calibrate(n: int, out: Path, cluster: str | None) -> None:

@@ -17,7 +17,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .mpi_env import ROOT, launch_env
+from .mpi_env import ROOT, command, launch_env
 
 
 def main(argv=None) -> int:
@@ -43,9 +43,8 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             for n in ranks:
                 out = Path(tmp) / f"d{n}.h5"
-                cmd = ["mpirun", "-n", str(n), "--oversubscribe", py, "-m", "mpi4py", "-m",
-                       "hpctrain", "prepare", "--tokenizer", str(tok), "--corpus-mb",
-                       str(args.corpus_mb), "--out", str(out)]
+                cmd = command(n, py, "-m", "mpi4py", "-m", "hpctrain", "prepare", "--tokenizer",
+                              str(tok), "--corpus-mb", str(args.corpus_mb), "--out", str(out))
                 t0 = time.perf_counter()
                 subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True)
                 times[n].append(time.perf_counter() - t0)

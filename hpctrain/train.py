@@ -90,6 +90,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     topo = Topology(cfg.topology, world)
     run_dir = setup_run_dir(cfg, Path(run_dir), topo)
     log = RunLog(run_dir, topo, cfg.train.steps, cfg.train.log_every)
+    log.info(f"MPI: {comm.library()}")  # the first line: which MPI this run found
     job = slurm.attach(topo.world, log.info)  # log the SLURM job; SIGUSR1/SIGTERM set a flag
     chunks = build_model(cfg, topo)
     params = named_parameters(chunks)

@@ -11,18 +11,29 @@
 #   DEVICE         cpu or cuda (default cpu; cuda: one rank per GPU, see docs/gpu.md)
 
 # -- 1. Site: modules and MPI ----------------------------------------------------------
-# Load the MPI that mpi4py and h5py were built against (docs/slurm.md). Examples;
-# names differ between sites:
-#   module load openmpi/4.1 hdf5/1.14-parallel python/3.11
-#   module load cuda/12.4            # GPU partitions
+# Load the MPI that mpi4py and h5py were built against, and its parallel HDF5: the same
+# modules as when `make setup` ran (docs/site-mpi.md has a section per family). Put them
+# here, or in HPCTRAIN_MODULES. Examples; names differ between sites:
+#   Open MPI:    module load openmpi/4.1 hdf5/1.14-parallel python/3.11     (SRUN_MPI=pmix)
+#   MPICH:       module load mpich/4.1 hdf5/1.14-parallel python/3.11       (SRUN_MPI=pmi2)
+#   Cray MPICH:  module load PrgEnv-gnu cray-mpich cray-hdf5-parallel cray-python
+#                                                                   (SRUN_MPI=cray_shasta)
+#   Intel MPI:   module load intel-oneapi-mpi hdf5/parallel                  (SRUN_MPI=pmi2)
+#   MVAPICH:     module load mvapich2-gdr/2.3.7 hdf5/parallel                (SRUN_MPI=pmi2)
+#   GPUs:        module load cuda/12.4   (Cray: craype-accel-nvidia80 cudatoolkit)
 if command -v module >/dev/null 2>&1 && [ -n "${HPCTRAIN_MODULES:-}" ]; then
   # shellcheck disable=SC2086
   module load $HPCTRAIN_MODULES
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}  # Lustre/GPFS: no flock
-# Open MPI over srun needs nothing else; Intel MPI / MPICH under srun want the PMI library:
+# Open MPI over srun needs nothing else; Intel MPI under srun wants SLURM's PMI library:
 #   export I_MPI_PMI_LIBRARY=/usr/lib64/libpmi2.so ; SRUN_MPI=pmi2
+# GPU-aware MPI (DEVICE=cuda; hpctrain's log line says which rule decided, docs/site-mpi.md):
+#   Cray MPICH:  export MPICH_GPU_SUPPORT_ENABLED=1
+#   MVAPICH:     export MV2_USE_CUDA=1
+#   Intel MPI:   export I_MPI_OFFLOAD=1 HPCTRAIN_GPU_AWARE_MPI=1
+#   any:         export HPCTRAIN_GPU_AWARE_MPI=0   (force host staging)
 
 # -- 2. Shared plumbing (templates call these; sites need not edit) ---------------------
 HPCTRAIN_ROOT=${HPCTRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}

@@ -1,51 +1,104 @@
 #!/usr/bin/env bash
-# Set up what is missing for hpctrain, idempotently: system MPI + parallel HDF5 (apt, when
-# root and apt exist), then .venv with torch, numpy, mpi4py (linked to the system MPI) and
-# h5py built from source with HDF5_MPI=ON. A second run skips what is done.
+# Set up what is missing for hpctrain, idempotently: an MPI and its parallel HDF5, then a
+# virtual environment with torch, numpy, mpi4py and h5py (HDF5_MPI=ON) built against them.
+# A second run skips what is done. The MPI follows the site (docs/site-mpi.md):
+#   * MPICC or HDF5_DIR given (a loaded module: `module load cray-mpich cray-hdf5-parallel`):
+#     that mpicc and that HDF5, nothing installed; mpi4py is built from source against it.
+#   * MPI_IMPL=mpich on a Debian machine: MPICH and its parallel HDF5 from apt (as root).
+#   * otherwise (the default): Open MPI and its parallel HDF5 from apt when missing, and
+#     mpi4py's binary wheel (it matches Debian's Open MPI).
+# An MPI and an HDF5 built for different MPI families stop set-up with both names.
 #
-# Overridable:  TORCH_SPEC (default torch==2.13.0, the CPU build), PYTHON (default python3),
-#               HDF5_DIR (parallel HDF5 prefix), VENV (default .venv), HPCTRAIN_EXTRAS.
+# Overridable:  MPI_IMPL (openmpi | mpich), MPICC, HDF5_DIR (parallel HDF5 prefix),
+#               TORCH_SPEC (default torch==2.13.0, the CPU build), PYTHON (default python3),
+#               VENV (default .venv; .venv-mpich is the usual second one), HPCTRAIN_EXTRAS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 say() { echo "[setup] $*"; }
+# shellcheck source=scripts/mpi-family.sh
+source scripts/mpi-family.sh
 
 # 0. iproute2 (ip, tc) for the simulated multi-node cluster (scripts/cluster.sh), as root.
-if ! command -v tc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
-   && [ "$(id -u)" = 0 ]; then
+can_apt() { command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; }
+apt_install() {
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "$@" >/dev/null
+}
+if ! command -v tc >/dev/null 2>&1 && can_apt; then
   say "installing iproute2 (simulated cluster) with apt"
-  DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null || true
+  apt_install iproute2 || true
 fi
 
-# 1. System MPI and parallel HDF5.
-if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1 \
-   || { [ -z "${HDF5_DIR:-}" ] && [ ! -d /usr/lib/x86_64-linux-gnu/hdf5/openmpi ] \
-        && [ ! -d /usr/lib/aarch64-linux-gnu/hdf5/openmpi ]; }; then
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    say "installing Open MPI and the Open MPI build of parallel HDF5 with apt"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools \
-      pkg-config >/dev/null
-  else
-    cat >&2 <<'MSG'
-[setup] mpicc / parallel HDF5 not found and apt is not usable here.
-        On a cluster, load your site's stack first, for example:
-            module load openmpi hdf5/parallel python      (names vary by site)
-        then set HDF5_DIR to the parallel HDF5 prefix and run `make run` again.
-MSG
-    exit 1
-  fi
-fi
-if [ -z "${HDF5_DIR:-}" ]; then
-  for d in /usr/lib/x86_64-linux-gnu/hdf5/openmpi /usr/lib/aarch64-linux-gnu/hdf5/openmpi; do
-    [ -d "$d" ] && HDF5_DIR=$d
+# 1. The MPI and its parallel HDF5: the site's (MPICC / HDF5_DIR), or Debian's MPI_IMPL.
+MPI_IMPL=${MPI_IMPL:-openmpi}
+HDF5_DIR=${HDF5_DIR:-${HDF5_ROOT:-}}
+debian_hdf5() {  # family -> Debian's parallel HDF5 prefix for it (empty when absent)
+  local d
+  for d in /usr/lib/x86_64-linux-gnu/hdf5/$1 /usr/lib/aarch64-linux-gnu/hdf5/$1; do
+    [ -d "$d" ] && { echo "$d"; return; }
   done
+}
+no_stack() {
+  cat >&2 <<MSG
+[setup] $1, and apt is not usable here (not root, or no apt).
+        On a cluster, load your site's MPI and the parallel HDF5 built with it, e.g.
+            module load cray-mpich cray-hdf5-parallel     (Cray; names vary by site)
+            module load openmpi hdf5/parallel python      (generic)
+        then run again with HDF5_DIR=<parallel HDF5 prefix> (and MPICC=<its mpicc> when
+        it is not \`mpicc\`). See docs/site-mpi.md.
+MSG
+  exit 1
+}
+SOURCE_MPI4PY=1  # mpi4py from source against MPICC; the binary wheel only for Debian Open MPI
+if [ -n "${MPICC:-}" ] || [ -n "$HDF5_DIR" ]; then
+  MPICC=${MPICC:-mpicc}
+  command -v "$MPICC" >/dev/null 2>&1 || no_stack "MPICC=$MPICC is not on the PATH"
+  [ -n "$HDF5_DIR" ] || no_stack "MPICC=$MPICC given but no HDF5_DIR (its parallel HDF5)"
+  say "using the MPI on the path: $(command -v "$MPICC"), HDF5 in $HDF5_DIR"
+elif [ "$MPI_IMPL" = mpich ]; then
+  MPICC=mpicc.mpich
+  if ! command -v mpicc.mpich >/dev/null 2>&1 || ! command -v mpiexec.mpich >/dev/null 2>&1 \
+     || [ -z "$(debian_hdf5 mpich)" ]; then
+    can_apt || no_stack "MPI_IMPL=mpich: MPICH or its parallel HDF5 is missing"
+    say "installing MPICH and the MPICH build of parallel HDF5 with apt"
+    apt_install mpich libmpich-dev libhdf5-mpich-dev hdf5-tools pkg-config
+  fi
+  HDF5_DIR=$(debian_hdf5 mpich)
+elif [ "$MPI_IMPL" = openmpi ]; then
+  MPICC=mpicc
+  if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1 \
+     || [ -z "$(debian_hdf5 openmpi)" ]; then
+    can_apt || no_stack "mpicc / Open MPI's parallel HDF5 not found"
+    say "installing Open MPI and the Open MPI build of parallel HDF5 with apt"
+    apt_install openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config
+  fi
+  HDF5_DIR=$(debian_hdf5 openmpi)
+  SOURCE_MPI4PY=0
+else
+  say "MPI_IMPL must be openmpi or mpich, got '$MPI_IMPL'" >&2
+  exit 1
 fi
-export HDF5_DIR
+export HDF5_DIR MPICC
+# The MPI and the HDF5 must be one family (an HDF5 for Open MPI cannot run under MPICH).
+mpi_fam=$(mpicc_family "$MPICC") || { say "$MPICC cannot build an MPI program" >&2; exit 1; }
+h5_fam=$(hdf5_family "$HDF5_DIR")
+if [ "$mpi_fam" != unknown ] && [ "$h5_fam" != unknown ] && [ "$mpi_fam" != "$h5_fam" ]; then
+  cat >&2 <<MSG
+[setup] the MPI and the HDF5 do not belong together:
+          MPI:  $(command -v "$MPICC") is $(mpi_family_name "$mpi_fam")
+          HDF5: $HDF5_DIR is built for $(mpi_family_name "$h5_fam")
+        Load the parallel HDF5 of the same MPI (Cray: cray-hdf5-parallel after cray-mpich;
+        Debian: $(debian_hdf5 "$mpi_fam" || true)) and set HDF5_DIR to it, or MPICC to the
+        mpicc of the MPI that HDF5 was built with.
+MSG
+  exit 1
+fi
+hdf5_is_parallel "$HDF5_DIR" || { say "$HDF5_DIR is a serial HDF5: load the parallel one" >&2; exit 1; }
+say "MPI: $(mpi_family_name "$mpi_fam") via $MPICC; parallel HDF5: $HDF5_DIR"
 
 # 2. The virtual environment.
 if [ ! -x "$VENV/bin/python" ]; then
@@ -55,21 +108,38 @@ fi
 PY="$VENV/bin/python"
 PIP="$PY -m pip --disable-pip-version-check -q"
 # The stamp names the torch build and the package list: a changed list installs again.
-BASE_PKGS="numpy cython pkgconfig mpi4py>=4 pytest pytest-mpi pytest-timeout hypothesis ruff
+BASE_PKGS="numpy cython pkgconfig pytest pytest-mpi pytest-timeout hypothesis ruff
   matplotlib safetensors tokenizers==0.23.3 transformers==5.23.0"
+[ "$SOURCE_MPI4PY" = 1 ] || BASE_PKGS="$BASE_PKGS mpi4py>=4"
 stamp="$VENV/.hpctrain-base-$(echo "$TORCH_SPEC $BASE_PKGS" | cksum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ]; then
-  say "installing $TORCH_SPEC, numpy, mpi4py, test tools"
+  say "installing $TORCH_SPEC, numpy, test tools"
   $PIP install --upgrade pip setuptools wheel >/dev/null
   # shellcheck disable=SC2086  # BASE_PKGS is a word list
   $PIP install "$TORCH_SPEC" $BASE_PKGS
   touch "$stamp"
 fi
-if ! "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
-  say "building h5py against parallel HDF5 in $HDF5_DIR (about 2 minutes)"
+# mpi4py and h5py are built for one (MPICC, HDF5_DIR): a stamp names it, another rebuilds.
+build_key=$(echo "$(command -v "$MPICC") $("$MPICC" -show 2>/dev/null || true) $HDF5_DIR" \
+  | cksum | cut -d' ' -f1)
+if [ "$SOURCE_MPI4PY" = 1 ] && [ ! -f "$VENV/.hpctrain-mpi4py-$build_key" ]; then
+  say "building mpi4py from source against $MPICC (about 3 minutes)"
+  MPICC=$MPICC $PIP install --no-binary=mpi4py --no-build-isolation --no-cache-dir \
+      --force-reinstall --no-deps "mpi4py>=4"
+  rm -f "$VENV"/.hpctrain-mpi4py-*
+  touch "$VENV/.hpctrain-mpi4py-$build_key"
+fi
+h5_ok() { "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; }
+if h5_ok && ! ls "$VENV"/.hpctrain-h5py-* >/dev/null 2>&1; then
+  touch "$VENV/.hpctrain-h5py-$build_key"  # a venv from before the stamps: adopt its h5py
+fi
+if ! h5_ok || [ ! -f "$VENV/.hpctrain-h5py-$build_key" ]; then
+  say "building h5py against parallel HDF5 in $HDF5_DIR (about 3 minutes)"
   # No build isolation: with it pip compiles an old mpi4py from source (20+ GB of RAM).
-  HDF5_MPI=ON CC=mpicc $PIP install --no-binary=h5py --no-build-isolation --no-cache-dir \
+  HDF5_MPI=ON CC=$MPICC $PIP install --no-binary=h5py --no-build-isolation --no-cache-dir \
       --force-reinstall --no-deps h5py
+  rm -f "$VENV"/.hpctrain-h5py-*
+  touch "$VENV/.hpctrain-h5py-$build_key"
 fi
 PY_ABS="$(cd "$VENV" && pwd)/bin/python"
 if ! (cd / && "$PY_ABS" -c "import hpctrain" 2>/dev/null); then  # not via the cwd

@@ -1,12 +1,13 @@
 """Launching hpctrain as a user does (mpirun + the CLI) and reading what a run leaves.
 
-``train_cli(tmp, n, *overrides)`` runs ``mpirun -n N python -m mpi4py -m hpctrain train``
+``train_cli(tmp, n, *overrides)`` runs ``LAUNCHER -n N python -m mpi4py -m hpctrain train``
 on the tiny preset (``TINY``: tiny-llama.toml; ``config=TINY_GPT`` for the gpt form) and
 returns a :class:`Run` with per-step losses and grad norms from
 ``metrics.jsonl`` and the final parameters from the final checkpoint (global shapes).
 ``baseline(*overrides)`` is the same on one rank, cached per session (keyed by overrides).
-Every launch gets the local Open MPI settings of ``scripts/mpi-env.sh`` (read by
-:mod:`benchmarks.mpi_env`) and its run defaults.
+Ranks are started by the launcher of :mod:`benchmarks.mpi_env` (Open MPI ``mpirun``, Hydra
+``mpiexec`` for an MPICH-built mpi4py, or ``HPCTRAIN_LAUNCHER``), with its local settings
+(root, more ranks than cores) and the run defaults.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is a top-level package of the checkout
     sys.path.insert(0, str(ROOT))
-from benchmarks.mpi_env import launch_env  # noqa: E402
+from benchmarks.mpi_env import command, detect, launch_env  # noqa: E402
 
 PY = str(Path(sys.executable))
 # The tests' model: the llama form (every preset's architecture); the layout tests run it.
@@ -34,7 +35,8 @@ PY = str(Path(sys.executable))
 TINY = str(ROOT / "share/configs/tiny-llama.toml")
 TINY_GPT = str(ROOT / "share/configs/tiny.toml")
 
-MPI_ENV = launch_env()  # scripts/mpi-env.sh + OMP_NUM_THREADS=1, HDF5_USE_FILE_LOCKING=FALSE
+LAUNCHER = detect()  # for this interpreter's mpi4py
+MPI_ENV = launch_env(LAUNCHER)  # + OMP_NUM_THREADS=1, HDF5_USE_FILE_LOCKING=FALSE
 
 
 def env(**extra) -> dict:
@@ -45,11 +47,14 @@ def env(**extra) -> dict:
 
 
 def mpirun(n: int, args: list[str], timeout: float = 300, check: bool = True,
-           extra_env: dict | None = None, mpirun_args: tuple = (), launcher: tuple = ()):
+           extra_env: dict | None = None, mpirun_args: tuple = (), launcher: tuple = (),
+           keep_going: bool = False):
     """Run ``python -m mpi4py ARGS`` on n ranks; returns the CompletedProcess. ``launcher``
-    replaces ``mpirun`` (e.g. ``scripts/cluster.sh mpirun NAME``: ranks on simulated nodes)."""
-    cmd = [*(launcher or ["mpirun"]), "-n", str(n), "--oversubscribe", *mpirun_args, PY, "-m",
-           "mpi4py", *args]
+    replaces the launcher's program (e.g. ``scripts/cluster.sh mpirun NAME``: ranks on
+    simulated nodes); ``keep_going``: a dead rank does not end the others."""
+    how = LAUNCHER.with_program(launcher) if launcher else LAUNCHER
+    cmd = command(n, *mpirun_args, PY, "-m", "mpi4py", *args, launcher=how,
+                  keep_going=keep_going)
     proc = subprocess.run(cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -133,8 +138,7 @@ def signal_after_steps(run_dir: Path, n: int, *overrides: str, steps: int = 2,
                        timeout: float = 120) -> tuple[int, str]:
     """Train on n ranks outside SLURM and send ``sig`` to mpirun (which forwards it to every
     rank) once ``metrics.jsonl`` holds ``steps`` records; (exit code, stdout + stderr)."""
-    cmd = ["mpirun", "-n", str(n), "--oversubscribe", PY, "-m", "mpi4py",
-           *train_args(run_dir, *overrides)]
+    cmd = command(n, PY, "-m", "mpi4py", *train_args(run_dir, *overrides), launcher=LAUNCHER)
     e = {k: v for k, v in env(**(extra_env or {})).items() if not k.startswith("SLURM_")}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -6,7 +6,7 @@
   and bytes, the flight-recorder ring).
 - ``setup.py``: building communicators (world, Cartesian grid, sub-communicators, node-local
   splits) and process-level calls (abort, finalize, MPI-IO hints requested and
-  applied, the thread level).
+  applied, the thread level, the library's name and version).
 - ``gpu.py``: the GPU buffer seam (CUDA-aware MPI or host staging).
 - ``offload.py``: :class:`Offload`, a thread owning duplicate communicators that runs
   blocking collectives while the caller computes (overlapped gradient reduction).
@@ -20,6 +20,7 @@ from .setup import (
     applied_hints,
     cartesian,
     finalize,
+    library,
     mpi_info,
     node_local,
     processor_name,
@@ -33,6 +34,6 @@ from .setup import (
 )
 
 __all__ = ["PROC_NULL", "Group", "Handle", "Offload", "OpRecord", "Recorder", "abort",
-           "applied_hints", "cartesian", "finalize", "mpi_info", "node_local",
+           "applied_hints", "cartesian", "finalize", "library", "mpi_info", "node_local",
            "processor_name", "shift", "split", "sub", "thread_multiple", "wait_all",
            "with_recorder", "world", "wtime"]

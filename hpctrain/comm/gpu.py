@@ -10,8 +10,16 @@ Two paths, chosen once per process and reported at start (:func:`describe`):
 Either way the producing CUDA stream is synchronised first, in :func:`mpi_buffer` and nowhere
 else (invariant 6: MPI sees GPU buffers only when they are ready).
 
-Whether the MPI is CUDA-aware: ``HPCTRAIN_GPU_AWARE_MPI=0|1`` when set; else Open MPI's
-``MPIX_Query_cuda_support()``; else assume not. Nothing here imports CUDA libraries unless a
+Whether the MPI is CUDA-aware is decided once by :func:`decide`, the first rule that applies:
+
+1. ``HPCTRAIN_GPU_AWARE_MPI=0|1``: the explicit override;
+2. Cray MPICH (named by ``MPI_Get_library_version``): ``MPICH_GPU_SUPPORT_ENABLED=1``;
+3. MVAPICH: ``MV2_USE_CUDA=1`` (MVAPICH2-GDR);
+4. MPICH 4 (and its derivatives): ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)``;
+5. Open MPI: ``MPIX_Query_cuda_support()``;
+6. otherwise not aware (host staging).
+
+:func:`describe` names the rule that decided. Nothing here imports CUDA libraries unless a
 CUDA tensor actually reaches MPI, so CPU machines never load them.
 
 For tests on machines without a GPU, :func:`stand_in` swaps in a backend that treats host
@@ -24,7 +32,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -86,30 +96,88 @@ class StandInBackend(CudaBackend):
 
 
 BACKEND: CudaBackend = CudaBackend()
-_AWARE: bool | None = None
+MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's mpi.h
+
+
+@dataclass(frozen=True)
+class Awareness:
+    """Whether MPI takes CUDA buffers, and the rule that decided it (for :func:`describe`)."""
+
+    aware: bool
+    decided_by: str
+
+
+_AWARE: Awareness | None = None
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in ("1", "yes", "true", "enabled", "on")
+
+
+def decide(env: Mapping[str, str], library: str,
+           lookup: Callable[[str], Callable | None]) -> Awareness:
+    """The decision table (module docstring) on its inputs: the environment, the MPI
+    library's version text and ``lookup(symbol)`` -> a C function of the loaded MPI or None."""
+    override = env.get("HPCTRAIN_GPU_AWARE_MPI")
+    if override is not None:
+        if override not in ("0", "1"):
+            raise ValueError(f"HPCTRAIN_GPU_AWARE_MPI must be 0 or 1, got {override!r}")
+        return Awareness(override == "1", f"HPCTRAIN_GPU_AWARE_MPI={override}")
+    lib = library.upper()
+    if "CRAY MPICH" in lib:
+        on = _flag(env, "MPICH_GPU_SUPPORT_ENABLED")
+        return Awareness(on, f"Cray MPICH, MPICH_GPU_SUPPORT_ENABLED={'1' if on else 'unset/0'}")
+    if "MVAPICH" in lib:
+        on = _flag(env, "MV2_USE_CUDA")
+        return Awareness(on, f"MVAPICH, MV2_USE_CUDA={'1' if on else 'unset/0'}")
+    fn = lookup("MPIX_GPU_query_support")
+    if fn is not None:
+        out = ctypes.c_int(0)
+        fn(ctypes.c_int(MPIX_GPU_SUPPORT_CUDA), ctypes.byref(out))
+        return Awareness(bool(out.value), "MPICH's MPIX_GPU_query_support(CUDA)")
+    fn = lookup("MPIX_Query_cuda_support")
+    if fn is not None:
+        return Awareness(bool(fn()), "Open MPI's MPIX_Query_cuda_support()")
+    return Awareness(False, "no query in this MPI and no override")
+
+
+def _mpi_symbol(name: str) -> Callable | None:
+    """A C function of the MPI library mpi4py loaded: searched through mpi4py's extension
+    module and its dependencies, the process, then libmpi / libmpich by name, but only among
+    libraries already loaded (RTLD_NOLOAD: another family's library, loaded beside the one
+    in use and never initialised, would abort the process when called)."""
+    from mpi4py import MPI
+
+    mode = getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL
+    for lib in (MPI.__file__, None, ctypes.util.find_library("mpi"),
+                ctypes.util.find_library("mpich")):
+        try:
+            return getattr(ctypes.CDLL(lib, mode=mode), name)
+        except (OSError, AttributeError, TypeError):
+            continue
+    return None
+
+
+def query() -> Awareness:
+    """:func:`decide` on this process: its environment, its MPI library."""
+    from mpi4py import MPI
+
+    return decide(os.environ, MPI.Get_library_version(), _mpi_symbol)
 
 
 def query_cuda_aware() -> bool:
-    """HPCTRAIN_GPU_AWARE_MPI if set, else Open MPI's MPIX_Query_cuda_support, else False."""
-    env = os.environ.get("HPCTRAIN_GPU_AWARE_MPI")
-    if env is not None:
-        if env not in ("0", "1"):
-            raise ValueError(f"HPCTRAIN_GPU_AWARE_MPI must be 0 or 1, got {env!r}")
-        return env == "1"
-    for name in (None, ctypes.util.find_library("mpi")):
-        try:
-            fn = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL).MPIX_Query_cuda_support
-        except (OSError, AttributeError, TypeError):
-            continue
-        return bool(fn())
-    return False
+    return query().aware
+
+
+def awareness() -> Awareness:
+    global _AWARE
+    if _AWARE is None:
+        _AWARE = query()
+    return _AWARE
 
 
 def cuda_aware() -> bool:
-    global _AWARE
-    if _AWARE is None:
-        _AWARE = query_cuda_aware()
-    return _AWARE
+    return awareness().aware
 
 
 def is_device_tensor(t: torch.Tensor) -> bool:
@@ -128,8 +196,9 @@ def mpi_buffer(t: torch.Tensor, write: bool):
 
 
 def describe() -> str:
-    path = "CUDA-aware MPI (zero-copy)" if cuda_aware() else "host staging (pinned buffers)"
-    return f"GPU buffers to MPI via {path}"
+    a = awareness()
+    path = "CUDA-aware MPI (zero-copy)" if a.aware else "host staging (pinned buffers)"
+    return f"GPU buffers to MPI via {path}, decided by {a.decided_by}"
 
 
 def select_device(local_rank: int) -> torch.device:
@@ -152,7 +221,7 @@ def stand_in(aware: bool):
     tensor; ``aware`` picks zero-copy or staging."""
     global BACKEND, _AWARE
     saved = BACKEND, _AWARE
-    BACKEND, _AWARE = StandInBackend(), aware
+    BACKEND, _AWARE = StandInBackend(), Awareness(aware, "the test stand-in")
     try:
         yield BACKEND
     finally:

@@ -57,6 +57,20 @@ def split(group: Group, color: int, key: int, axis: str) -> Group:
     return Group(group.mpi.Split(color, key), axis, group.recorder)
 
 
+def library() -> str:
+    """The MPI library and its version, one line (the first of ``MPI_Get_library_version``,
+    e.g. ``Open MPI v4.1.4, package: Debian OpenMPI`` or ``MPICH Version: 4.0.2``), the standard it
+    implements and mpi4py's version: the first line every run logs."""
+    import mpi4py
+
+    lines = [" ".join(x.replace("\0", " ").split())
+             for x in MPI.Get_library_version().splitlines()]
+    first = next((x for x in lines if x), "unknown MPI library")
+    first = ", ".join(first.split(", ")[:2])  # Open MPI goes on: ident, repo rev, date
+    major, minor = MPI.Get_version()
+    return f"{first[:100]} (MPI {major}.{minor}; mpi4py {mpi4py.__version__})"
+
+
 def processor_name() -> str:
     return MPI.Get_processor_name()
 

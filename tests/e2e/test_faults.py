@@ -30,9 +30,9 @@ PINNED = "telemetry.watchdog_factor=0"
 MARGIN_S = 60  # start-up of 2 ranks on a loaded machine, grace periods, abort
 
 
-def launch(run_dir, n, *overrides, timeout, mpirun_args=()):
+def launch(run_dir, n, *overrides, timeout, keep_going=False):
     return mpirun(n, train_args(run_dir, *overrides), timeout=timeout, check=False,
-                  mpirun_args=mpirun_args)
+                  keep_going=keep_going)
 
 
 def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, session_dir):
@@ -53,14 +53,15 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, sess
 
 
 def test_killed_rank_under_a_launcher_that_waits_is_ended_by_the_watchdog(tmp_path):
-    # mpirun above ends the job itself when a process dies; with --enable-recovery it does
-    # not (like srun without --kill-on-bad-exit): the survivor sits in the gradient
-    # all-reduce until its watchdog names the dead rank and aborts. (In this mode mpirun
-    # reports exit status 0 whatever the ranks return, so only the ending is checked.)
+    # mpirun above ends the job itself when a process dies; with keep_going (Open MPI's
+    # --enable-recovery, Hydra's -disable-auto-cleanup) it does not (like srun without
+    # --kill-on-bad-exit): the survivor sits in the gradient all-reduce until its watchdog
+    # names the dead rank and aborts. (In this mode mpirun reports exit status 0 whatever
+    # the ranks return, so only the ending is checked.)
     run_dir = tmp_path / "killed_recovery"
     proc = launch(run_dir, 2, "topology.dp=2", f"telemetry.watchdog_s={WATCHDOG_S}", PINNED,
                   'telemetry.faults="kill@1:2"', timeout=WATCHDOG_S + MARGIN_S,
-                  mpirun_args=("--enable-recovery",))
+                  keep_going=True)
     msg = (run_dir / "watchdog" / "summary.txt").read_text()
     assert "Stuck: rank 1: no flight record (dead" in msg, proc.stderr[-3000:]
     assert "rank 0 (pp=0, dp=0, ep=0, tp=0) on" in msg

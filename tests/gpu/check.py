@@ -33,12 +33,19 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from launch import TINY, assert_same, env, read_params, read_run, rel_err  # noqa: E402
 
+from benchmarks.mpi_env import detect  # noqa: E402  (tests/launch.py put ROOT on sys.path)
+
 PY = sys.executable
-MPIRUN = shlex.split(os.environ.get("MPIRUN", "mpirun"))
+# The launcher (benchmarks/mpi_env.py): MPIRUN when given (Open MPI mpirun or Hydra mpiexec,
+# e.g. from the mpich wheel), else the one found for this interpreter; its own flags for
+# more ranks than cores. MPIRUN_ARGS: extra launcher flags (e.g. "--mca btl self,tcp").
+LAUNCHER = detect(tuple(shlex.split(os.environ["MPIRUN"])) if os.environ.get("MPIRUN") else None)
 MPIRUN_ARGS = shlex.split(os.environ.get("MPIRUN_ARGS", ""))
-# Open MPI needs --oversubscribe for more ranks than cores; MPICH's hydra refuses the flag
-# (check.sh sets MPIRUN_OVERSUBSCRIBE="" when mpirun is hydra).
-OVERSUB = shlex.split(os.environ.get("MPIRUN_OVERSUBSCRIBE", "--oversubscribe"))
+
+
+def launch(n: int, *args: str) -> list[str]:
+    """``LAUNCHER -n N [more ranks than cores] MPIRUN_ARGS python -m mpi4py ARGS``."""
+    return [*LAUNCHER.argv(n, oversubscribe=n > 1), *MPIRUN_ARGS, PY, "-m", "mpi4py", *args]
 
 # Every dense comparison: 6 steps, a checkpoint at 3 (the reshard case resumes from it) and 6.
 COMMON = ("train.steps=6", "checkpoint.every=3", "checkpoint.save_final=true")
@@ -142,8 +149,7 @@ class Check:
         # A tiny run should need far less than 90 s on the GPU machine (not measured there
         # yet); the 4-rank run took 73 s on the shared 2-core CPU, hence 240 s dry.
         timeout = timeout or (240 if self.dry else 90)
-        args = [*MPIRUN, "-n", str(n), *OVERSUB, *MPIRUN_ARGS, PY, "-m", "mpi4py",
-                "-m", "hpctrain", "train", TINY, "--run-dir", str(self.work / name),
+        args = [*launch(n, "-m", "hpctrain", "train"), TINY, "--run-dir", str(self.work / name),
                 "--set", f'model.device="{self.device}"']
         for o in overrides:
             args += ["--set", o]
@@ -242,8 +248,7 @@ class Check:
 
     # -- the steps ------------------------------------------------------------------------
     def probe_env(self) -> None:
-        text, _ = self.run_cmd("probe", [*MPIRUN, "-n", "1", *MPIRUN_ARGS, PY, "-m", "mpi4py",
-                                         str(HERE / "probe.py"), self.device], 90)
+        text, _ = self.run_cmd("probe", launch(1, str(HERE / "probe.py"), self.device), 90)
         line = [x for x in text.splitlines() if x.startswith("{")][-1]
         self.probe = json.loads(line)
         p = self.probe
@@ -330,8 +335,8 @@ class Check:
         for flag in (("0", "1") if aware else ("0",)):
             text, _ = self.run_cmd(
                 f"allreduce-bw-aware{flag}",
-                [*MPIRUN, "-n", "2", *OVERSUB, *MPIRUN_ARGS, PY, "-m", "mpi4py",
-                 str(HERE / "allreduce_bw.py"), "--device", self.device, "--sizes-mb", sizes],
+                launch(2, str(HERE / "allreduce_bw.py"), "--device", self.device, "--sizes-mb",
+                       sizes),
                 120, {"HPCTRAIN_GPU_AWARE_MPI": flag})
             out += [x for x in text.splitlines() if x.startswith(("|", "path", "note"))] + [""]
         self.sections += ["", "## 2. Allreduce bandwidth, 2 ranks", "", *out]
@@ -344,8 +349,8 @@ class Check:
                 ["--layers", "24", "--d-model", "2048", "--heads", "16", "--seq", "2048",
                  "--batch", "8", "--vocab", "32000", "--steps", "10", "--warmup", "3"])
         text, _ = self.run_cmd(
-            "mfu", [*MPIRUN, "-n", "1", *MPIRUN_ARGS, PY, "-m", "mpi4py", str(HERE / "mfu.py"),
-                    "--device", self.device, "--run-dir", str(self.work / "mfu-run"), *size],
+            "mfu", launch(1, str(HERE / "mfu.py"), "--device", self.device, "--run-dir",
+                          str(self.work / "mfu-run"), *size),
             240)
         body = text.split("@@MFU@@", 1)[-1].strip().splitlines()
         self.sections += ["", "## 3. MFU, one rank", "", *body]

@@ -46,7 +46,9 @@ info["mpi_cuda_support"] = support
 saved = os.environ.pop("HPCTRAIN_GPU_AWARE_MPI", None)
 from hpctrain.comm import gpu  # noqa: E402
 
-info["hpctrain_auto_aware"] = gpu.query_cuda_aware()
+auto = gpu.query()
+info["hpctrain_auto_aware"] = auto.aware
+info["hpctrain_aware_decided_by"] = auto.decided_by
 if saved is not None:
     os.environ["HPCTRAIN_GPU_AWARE_MPI"] = saved
 try:
