@@ -53,7 +53,7 @@ def run_rank(pp: int, rank: int, virtual: int, m: int, tag_ub: int) -> list:
                           model=SimpleNamespace(d_model=3),
                           topology=SimpleNamespace(sequence_parallel=False))
     comm = FakeComm(tag_ub)
-    topo = SimpleNamespace(pp_size=pp, pp_rank=rank, tp_size=1, pp_comm=comm)
+    topo = SimpleNamespace(pp_size=pp, pp_rank=rank, tp_size=1, cp_size=1, pp_comm=comm)
     chunks = [FakeChunk(rank + k * pp, pp * virtual) for k in range(virtual)]
     microbatches = [(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
                     for _ in range(m)]
