@@ -6,7 +6,8 @@ heads) and prints a Markdown table: the measured saved activations per rank
 (``mem_activations`` of :class:`hpctrain.telemetry.Meter`, max over ranks, the maximum over
 the step of what autograd saves), the plan's estimate (``telemetry.memory.estimate``),
 their ratio to cp=1, the step time and the ring's bytes and exposed seconds per step
-(``comm_bytes``/``comm_s`` of axis ``cp``). Losses must agree across cp sizes (float32, 1e-4).
+(``comm_bytes``/``comm_s`` of axis ``cp``), one microbatch of 4 sequences per step. Losses
+must agree across cp sizes (float32, 1e-4).
 Not in ``python -m benchmarks``: a sweep over launches, like ``benchmarks.memory``.
 """
 
@@ -23,13 +24,16 @@ from .mpi_env import launch_env, with_checkout
 LLAMA = ['model.arch="llama"', "model.n_kv_heads=2"]
 
 
-def run(world, size: str, seq_len: int) -> dict:
-    """Train ``size`` at ``topology.cp = world.size``; rank 0 returns the row. Collective."""
+def run(world, size: str, seq_len: int, steps: int = 3) -> dict:
+    """Train ``size`` at ``topology.cp = world.size`` (one microbatch per step); rank 0
+    returns the row. Collective."""
     from hpctrain.telemetry.memory import estimate
     from hpctrain.train import train
 
     cp = world.size
-    cfg = train_config(size, *LLAMA, f"topology.cp={cp}", f"train.seq_len={seq_len}")
+    cfg = train_config(size, *LLAMA, f"topology.cp={cp}", f"train.seq_len={seq_len}",
+                       f"train.steps={steps}", "train.global_batch_size=4",
+                       "train.micro_batch_size=4")
     with scratch_dir(world) as scratch:
         res = train(cfg, scratch, world)
         lines = []
@@ -70,6 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="small")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--ranks", default="1,2,4")
+    p.add_argument("--steps", type=int, default=3)
     args = p.parse_args(argv)
     env = with_checkout({**os.environ, **launch_env()})
     rows = []
@@ -77,7 +82,7 @@ def main(argv=None) -> int:
         for n in (int(x) for x in args.ranks.split(",")):
             code = ("import json; from hpctrain import comm; "
                     "from benchmarks.context import run; "
-                    f"r = run(comm.world(), {args.size!r}, {args.seq_len}); "
+                    f"r = run(comm.world(), {args.size!r}, {args.seq_len}, {args.steps}); "
                     f"comm.world().rank == 0 and json.dump(r, open('{out}/c{n}.json', 'w'))")
             subprocess.run(["mpirun", "-n", str(n), "--oversubscribe", sys.executable, "-m",
                             "mpi4py", "-c", code], check=True, env=env)

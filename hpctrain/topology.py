@@ -111,7 +111,7 @@ def check(topo, warn=None) -> dict[str, bool]:
             if not within[axis] and groups[axis].size > 1:
                 msg = (f"placement: {axis} groups (size {groups[axis].size}) cross nodes of "
                        f"{topo.node_comm.size} ranks; make ranks per node a multiple of "
-                       f"{axis} so they stay on the fast link")
+                       f"{'tp*cp' if axis == 'cp' else axis} so they stay on the fast link")
                 (warn or _stderr)(msg)
     return within
 
