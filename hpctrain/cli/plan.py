@@ -157,12 +157,15 @@ def performance_section(cfg, cluster) -> list[str]:
     parts = ", ".join(f"{k} {v:.4g}" + (f" ({p.links[k]})" if k in p.links and v else "")
                       for k, v in p.parts.items() if v)
     fit = "fits" if p.memory.total <= cluster.memory else "DOES NOT FIT"
+    note = [f"  note: the cost model does not model context parallelism yet: the step above "
+            f"is for whole sequences per rank (cp={cfg.topology.cp} not counted)"] \
+        if cfg.topology.cp > 1 else []
     return [f"performance on {cluster.name} ({cluster.ranks_per_node} ranks per node, "
             f"{cluster.efficiency:.3g} x {cluster.peak(dtype):.4g} FLOP/s {dtype} per rank):",
             f"  step {p.step_s:.4g} s: {parts} (seconds; pp = bubble and transfers)",
             f"  {p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_rank:,.0f} per rank), "
             f"MFU {100 * p.mfu:.1f}%, memory {fmt_bytes(p.memory.total)} of "
-            f"{fmt_bytes(cluster.memory)}: {fit}"]
+            f"{fmt_bytes(cluster.memory)}: {fit}", *note]
 
 
 def special(args) -> int | None:
