@@ -20,7 +20,7 @@ KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 def problems(cfg: Config, world_size: int) -> list[str]:
     """Every reason why ``cfg`` cannot run on ``world_size`` ranks; [] when none."""
     top = cfg.topology
-    bad = [f"topology.{a}={getattr(top, a)} must be >= 1" for a in ("dp", "tp", "pp", "ep")
+    bad = [f"topology.{a}={getattr(top, a)} must be >= 1" for a in ("dp", "tp", "pp", "ep", "cp")
            if getattr(top, a) < 1]
     if bad:
         return bad
@@ -30,8 +30,8 @@ def problems(cfg: Config, world_size: int) -> list[str]:
         if not ok:
             errors.append(msg)
 
-    for check in (_check_layout, _check_model, _check_experts, _check_batch, _check_optim,
-                  _check_schedule, _check_run):
+    for check in (_check_layout, _check_model, _check_context, _check_experts, _check_batch,
+                  _check_optim, _check_schedule, _check_run):
         check(cfg, world_size, need)
     return errors
 
@@ -69,11 +69,13 @@ def _one_of(cfg: Config, need, valid, name: str) -> None:
 
 def _check_layout(cfg: Config, world_size: int, need) -> None:
     top, o = cfg.topology, cfg.optim
-    n = top.dp * top.tp * top.pp
+    n = top.dp * top.tp * top.pp * top.cp
+    names, values = ("dp*cp*tp*pp", f"{top.dp}*{top.cp}*{top.tp}*{top.pp}") if top.cp > 1 \
+        else ("dp*tp*pp", f"{top.dp}*{top.tp}*{top.pp}")
     need(
         n == world_size,
-        f"layout dp*tp*pp = {top.dp}*{top.tp}*{top.pp} = {n} but the world has {world_size} "
-        f"ranks; set topology.dp/tp/pp so that the product is {world_size}",
+        f"layout {names} = {values} = {n} but the world has {world_size} "
+        f"ranks; set topology.{names.replace('*', '/')} so that the product is {world_size}",
     )
     need(top.dp % top.ep == 0, f"topology.ep={top.ep} must divide topology.dp={top.dp} "
          "(expert parallelism is carved out of data parallelism)")
@@ -138,6 +140,28 @@ def _check_arch(cfg: Config, need) -> None:
     hd = m.d_model // max(m.n_heads, 1)
     need(hd % 2 == 0, f"model.d_model/model.n_heads = {m.d_model}/{m.n_heads} = {hd} must "
          "be even for model.arch='llama' (rotary embeddings rotate pairs of channels)")
+
+
+def _check_context(cfg: Config, world_size: int, need) -> None:
+    """Context parallelism: the sequence in 2*cp chunks (rank i holds chunks i and
+    2cp-1-i), attention as a ring over ``cp_comm`` (``parallel/context.py``)."""
+    top, m, t = cfg.topology, cfg.model, cfg.train
+    if top.cp <= 1:
+        return
+    need(t.seq_len % (2 * top.cp) == 0,
+         f"train.seq_len={t.seq_len} is not divisible by 2*topology.cp = {2 * top.cp} "
+         "(context parallelism cuts the sequence into 2*cp equal chunks)")
+    if top.sequence_parallel:
+        need(t.seq_len % (top.cp * top.tp) == 0,
+             f"train.seq_len={t.seq_len} is not divisible by topology.cp*tp = "
+             f"{top.cp}*{top.tp} (sequence parallelism splits each cp rank's "
+             f"seq_len/cp tokens over tp)")
+    need(m.num_experts <= 0 or m.capacity_factor <= 0,
+         f"model.capacity_factor={m.capacity_factor} needs topology.cp=1 (capacity follows "
+         "the global token order, which context parallelism does not keep); set "
+         "model.capacity_factor=0 (dropless) or topology.cp=1")
+    need(not cfg.schedule.moe_overlap,
+         "schedule.moe_overlap needs topology.cp=1 (not combined with context parallelism)")
 
 
 def _check_experts(cfg: Config, world_size: int, need) -> None:

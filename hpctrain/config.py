@@ -45,6 +45,7 @@ class TopologyConfig:
     tp: int = 1  # tensor-parallel ranks (Megatron-style)
     pp: int = 1  # pipeline stages
     ep: int = 1  # expert-parallel ranks, must divide dp
+    cp: int = 1  # context-parallel ranks: each holds 2 of 2*cp sequence chunks (ring attention)
     sequence_parallel: bool = False
     placement: str = "auto"  # "auto": tp inside a node; "naive": rank order, for comparison
     dp_reduction: str = "flat"  # "flat" or "hierarchical" (within node, across, within)

@@ -19,7 +19,9 @@ tokenizer's vocabulary (byte-level data: only the largest id).
 Sampling (invariant 3): step ``s`` draws ``global_batch_size`` start offsets from a
 generator seeded by ``(seed, s)``; sequence ``i`` of the global batch is
 ``tokens[start_i : start_i + T + 1]``. Global microbatch ``j`` is sequences
-``[j*dp*mbs, (j+1)*dp*mbs)``; dp rank ``r`` takes ``mbs`` consecutive sequences of it.
+``[j*dp*mbs, (j+1)*dp*mbs)``; dp rank ``r`` takes ``mbs`` consecutive sequences of it. With
+context parallelism every cp rank of a dp rank takes the same sequences and keeps its own
+positions of them (:func:`context_positions`: chunks ``i`` and ``2cp-1-i`` of ``2cp``).
 """
 
 from __future__ import annotations
@@ -287,15 +289,30 @@ def _line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
+def context_positions(seq_len: int, cp_size: int, cp_rank: int) -> np.ndarray:
+    """The positions of a sequence that cp rank ``cp_rank`` holds: chunks ``cp_rank`` and
+    ``2*cp_size-1-cp_rank`` of ``2*cp_size`` equal chunks (causal load balancing: every
+    rank gets one early and one late chunk, so the same attention work), in increasing
+    order. All positions when ``cp_size`` is 1. Matches ``parallel.context.segments``."""
+    if cp_size == 1:
+        return np.arange(seq_len)
+    c = seq_len // (2 * cp_size)
+    late = 2 * cp_size - 1 - cp_rank
+    return np.concatenate([np.arange(cp_rank * c, (cp_rank + 1) * c),
+                           np.arange(late * c, (late + 1) * c)])
+
+
 class Sampler:
     """Deterministic, layout-independent batches.
 
     ``global_batch(step)`` -> (x, y) int64 tensors of shape (G, T); ``local(step)`` -> the
-    list of this dp rank's microbatches [(x_j, y_j)], each (mbs, T).
+    list of this dp rank's microbatches [(x_j, y_j)], each (mbs, T), or with context
+    parallelism (mbs, T/cp): this cp rank's positions (:func:`context_positions`).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_size: int, dp_rank: int, seed: int, device=None):
+                 dp_size: int, dp_rank: int, seed: int, device=None, cp_size: int = 1,
+                 cp_rank: int = 0):
         if len(tokens) < seq_len + 2:
             raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2 = "
                              f"{seq_len + 2}")
@@ -303,19 +320,25 @@ class Sampler:
         self.mbs, self.dp, self.r, self.seed = micro_batch, dp_size, dp_rank, seed
         self.microbatches = global_batch // (dp_size * micro_batch)
         self.device = device  # batches are moved there (the GPU of this rank)
+        self.columns = None if cp_size == 1 else context_positions(seq_len, cp_size, cp_rank)
 
     def starts(self, step: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, step])
         return rng.integers(0, len(self.tokens) - self.T - 1, size=self.G)
 
-    def _rows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, starts: np.ndarray, columns=None) -> tuple[torch.Tensor, torch.Tensor]:
         import torch  # not at module level: `hpctrain prepare` runs without it
 
         idx = starts[:, None] + np.arange(self.T + 1)[None, :]
         seq = torch.from_numpy(self.tokens[idx].astype(np.int64))
+        if columns is not None:  # this cp rank's positions (inputs, then their targets)
+            cols = torch.from_numpy(np.concatenate([columns, columns + 1]))
+            seq = seq[:, cols]
         if self.device is not None:
             seq = seq.to(self.device)
-        return seq[:, :-1], seq[:, 1:]
+        if columns is None:
+            return seq[:, :-1], seq[:, 1:]
+        return seq[:, :len(columns)], seq[:, len(columns):]
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rows(self.starts(step))
@@ -325,5 +348,5 @@ class Sampler:
         out = []
         for j in range(self.microbatches):
             lo = j * self.dp * self.mbs + self.r * self.mbs
-            out.append(self._rows(starts[lo:lo + self.mbs]))
+            out.append(self._rows(starts[lo:lo + self.mbs], self.columns))
         return out

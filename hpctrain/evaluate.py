@@ -36,7 +36,7 @@ class Evaluator:
         self.cfg, self.topo, self.chunks = cfg, topo, chunks
         self.sampler = Sampler(val.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
                                topo.dp_size, topo.dp_rank, t.seed + EVAL_SEED_OFFSET,
-                               device=device)
+                               device=device, cp_size=topo.cp_size, cp_rank=topo.cp_rank)
         self.tokens = t.eval_batches * t.global_batch_size * t.seq_len
         self.info = info or (lambda msg: None)
 
@@ -53,9 +53,11 @@ class Evaluator:
 
 
 def activation_shape(cfg, topo) -> tuple[int, int, int]:
-    """(mbs, T or T/tp under sequence parallelism, C): what crosses a stage boundary."""
+    """(mbs, T/cp, or T/(cp*tp) under sequence parallelism, C): what crosses a stage
+    boundary."""
     t = cfg.train
-    T = t.seq_len // topo.tp_size if cfg.topology.sequence_parallel else t.seq_len
+    T = t.seq_len // topo.cp_size
+    T = T // topo.tp_size if cfg.topology.sequence_parallel else T
     return (t.micro_batch_size, T, cfg.model.d_model)
 
 

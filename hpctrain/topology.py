@@ -1,13 +1,14 @@
 """Topology: the Cartesian rank grid and one sub-communicator per parallel axis.
 
-The grid dims are ``(pp, dp_outer, ep, tp)`` with ``dp = dp_outer * ep`` and ``tp`` varying
-fastest, so consecutive world ranks form a tensor-parallel group (which therefore sits inside
-one node when ranks are packed by node, as ``srun`` and ``mpirun`` do by default).
+The grid dims are ``(pp, dp_outer, ep, cp, tp)`` with ``dp = dp_outer * ep``, ``tp`` varying
+fastest and context parallelism (``cp``) next, so consecutive world ranks form a
+tensor-parallel group (which therefore sits inside one node when ranks are packed by node, as
+``srun`` and ``mpirun`` do by default) and a cp ring is the next tier out.
 
 **Placement** (``topology.placement``): a node is the set of ranks that share memory.
 ``auto`` renumbers the world so that ranks are packed by node even when the launcher
 interleaved them (``--map-by node``), so tp groups sit inside a node; :func:`check` verifies
-that each tp (and ep) group lies within one node and warns when it cannot. ``naive``
+that each tp (and ep, cp) group lies within one node and warns when it cannot. ``naive``
 strides tp groups across nodes (:func:`naive_order`), for comparisons. :func:`crossing`
 answers the same question without MPI for ``hpctrain plan --nodes N``.
 
@@ -25,9 +26,9 @@ from dataclasses import dataclass
 from . import comm
 from .config import TopologyConfig
 
-AXES = ("pp", "dp_outer", "ep", "tp")
-# Which grid dims vary within one group of each axis (dims: pp, dp_outer, ep, tp).
-AXIS_DIMS = {"tp": (3,), "ep": (2,), "dp": (1, 2), "pp": (0,)}
+AXES = ("pp", "dp_outer", "ep", "cp", "tp")
+# Which grid dims vary within one group of each axis (dims: pp, dp_outer, ep, cp, tp).
+AXIS_DIMS = {"tp": (4,), "cp": (3,), "ep": (2,), "dp": (1, 2), "pp": (0,)}
 
 
 @dataclass(frozen=True)
@@ -35,15 +36,17 @@ class Coords:
     pp: int
     dp_outer: int
     ep: int
+    cp: int
     tp: int
 
     def __str__(self) -> str:
-        return f"(pp={self.pp}, dp={self.dp_outer}, ep={self.ep}, tp={self.tp})"
+        cp = f", cp={self.cp}" if self.cp else ""
+        return f"(pp={self.pp}, dp={self.dp_outer}, ep={self.ep}{cp}, tp={self.tp})"
 
 
-def grid_dims(tcfg: TopologyConfig) -> tuple[int, int, int, int]:
-    """(pp, dp_outer, ep, tp) for a topology config."""
-    return (tcfg.pp, tcfg.dp // tcfg.ep, tcfg.ep, tcfg.tp)
+def grid_dims(tcfg: TopologyConfig) -> tuple[int, int, int, int, int]:
+    """(pp, dp_outer, ep, cp, tp) for a topology config."""
+    return (tcfg.pp, tcfg.dp // tcfg.ep, tcfg.ep, tcfg.cp, tcfg.tp)
 
 
 def rank_to_coords(rank: int, dims: tuple[int, ...]) -> Coords:
@@ -62,7 +65,7 @@ def rank_to_coords(rank: int, dims: tuple[int, ...]) -> Coords:
 
 def coords_to_rank(c: Coords, dims: tuple[int, ...]) -> int:
     rank = 0
-    for value, d in zip((c.pp, c.dp_outer, c.ep, c.tp), dims):
+    for value, d in zip((c.pp, c.dp_outer, c.ep, c.cp, c.tp), dims):
         if not 0 <= value < d:
             raise ValueError(f"coordinate {value} outside dimension of size {d}")
         rank = rank * d + value
@@ -72,13 +75,14 @@ def coords_to_rank(c: Coords, dims: tuple[int, ...]) -> int:
 def naive_order(world_size: int, dims: tuple[int, ...]) -> list[int]:
     """A placement that puts tp *last-varying* (tp groups strided across nodes): the grid
     position of world rank r for ``topology.placement = "naive"``. Only for comparisons."""
-    pp, dpo, ep, tp = dims
+    pp, dpo, ep, cp, tp = dims
     order = []
     for t in range(tp):
         for p in range(pp):
             for d in range(dpo):
                 for e in range(ep):
-                    order.append(coords_to_rank(Coords(p, d, e, t), dims))
+                    for c in range(cp):
+                        order.append(coords_to_rank(Coords(p, d, e, c, t), dims))
     return order
 
 
@@ -95,18 +99,19 @@ def packed_key(world: comm.Group) -> int:
 def check(topo, warn=None) -> dict[str, bool]:
     """For each axis, whether every group of it lies within one node (False: it crosses the
     inter-node link). With ``placement = "auto"`` warns (world rank 0, or ``warn``) when tp
-    or ep groups cross nodes. Collective over the world and over each axis group."""
-    groups = {"tp": topo.tp_comm, "ep": topo.ep_comm, "dp": topo.dp_comm, "pp": topo.pp_comm}
+    or ep (or cp) groups cross nodes. Collective over the world and over each axis group."""
+    groups = {"tp": topo.tp_comm, "cp": topo.cp_comm, "ep": topo.ep_comm, "dp": topo.dp_comm,
+              "pp": topo.pp_comm}
     within = {}
     for axis, g in groups.items():
         local = comm.node_local(g, axis=f"{axis}-node")
         within[axis] = topo.world.allreduce(float(local.size == g.size), "min") == 1.0
     if topo.cfg.placement == "auto" and topo.world.rank == 0:
-        for axis in ("tp", "ep"):
+        for axis in ("tp", "ep", "cp"):
             if not within[axis] and groups[axis].size > 1:
                 msg = (f"placement: {axis} groups (size {groups[axis].size}) cross nodes of "
                        f"{topo.node_comm.size} ranks; make ranks per node a multiple of "
-                       f"{axis} so they stay on the fast link")
+                       f"{'tp*cp' if axis == 'cp' else axis} so they stay on the fast link")
                 (warn or _stderr)(msg)
     return within
 
@@ -119,7 +124,7 @@ def crossing(tcfg, nodes: int, ranks_per_node: int) -> dict[str, tuple[int, int]
     """Without MPI: for each axis, (groups that span more than one node, groups), when
     ``nodes * ranks_per_node`` ranks are packed by node and placed as ``tcfg.placement``."""
     dims = grid_dims(tcfg)
-    n = dims[0] * dims[1] * dims[2] * dims[3]
+    n = dims[0] * dims[1] * dims[2] * dims[3] * dims[4]
     if nodes * ranks_per_node != n:
         raise ValueError(f"--nodes {nodes} x --ranks-per-node {ranks_per_node} = "
                          f"{nodes * ranks_per_node} ranks, the layout has {n}")
@@ -130,7 +135,7 @@ def crossing(tcfg, nodes: int, ranks_per_node: int) -> dict[str, tuple[int, int]
         groups: dict[tuple, set] = {}
         for g in range(n):
             c = rank_to_coords(g, dims)
-            values = (c.pp, c.dp_outer, c.ep, c.tp)
+            values = (c.pp, c.dp_outer, c.ep, c.cp, c.tp)
             fixed = tuple(v for i, v in enumerate(values) if i not in varying)
             groups.setdefault(fixed, set()).add(node_of[g])
         out[axis] = (sum(len(s) > 1 for s in groups.values()), len(groups))
@@ -143,7 +148,10 @@ class Topology:
     Attributes (``comm.Group`` objects, each collective over its axis only):
       ``world``, ``tp_comm``, ``pp_comm``, ``dp_comm`` (dp_outer x ep: dense gradients),
       ``ep_comm`` (token all-to-all), ``edp_comm`` (dp_outer: expert gradients),
-      ``node_comm`` (ranks sharing memory with this one).
+      ``cp_comm`` (the ring of context parallelism), ``node_comm`` (ranks sharing memory).
+    The replicas of a parameter: ``dpcp_comm`` (dp x cp: dense gradients, their ZeRO shards,
+    the checkpoint writers) and ``edpcp_comm`` (dp_outer x cp: experts); with cp = 1 they
+    are ``dp_comm`` and ``edp_comm`` themselves.
     ``pp_prev``/``pp_next`` are ranks in ``pp_comm`` (``MPI.PROC_NULL`` at the ends).
     Creating a Topology is collective over the world communicator.
     """
@@ -154,7 +162,7 @@ class Topology:
         self.recorder = comm.Recorder()  # this run's communication record
         self.world = comm.with_recorder(world if world is not None else comm.world(),
                                         self.recorder)
-        n = self.dims[0] * self.dims[1] * self.dims[2] * self.dims[3]
+        n = self.dims[0] * self.dims[1] * self.dims[2] * self.dims[3] * self.dims[4]
         if n != self.world.size:
             raise ValueError(f"grid {self.dims} has {n} ranks, world has {self.world.size}")
         # naive: tp strided across nodes (comparisons); auto: ranks packed by node first.
@@ -165,11 +173,18 @@ class Topology:
         self.cart = comm.cartesian(self.world, self.dims, key)
         self.rank = self.cart.rank
         self.coords = rank_to_coords(self.rank, self.dims)
-        self.pp_comm = comm.sub(self.cart, (True, False, False, False), "pp")
-        self.dp_comm = comm.sub(self.cart, (False, True, True, False), "dp")
-        self.ep_comm = comm.sub(self.cart, (False, False, True, False), "ep")
-        self.edp_comm = comm.sub(self.cart, (False, True, False, False), "edp")
-        self.tp_comm = comm.sub(self.cart, (False, False, False, True), "tp")
+        F, T = False, True
+        self.pp_comm = comm.sub(self.cart, (T, F, F, F, F), "pp")
+        self.dp_comm = comm.sub(self.cart, (F, T, T, F, F), "dp")
+        self.ep_comm = comm.sub(self.cart, (F, F, T, F, F), "ep")
+        self.edp_comm = comm.sub(self.cart, (F, T, F, F, F), "edp")
+        self.cp_comm = comm.sub(self.cart, (F, F, F, T, F), "cp")
+        self.tp_comm = comm.sub(self.cart, (F, F, F, F, T), "tp")
+        # Gradients of parameters replicated over cp are summed over dp x cp.
+        self.dpcp_comm, self.edpcp_comm = self.dp_comm, self.edp_comm
+        if tcfg.cp > 1:
+            self.dpcp_comm = comm.sub(self.cart, (F, T, T, T, F), "dpcp")
+            self.edpcp_comm = comm.sub(self.cart, (F, T, F, T, F), "edpcp")
         self.pp_prev, self.pp_next = comm.shift(self.cart, 0)
         self.node_comm = comm.node_local(self.cart)
         self.within_node = check(self)  # axis -> every group inside one node
@@ -211,6 +226,14 @@ class Topology:
     @property
     def ep_rank(self) -> int:
         return self.ep_comm.rank
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp_comm.size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp_comm.rank
 
     @property
     def local_rank(self) -> int:

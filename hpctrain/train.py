@@ -107,9 +107,10 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     t = cfg.train
     device = params[0][1].device
     sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
-                      topo.dp_size, topo.dp_rank, t.seed, device=device)
+                      topo.dp_size, topo.dp_rank, t.seed, device=device,
+                      cp_size=topo.cp_size, cp_rank=topo.cp_rank)
     global_tokens = t.global_batch_size * t.seq_len
-    log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, tp) = {topo.dims}, "
+    log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, cp, tp) = {topo.dims}, "
              f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "
              f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "
              f"data: {tokens.lineage.get('source')} ({len(tokens.tokens):,} tokens)")

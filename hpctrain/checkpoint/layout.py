@@ -192,7 +192,7 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
     out = []
     for i, (name, p) in enumerate(named_params):
         meta = p.hp
-        group = topo.edp_comm if meta.expert_dim is not None else topo.dp_comm
+        group = topo.edpcp_comm if meta.expert_dim is not None else topo.dpcp_comm
         first_tp = meta.tp_dim is not None or topo.tp_rank == 0
         # replicas take turns (parameter i: replica i mod dp): the writing is spread evenly
         mine = group.rank == i % group.size

@@ -227,7 +227,7 @@ class Checkpointer:
                "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **self._environment(),
                "writer": "mpio" if self.mpio else "serial",
                "world_size": self.topo.world.size, "rng_layout": str(self.topo.dims),
-               "layout": json.dumps({"dims(pp,dp_outer,ep,tp)": list(self.topo.dims),
+               "layout": json.dumps({"dims(pp,dp_outer,ep,cp,tp)": list(self.topo.dims),
                                      "mpi_hints": dict(self.cfg.mpi_hints),  # as requested
                                      "alignment": self.cfg.alignment,
                                      "align_min_bytes": ALIGN_MIN_BYTES,

@@ -132,7 +132,7 @@ def plan_section(cfg, nodes: int, ranks_per_node: int) -> list[str]:
 
     t = cfg.topology
     cross = crossing(t, nodes, ranks_per_node)
-    sizes = {"tp": t.tp, "ep": t.ep, "dp": t.dp, "pp": t.pp}
+    sizes = {"tp": t.tp, "cp": t.cp, "ep": t.ep, "dp": t.dp, "pp": t.pp}
     lines = [f"placement {t.placement} on {nodes} node(s) x {ranks_per_node} rank(s), "
              f"dp reduction {t.dp_reduction}:"]
     for axis, (n_cross, n_groups) in cross.items():
@@ -143,6 +143,9 @@ def plan_section(cfg, nodes: int, ranks_per_node: int) -> list[str]:
         lines.append(f"  {axis}={sizes[axis]}: {where}")
     if cross["tp"][0] and t.tp > 1:
         lines.append("  warning: tp all-reduces every layer; keep it inside a node")
+    if cross["cp"][0] and t.cp > 1:
+        lines.append("  warning: the cp ring passes keys and values every layer; keep it "
+                     "inside a node if it fits (tp x cp ranks per node)")
     if cross["dp"][0] and t.dp_reduction == "flat" and t.dp > nodes:
         lines.append("  hint: dp spans nodes with several dp ranks per node: "
                      "topology.dp_reduction=hierarchical sends less over the link")
@@ -159,12 +162,15 @@ def performance_section(cfg, cluster) -> list[str]:
     parts = ", ".join(f"{k} {v:.4g}" + (f" ({p.links[k]})" if k in p.links and v else "")
                       for k, v in p.parts.items() if v)
     fit = "fits" if p.memory.total <= cluster.memory else "DOES NOT FIT"
+    note = [f"  note: the cost model does not model context parallelism yet: the step above "
+            f"is for whole sequences per rank (cp={cfg.topology.cp} not counted)"] \
+        if cfg.topology.cp > 1 else []
     return [f"performance on {cluster.name} ({cluster.ranks_per_node} ranks per node, "
             f"{cluster.efficiency:.3g} x {cluster.peak(dtype):.4g} FLOP/s {dtype} per rank):",
             f"  step {p.step_s:.4g} s: {parts} (seconds; pp = bubble and transfers)",
             f"  {p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_rank:,.0f} per rank), "
             f"MFU {100 * p.mfu:.1f}%, memory {fmt_bytes(p.memory.total)} of "
-            f"{fmt_bytes(cluster.memory)}: {fit}"]
+            f"{fmt_bytes(cluster.memory)}: {fit}", *note]
 
 
 def special(args) -> int | None:
@@ -243,7 +249,8 @@ def run(args) -> int:
         print(f"hpctrain plan: {e}", file=sys.stderr)
         return 2
     t = cfg.topology
-    lines = [f"{args.world_size} ranks: dp={t.dp} (ep={t.ep}) x tp={t.tp} x pp={t.pp}"
+    lines = [f"{args.world_size} ranks: dp={t.dp} (ep={t.ep}) x "
+             f"{f'cp={t.cp} x ' if t.cp > 1 else ''}tp={t.tp} x pp={t.pp}"
              f"{' + sequence parallel' if t.sequence_parallel else ''}"]
     lines += schedule_section(cfg, args.width, costs)
     lines += memory_section(cfg, args.memory_per_rank)

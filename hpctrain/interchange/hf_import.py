@@ -146,8 +146,8 @@ def write_checkpoint(out: Path, cfg: Config, arrays: dict, lineage: dict) -> Pat
     attrs = {"format": cv.FORMAT, "step": 0, "optim_step": 0, "data_next_step": 0,
              "data_samples_seen": 0, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
              "versions": cv.versions(), "git_commit": cv.git_commit(), "writer": "serial",
-             "world_size": 1, "rng_layout": "(1, 1, 1, 1)", "topology": "(1, 1, 1, 1)",
-             "layout": json.dumps({"dims(pp,dp_outer,ep,tp)": [1, 1, 1, 1],
+             "world_size": 1, "rng_layout": "(1, 1, 1, 1, 1)", "topology": "(1, 1, 1, 1, 1)",
+             "layout": json.dumps({"dims(pp,dp_outer,ep,cp,tp)": [1, 1, 1, 1, 1],
                                    "mpi_hints": {}, "alignment": 0}),
              "config": dumps_toml(cfg), "lineage": json.dumps(lineage), "data_hash": ""}
     with h5py.File(tmp, "w") as f:

@@ -61,13 +61,13 @@ class LocalOps:
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, ops, dtype, ffn: nn.Module | None = None,
-                 rotary: Rotary | None = None):
+                 rotary: Rotary | None = None, context=None):
         super().__init__()
         resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         sp = ops.sequence_parallel
         self.ops = ops
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, sp)
-        self.attn = Attention(cfg, ops, dtype, resid_std, rotary)
+        self.attn = Attention(cfg, ops, dtype, resid_std, rotary, context)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, sp)
         self.mlp = ffn if ffn is not None else MLP(cfg, ops, dtype, resid_std)
 
@@ -106,10 +106,12 @@ class GPTStage(nn.Module):
     head and loss when ``last``. ``forward(x, targets)`` takes token ids (B, T) on the first
     stage, activations (B, T, C) elsewhere; the last stage returns the *sum* of token
     cross-entropies (the caller scales by the global token count), others the activations.
+    ``context`` (``parallel.context.RingContext``): this rank holds T/cp positions of each
+    sequence and attention runs over the cp ring (None: the whole sequence).
     """
 
     def __init__(self, cfg: ModelConfig, layers, first: bool, last: bool, ops=None,
-                 ffn_factory=None):
+                 ffn_factory=None, context=None):
         super().__init__()
         ops = ops if ops is not None else LocalOps()
         dtype = DTYPES[cfg.dtype]
@@ -124,7 +126,7 @@ class GPTStage(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.arch == "llama" else None
         self.blocks = nn.ModuleDict({
             str(i): Block(cfg, ops, dtype, ffn_factory(i) if ffn_factory else None,
-                          self.rotary)
+                          self.rotary, context)
             for i in self.layers
         })
         if last:

@@ -9,6 +9,9 @@
 Tensor parallelism comes in through ``ops`` (``gpt.LocalOps`` or
 ``parallel.tensor.TensorParallelOps``): query and kv heads and the MLP's hidden dimension are
 split over tp (column-parallel ``wq``/``wk``/``wv``/``w1``/``w3``, row-parallel ``wo``/``w2``).
+Context parallelism comes in through ``context`` (``parallel.context.RingContext``; None: the
+whole sequence here): which global positions this rank's tokens hold, and the attention
+over keys and values that other ranks hold.
 Incremental decoding keeps keys and values in a :class:`KVCache`.
 """
 
@@ -110,9 +113,14 @@ class Rotary:
         self.tables[key] = (emb.cos().to(dtype=dtype, device=device),
                             emb.sin().to(dtype=dtype, device=device))
 
-    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotate ``x`` (B, heads, T, hd) at global positions start .. start+T-1."""
-        cos, sin = self.cos_sin(start, x.shape[2], x.dtype, x.device)
+    def apply(self, x: torch.Tensor, start: int, segments=None) -> torch.Tensor:
+        """Rotate ``x`` (B, heads, T, hd) at global positions start .. start+T-1, or with
+        ``segments`` [(start, n), ...] at the concatenation of those runs of positions."""
+        if segments is None:
+            cos, sin = self.cos_sin(start, x.shape[2], x.dtype, x.device)
+        else:
+            parts = [self.cos_sin(a, n, x.dtype, x.device) for a, n in segments]
+            cos, sin = (torch.cat([p[i] for p in parts]) for i in (0, 1))
         half = self.hd // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -137,11 +145,13 @@ class Attention(nn.Module):
     wo row-parallel (columns). ``llama``: rotary embeddings and ``n_kv_heads`` kv heads
     (grouped-query); ``gpt``: no positions, as many kv heads as query heads."""
 
-    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float, rotary=None):
+    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float, rotary=None,
+                 context=None):
         super().__init__()
         C, hd, tp = cfg.d_model, cfg.head_dim, ops.tp_size
         kv = cfg.kv_heads
         self.rotary = rotary if cfg.arch == "llama" else None
+        self.context = context  # context parallelism (None: the whole sequence is here)
         self.heads, self.kv, self.hd = cfg.n_heads // tp, kv // tp, hd
         self.wq = _param((self.heads * hd, C), ParamMeta((cfg.n_heads * hd, C), tp_dim=0,
                                                          std=cfg.init_std), dtype)
@@ -158,6 +168,8 @@ class Attention(nn.Module):
         q = F.linear(x, self.wq).view(B, T, self.heads, self.hd).transpose(1, 2)
         k = F.linear(x, self.wk).view(B, T, self.kv, self.hd).transpose(1, 2)
         v = F.linear(x, self.wv).view(B, T, self.kv, self.hd).transpose(1, 2)
+        if self.context is not None and cache is None:  # this rank's chunks of the sequence
+            return F.linear(self._context_attention(q, k, v), self.wo)
         start = cache.length if cache is not None else 0
         if self.rotary is not None:
             q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
@@ -174,6 +186,17 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
         return F.linear(y, self.wo)  # partial sum over tp: (B, T, C)
+
+    def _context_attention(self, q, k, v):
+        """Context parallelism: q (B, H_local, T/cp, hd), k/v (B, kv_local, T/cp, hd) at the
+        global positions ``context.segments``; the context attends across the ring (causal,
+        grouped-query) and returns (B, T/cp, H_local * hd)."""
+        B, _, T, _ = q.shape
+        if self.rotary is not None:
+            segs = self.context.segments(T)
+            q, k = self.rotary.apply(q, 0, segs), self.rotary.apply(k, 0, segs)
+        y = self.context.attention(q, k, v, self.heads // self.kv)  # (B, H_local, T, hd)
+        return y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
 
 
 class MLP(nn.Module):

@@ -42,8 +42,8 @@ def counted_here(meta, topo, grads_sharded_over_dp: bool = False) -> bool:
     if grads_sharded_over_dp:
         return True
     if meta.expert_dim is not None:
-        return topo.edp_comm.rank == 0  # experts are replicated over edp only
-    return topo.dp_rank == 0
+        return topo.edpcp_comm.rank == 0  # experts are replicated over edp (and cp) only
+    return topo.dpcp_comm.rank == 0  # dense: over dp (and cp)
 
 
 def global_grad_norm(named_params, topo, grads_sharded_over_dp: bool = False) -> float:

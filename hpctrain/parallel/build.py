@@ -1,6 +1,6 @@
 """Turn the model description into this rank's pieces, with communication inserted: the
-layers of its pipeline stage(s), tensor-parallel ops, expert exchange, initialised exactly as
-the same parameters of a one-rank model."""
+layers of its pipeline stage(s), tensor-parallel ops, the context-parallel ring, expert
+exchange, initialised exactly as the same parameters of a one-rank model."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ def build_model(cfg: Config, topo) -> list[GPTStage]:
     S = topo.pp_size * v
     ranges = layer_ranges(cfg)  # balanced, or at schedule.boundaries
     ops = tp_ops(cfg, topo)
+    context = None
+    if topo.cp_size > 1:
+        from .context import RingContext
+
+        context = RingContext(topo.cp_comm)
     ffn_factory = None
     if cfg.model.num_experts:
         from .moe_exchange import ffn_factory as make
@@ -33,7 +38,7 @@ def build_model(cfg: Config, topo) -> list[GPTStage]:
         ffn_factory = make(cfg.model, topo, ops)
     chunks = [
         GPTStage(cfg.model, ranges[s], first=(s == 0), last=(s == S - 1), ops=ops,
-                 ffn_factory=ffn_factory)
+                 ffn_factory=ffn_factory, context=context)
         for s in chunks_of_rank(topo.pp_rank, topo.pp_size, v, style_of(cfg.schedule.kind))
     ]
     init_parameters(chunks, cfg.train.seed, topo.tp_size, topo.tp_rank, topo.ep_size,

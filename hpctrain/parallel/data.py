@@ -2,7 +2,9 @@
 group in buckets, never one call per parameter.
 
 Each parameter's ``.grad`` is a view into one flat buffer per reduction group (dense
-parameters: ``topo.dp_comm``; expert parameters: ``topo.edp_comm``), so autograd accumulates
+parameters: ``topo.dpcp_comm``; expert parameters: ``topo.edpcp_comm``: the data-parallel
+groups, times the context-parallel ring when cp > 1, whose ranks hold the same parameters
+and different tokens), so autograd accumulates
 microbatch gradients in place and a bucket is handed to MPI without a copy. Buckets are cut in
 reverse parameter order (the order backward produces gradients) at ``bucket_mb``.
 
@@ -117,7 +119,7 @@ class GradBuffers:
         by_group: dict[str, list] = {"dp": [], "edp": []}
         for name, p in self.named:
             by_group["edp" if p.hp.expert_dim is not None else "dp"].append((name, p))
-        groups = {"dp": topo.dp_comm, "edp": topo.edp_comm}
+        groups = {"dp": topo.dpcp_comm, "edp": topo.edpcp_comm}  # = dp/edp when cp = 1
         self.flats: list[torch.Tensor] = []
         self.buckets: list[Bucket] = []
         limit = max(1, int(bucket_mb * 2**20))
@@ -336,5 +338,6 @@ class GradBuffers:
         for p in self.sp_params:
             self.topo.tp_comm.allreduce_(main_grad(p))
         for _, p in self.named:
-            group = self.topo.edp_comm if p.hp.expert_dim is not None else self.topo.dp_comm
+            group = self.topo.edpcp_comm if p.hp.expert_dim is not None \
+                else self.topo.dpcp_comm
             group.allreduce_(main_grad(p))

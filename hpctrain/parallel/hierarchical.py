@@ -63,11 +63,12 @@ def reduce_hierarchical(h: Hierarchy, flat: torch.Tensor) -> None:
 
 
 def levels(topo) -> dict[str, Hierarchy] | None:
-    """The two-level split of ``dp_comm`` and ``edp_comm`` when ``topology.dp_reduction =
-    "hierarchical"``, else None. Collective over each."""
+    """The two-level split of the gradient groups ``dpcp_comm`` and ``edpcp_comm`` (``dp_comm``
+    and ``edp_comm`` when cp = 1) when ``topology.dp_reduction = "hierarchical"``, else None;
+    keyed by the groups' axis names. Collective over each."""
     if topo.cfg.dp_reduction != "hierarchical":
         return None
-    return {"dp": build_hierarchy(topo.dp_comm), "edp": build_hierarchy(topo.edp_comm)}
+    return {g.axis: build_hierarchy(g) for g in (topo.dpcp_comm, topo.edpcp_comm)}
 
 
 def reducer(topo):

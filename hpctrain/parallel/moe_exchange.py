@@ -62,7 +62,8 @@ class ExpertExchange:
     """The MPI version of ``model.moe.LocalExchange`` (same contract), one per run: it also
     keeps this run's all-to-all accounting and the exchanges in flight.
 
-    Collective groups: ``gather_counts`` over tp_comm then dp_comm; the others over ep_comm.
+    Collective groups: ``gather_counts`` over tp_comm, cp_comm, then dp_comm; the others
+    over ep_comm.
     ``a2a``: this step's all-to-all seconds on this rank, ``busy`` = posted until complete
     (blocking calls: their duration), ``exposed`` = spent waiting; busy - exposed was hidden.
     """
@@ -71,21 +72,28 @@ class ExpertExchange:
         self.topo = topo
         self.group = topo.ep_comm
         self.ep_size, self.ep_rank = topo.ep_size, topo.ep_rank
-        # Global token order: dp rank (data.Sampler's order), then the tp slice.
-        self.position = topo.dp_rank * topo.tp_size + topo.tp_rank
+        # Global token order: dp rank (data.Sampler's order), then the tp slice (with cp > 1
+        # the cp rank in between; capacity, which needs the order, is refused there).
+        self.position = (topo.dp_rank * topo.cp_size + topo.cp_rank) * topo.tp_size \
+            + topo.tp_rank
         self.a2a = {"busy": 0.0, "exposed": 0.0, "calls": 0}
         self.pending: list = []  # [Handle, t_posted, t_completed or 0.0] of posted exchanges
         self.verified: set = set()  # schedules whose ep_comm order was checked (executor)
 
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """(k, E) int64 -> (dp*tp, k, E) in global token order."""
+        """(k, E) int64 -> (dp*cp*tp, k, E) in global token order (the routing counts of
+        every rank that holds tokens of this global microbatch)."""
         t = self.topo
         k, E = counts.shape
         tp_all = counts.new_empty((t.tp_size * k, E))
         t.tp_comm.allgather(counts.contiguous(), tp_all)  # (tp*k, E)
-        out = counts.new_empty((t.dp_size * t.tp_size * k, E))
+        if t.cp_size > 1:  # the other chunks of the same sequences
+            cp_all = counts.new_empty((t.cp_size * t.tp_size * k, E))
+            tp_all = t.cp_comm.allgather(tp_all, cp_all)
+        R = t.dp_size * t.cp_size * t.tp_size
+        out = counts.new_empty((R * k, E))
         t.dp_comm.allgather(tp_all, out)
-        return out.view(t.dp_size * t.tp_size, k, E)
+        return out.view(R, k, E)
 
     def exchange_counts(self, send: np.ndarray) -> np.ndarray:
         """(ep, E_local) rows for each peer's experts -> rows each peer sends here."""

@@ -116,24 +116,25 @@ def axis_links(cfg: Config, cluster: Cluster) -> dict[str, Link]:
 
         cross = {a: n > 0 for a, (n, _) in crossing(t, world // rpn, rpn).items()}
     else:
-        cross = packed_crossing((t.pp, t.dp // t.ep, t.ep, t.tp), rpn)
+        cross = packed_crossing((t.pp, t.dp // t.ep, t.ep, t.cp, t.tp), rpn)
     return {axis: cluster.inter if c else cluster.intra for axis, c in cross.items()}
 
 
-AXIS_DIMS = {"tp": (3,), "ep": (2,), "dp": (1, 2), "pp": (0,)}  # as topology.AXIS_DIMS
+# as topology.AXIS_DIMS (dims: pp, dp_outer, ep, cp, tp)
+AXIS_DIMS = {"tp": (4,), "cp": (3,), "ep": (2,), "dp": (1, 2), "pp": (0,)}
 
 
 def packed_crossing(dims: tuple, rpn: int) -> dict[str, bool]:
     """Whether any group of each axis spans two nodes, ranks packed ``rpn`` per node in the
     grid's row-major order (``topology.crossing`` for ``placement = "auto"``, in O(groups)):
     a group's ranks lie between its first and last, so it crosses iff those two do."""
-    strides = [1] * 4
-    for k in (2, 1, 0):
+    strides = [1] * 5
+    for k in (3, 2, 1, 0):
         strides[k] = strides[k + 1] * dims[k + 1]
     out = {}
     for axis, varying in AXIS_DIMS.items():
         span = sum((dims[k] - 1) * strides[k] for k in varying)
-        fixed = [k for k in range(4) if k not in varying]
+        fixed = [k for k in range(5) if k not in varying]
         out[axis] = span > 0 and any(
             base // rpn != (base + span) // rpn
             for base in (sum(c * strides[k] for c, k in zip(cs, fixed))

@@ -51,10 +51,10 @@ class StepState:
         self.loss_scale, self.sched = loss_scale, sched
         self.rank = topo.pp_rank
         self.split = any(a.kind == "W" for a in sched.ranks[self.rank])
-        mbs, T = cfg.train.micro_batch_size, cfg.train.seq_len
+        mbs, T = cfg.train.micro_batch_size, cfg.train.seq_len // topo.cp_size
         if cfg.topology.sequence_parallel and topo.tp_size > 1:
             T //= topo.tp_size  # activations between stages are this rank's sequence slice
-        self.boundary = (mbs, T, cfg.model.d_model)  # (B, T[/tp], C)
+        self.boundary = (mbs, T, cfg.model.d_model)  # (B, T/cp[/tp], C)
         self.dtype = DTYPES[cfg.model.dtype]
         self.device = torch.device(cfg.model.device)
         self.inputs: dict = {}  # (mb, chunk) -> stage input (leaf, requires_grad)

@@ -12,6 +12,8 @@
 - activations: what autograd saves per microbatch, times the microbatches in flight on the
   first stage (pp=1: 1; 1f1b/zb-h1/zbv/interleaved: min(pp, microbatches); gpipe: all).
   Recompute keeps each block's input plus one block's activations during its backward.
+  Context parallelism: every rank holds ``seq_len / cp`` tokens of each sequence, so all of
+  these are per ``seq_len / cp`` tokens (:func:`local_tokens`).
 
 **Measured peak** (:class:`Meter`): bytes of the parameters + gradient storage (flat
 buffers, shards, staging) + optimizer state + the maximum over the step of the bytes held
@@ -68,24 +70,31 @@ def _norm_bytes(T: int, C: int, ps: int) -> int:
     return T * (4 * C + 4 + 2 * C * ps) if ps == 2 else T * (3 * C * ps + ps)
 
 
+def local_tokens(cfg: Config) -> int:
+    """Tokens of each sequence on one rank: ``seq_len / cp`` (context parallelism)."""
+    return cfg.train.seq_len // max(1, cfg.topology.cp)
+
+
 def block_activation_bytes(cfg: Config) -> int:
     """Bytes autograd saves per block per sequence (measured layout, see tests):
     two norms, q, k, v and the attention output (over tp; llama: k and v after the
     grouped-query repeat, as many heads as q), the attention log-sum-exp (per head, float32
     for 16-bit), the MLP hidden before and after GELU (over tp; SwiGLU: gate, silu(gate),
-    up and their product)."""
-    m, tp = cfg.model, cfg.topology.tp
-    T, C, F, ps = cfg.train.seq_len, m.d_model, m.ffn_dim, DTYPE_BYTES[m.dtype]
+    up and their product). With cp > 1, per ``seq_len / cp`` tokens, and ring attention
+    saves q, k and v (kv heads), its output and the output reshaped for ``wo``."""
+    m, tp, cp = cfg.model, cfg.topology.tp, cfg.topology.cp
+    T, C, F, ps = local_tokens(cfg), m.d_model, m.ffn_dim, DTYPE_BYTES[m.dtype]
     ls = 4 if ps == 2 else ps
     hidden = 4 if m.arch == "llama" else 2
-    return 2 * _norm_bytes(T, C, ps) + T * (4 * C // tp * ps + m.n_heads // tp * ls
+    attn = 4 * C if cp <= 1 else 3 * C + 2 * m.kv_heads * m.head_dim
+    return 2 * _norm_bytes(T, C, ps) + T * (attn // tp * ps + m.n_heads // tp * ls
                                             + hidden * F // tp * ps)
 
 
 def _ends_activation_bytes(cfg: Config, first: bool, last: bool) -> int:
     """Token ids (first stage); final norm, log-softmax over the vocabulary (float32 for
     16-bit) and targets (last stage). Per sequence."""
-    m, T, ps = cfg.model, cfg.train.seq_len, DTYPE_BYTES[cfg.model.dtype]
+    m, T, ps = cfg.model, local_tokens(cfg), DTYPE_BYTES[cfg.model.dtype]
     V = -(-m.vocab_size // cfg.topology.tp)
     out = 8 * T if first else 0
     if last:
@@ -128,7 +137,7 @@ def estimate(cfg: Config) -> Estimate:
     per_rank = [sum(_stage_params(cfg, len(ranges[s]), s == 0, s == S - 1)
                     for s in chunks_of_rank(r, top.pp, v, style)) for r in range(top.pp)]
     P = max(per_rank)
-    d = top.dp
+    d = top.dp * top.cp  # ZeRO shards over the replicas of a parameter: dp x cp
     e = Estimate(params=P * ps)
     if o.zero == 0:  # gradients accumulate in float32 (float64): ss, not ps
         e.grads = P * ss
@@ -145,7 +154,7 @@ def estimate(cfg: Config) -> Estimate:
         mine = [s for s in range(r, S, top.pp)]
         layers = sum(len(ranges[s]) for s in mine)
         if m.recompute:  # block inputs, plus one block live again during its backward
-            per_mb = layers * cfg.train.seq_len * m.d_model * ps + blk
+            per_mb = layers * local_tokens(cfg) * m.d_model * ps + blk
         else:
             per_mb = layers * blk
         ends = sum(_ends_activation_bytes(cfg, s == 0, s == S - 1) for s in mine)
@@ -161,14 +170,18 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
     sends 2N(d-1)/d, a reduce-scatter or all-gather N(d-1)/d)."""
     top, m, t = cfg.topology, cfg.model, cfg.train
     out = {}
-    d = top.dp
+    d = top.dp * top.cp  # the replicas of a parameter: dp x cp
     if d > 1:
         frac = (d - 1) / d
         rs = M if cfg.optim.zero == 2 else 1  # zero 2 reduces every microbatch
         out["dp"] = int(2 * P * ps * frac) if cfg.optim.zero == 0 else int(
             (rs + 1) * P * ps * frac)
-    act = t.micro_batch_size * t.seq_len * m.d_model * ps  # one (B, T, C) activation
+    act = t.micro_batch_size * local_tokens(cfg) * m.d_model * ps  # one (B, T/cp, C)
     layers_here = -(-m.n_layers // top.pp)
+    if top.cp > 1:  # the ring: k and v blocks forward (cp-1 hops), again backward with
+        kv = 2 * t.micro_batch_size * local_tokens(cfg) * m.kv_heads * m.head_dim * ps \
+            // top.tp  # their gradients (cp hops), per layer and microbatch
+        out["cp"] = int(layers_here * M * kv * (2 * (top.cp - 1) + top.cp))
     if top.tp > 1:  # 2 all-reduces forward + 2 backward per block, per microbatch
         out["tp"] = int(4 * layers_here * M * act * 2 * (top.tp - 1) / top.tp)
     if top.pp > 1:  # one activation forward and one gradient backward per microbatch

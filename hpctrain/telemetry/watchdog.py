@@ -82,9 +82,11 @@ def peer_coords(topo, axis: str, peer: int) -> str:
     if peer < 0:
         return f"all of {axis}"
     c = topo.coords
-    ep = topo.ep_size
-    change = {"pp": {"pp": peer}, "tp": {"tp": peer}, "ep": {"ep": peer},
-              "edp": {"dp_outer": peer}, "dp": {"dp_outer": peer // ep, "ep": peer % ep}}
+    ep, cp = topo.ep_size, getattr(topo, "cp_size", 1)
+    change = {"pp": {"pp": peer}, "tp": {"tp": peer}, "ep": {"ep": peer}, "cp": {"cp": peer},
+              "edp": {"dp_outer": peer}, "dp": {"dp_outer": peer // ep, "ep": peer % ep},
+              "edpcp": {"dp_outer": peer // cp, "cp": peer % cp},
+              "dpcp": {"dp_outer": peer // (ep * cp), "ep": peer // cp % ep, "cp": peer % cp}}
     if axis not in change:
         return f"rank {peer} of {axis}"
     return str(Coords(**{**c.__dict__, **change[axis]}))

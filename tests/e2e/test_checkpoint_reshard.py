@@ -95,3 +95,17 @@ def test_optimizer_state_reshard_zero(tmp_path, session_dir):
     _, b = reshard(tmp_path, ref, layout(dp=4), layout(dp=2), save_extra=("optim.zero=1",),
                    load_extra=("optim.zero=1",))
     assert_tail_equal(b, ref, 3, "zero=1 dp=4 -> zero=1 dp=2")
+
+
+def test_cp4_to_one_rank_and_one_rank_to_cp2(tmp_path, session_dir):
+    # Context parallelism: the cp=4 run itself equals the reference (ring attention over 4
+    # ranks, 8 chunks of 2 tokens), its checkpoint has one writer per element although the
+    # 4 cp ranks hold identical parameters, and one rank continues from it; cp=2 continues
+    # from the reference's own checkpoint. The cp runs take the global batch as one
+    # microbatch (the same gradients; 16x fewer ring transfers).
+    whole = ("train.micro_batch_size=16",)
+    ref = baseline(session_dir, *COMMON)
+    _, b = reshard(tmp_path, ref, ("topology.cp=4",), layout(), save_extra=whole)
+    assert_tail_equal(b, ref, 3, "cp=4 -> 1 rank")
+    _, c = reshard(tmp_path / "back", ref, layout(), ("topology.cp=2",), load_extra=whole)
+    assert_tail_equal(c, ref, 3, "1 rank -> cp=2")

@@ -214,7 +214,7 @@ def test_multi_node_template_runs(submitted):
     assert_completed(wait_for(job_id), d)
     run = read_run(d / "run")
     assert len(run.metrics) == 2 and all(math.isfinite(x) for x in run.losses)
-    assert "grid (pp, dp_outer, ep, tp) = (1, 1, 1, 2)" in (d / "run/train.log").read_text()
+    assert "grid (pp, dp_outer, ep, cp, tp) = (1, 1, 1, 1, 2)" in (d / "run/train.log").read_text()
 
 
 def test_sweep_array_runs_each_value(submitted):

@@ -30,8 +30,8 @@ def topo():
     world = comm.world()
     dp = comm.Group(world.mpi.Dup(), "dp")
     alone = comm.Group(world.mpi.Split(world.rank, 0), "tp")
-    return SimpleNamespace(dp_comm=dp, edp_comm=dp, tp_comm=alone, tp_size=1, tp_rank=0,
-                           dp_rank=dp.rank, dp_size=dp.size, world=dp)
+    return SimpleNamespace(dp_comm=dp, dpcp_comm=dp, edpcp_comm=dp, tp_comm=alone, tp_size=1,
+                           tp_rank=0, dp_rank=dp.rank, dp_size=dp.size, world=dp)
 
 
 def coefficients(rank: int, j: int, dtype) -> dict[str, torch.Tensor]:

@@ -50,7 +50,7 @@ def test_auto_placement_keeps_tp_inside_the_node():
         pytest.skip("tp=2 needs an even world")
     topo = Topology(TopologyConfig(dp=world.size // 2, tp=2), world)
     # One machine is one node: every axis is inside it, and the levels exist only on demand.
-    assert topo.within_node == {"tp": True, "ep": True, "dp": True, "pp": True}
+    assert topo.within_node == {"tp": True, "cp": True, "ep": True, "dp": True, "pp": True}
     assert levels(topo) is None
     topo = Topology(TopologyConfig(dp=world.size, dp_reduction="hierarchical"), world)
     assert levels(topo)["dp"].local.size == world.size  # one node: local = whole group

@@ -150,8 +150,8 @@ def test_vocab_parallel_embedding_head_and_norm(tp, vocab, tie, sp):
 def fake_topo(tp):
     """The tp group as the whole world, with no data parallelism (dp groups of one)."""
     alone = comm.Group(comm.world().mpi.Split(tp.mpi.Get_rank(), 0), "dp")
-    return SimpleNamespace(tp_comm=tp, tp_size=tp.size, tp_rank=tp.rank, dp_comm=alone,
-                           edp_comm=alone, dp_rank=0, world=tp)
+    return SimpleNamespace(tp_comm=tp, tp_size=tp.size, tp_rank=tp.rank, dpcp_comm=alone,
+                           edpcp_comm=alone, dp_rank=0, world=tp)
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])

@@ -13,11 +13,11 @@ pytestmark = pytest.mark.mpi
 
 
 def layouts(n):
-    for dp, tp, pp in itertools.product([1, 2, 4], repeat=3):
-        if dp * tp * pp == n:
+    for dp, tp, pp, cp in itertools.product([1, 2, 4], repeat=4):
+        if dp * tp * pp * cp == n:
             for ep in (1, 2):
                 if dp % ep == 0:
-                    yield TopologyConfig(dp=dp, tp=tp, pp=pp, ep=ep)
+                    yield TopologyConfig(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp)
 
 
 def test_subcommunicators_match_coordinates():
@@ -30,11 +30,17 @@ def test_subcommunicators_match_coordinates():
         assert topo.ep_size == cfg.ep and topo.edp_comm.size == cfg.dp // cfg.ep
         assert topo.tp_rank == c.tp and topo.pp_rank == c.pp and topo.ep_rank == c.ep
         assert topo.dp_rank == c.dp_outer * cfg.ep + c.ep
-        # Every member of my tp group shares my (pp, dp_outer, ep): gather and compare.
-        for group, same in ((topo.tp_comm, ("pp", "dp_outer", "ep")),
-                            (topo.dp_comm, ("pp", "tp")),
-                            (topo.pp_comm, ("dp_outer", "ep", "tp")),
-                            (topo.ep_comm, ("pp", "dp_outer", "tp"))):
+        assert topo.cp_size == cfg.cp and topo.cp_rank == c.cp
+        assert topo.dpcp_comm.size == cfg.dp * cfg.cp
+        assert topo.edpcp_comm.size == cfg.dp // cfg.ep * cfg.cp
+        # Every member of my tp group shares my (pp, dp_outer, ep, cp): gather and compare.
+        for group, same in ((topo.tp_comm, ("pp", "dp_outer", "ep", "cp")),
+                            (topo.dp_comm, ("pp", "cp", "tp")),
+                            (topo.pp_comm, ("dp_outer", "ep", "cp", "tp")),
+                            (topo.ep_comm, ("pp", "dp_outer", "cp", "tp")),
+                            (topo.cp_comm, ("pp", "dp_outer", "ep", "tp")),
+                            (topo.dpcp_comm, ("pp", "tp")),
+                            (topo.edpcp_comm, ("pp", "ep", "tp"))):
             coords = group.allgather_obj(topo.coords)
             for other in coords:
                 assert all(getattr(other, a) == getattr(c, a) for a in same), (group, coords)

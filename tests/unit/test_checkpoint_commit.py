@@ -42,7 +42,7 @@ def _saver(tmp_path, monkeypatch):
     monkeypatch.setenv(store.SERIAL_ENV, "1")
     one = SimpleNamespace(rank=0, size=1)
     topo = SimpleNamespace(world=OneRank(), dims=(1, 1, 1, 1), tp_size=1, tp_rank=0,
-                           ep_size=1, ep_rank=0, dp_comm=one, edp_comm=one)
+                           ep_size=1, ep_rank=0, dpcp_comm=one, edpcp_comm=one)
     named = []
     for name, shape in (("w", (6, 5)), ("b", (7,))):
         p = torch.nn.Parameter(torch.randn(shape, dtype=torch.float64))

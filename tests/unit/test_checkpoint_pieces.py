@@ -30,7 +30,7 @@ def test_flat_boxes_cover_every_range_in_order(shape):
 
 def _topo(tp, tp_rank, dp_rank=0):
     return SimpleNamespace(tp_size=tp, tp_rank=tp_rank, ep_size=1, ep_rank=0,
-                           dp_comm=SimpleNamespace(rank=dp_rank), edp_comm=None)
+                           dpcp_comm=SimpleNamespace(rank=dp_rank), edpcp_comm=None)
 
 
 def _local(full, meta, tp, r):

@@ -54,7 +54,7 @@ def run_rank(pp: int, rank: int, virtual: int, m: int, tag_ub: int, kind="1f1b")
                           model=SimpleNamespace(d_model=3), schedule=SimpleNamespace(kind=kind),
                           topology=SimpleNamespace(sequence_parallel=False))
     comm = FakeComm(tag_ub)
-    topo = SimpleNamespace(pp_size=pp, pp_rank=rank, tp_size=1, pp_comm=comm)
+    topo = SimpleNamespace(pp_size=pp, pp_rank=rank, tp_size=1, cp_size=1, pp_comm=comm)
     style = style_of(kind)
     chunks = [FakeChunk(s, pp * virtual) for s in chunks_of_rank(rank, pp, virtual, style)]
     microbatches = [(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))

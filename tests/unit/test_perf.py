@@ -120,15 +120,15 @@ def test_layer_flops_add_up_to_telemetry_flops(overrides):
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 2), st.integers(1, 4),
-       st.integers(1, 8))
-def test_packed_crossing_is_topology_crossing(pp, dpo, ep, tp, rpn):
-    world = pp * dpo * ep * tp
+       st.integers(1, 8), st.integers(1, 2))
+def test_packed_crossing_is_topology_crossing(pp, dpo, ep, tp, rpn, cp):
+    world = pp * dpo * ep * tp * cp
     rpn = min(rpn, world)
     if world % rpn:
         return
-    t = TopologyConfig(dp=dpo * ep, tp=tp, pp=pp, ep=ep)
+    t = TopologyConfig(dp=dpo * ep, tp=tp, pp=pp, ep=ep, cp=cp)
     want = {a: n > 0 for a, (n, _) in crossing(t, world // rpn, rpn).items()}
-    assert packed_crossing((pp, dpo, ep, tp), rpn) == want
+    assert packed_crossing((pp, dpo, ep, cp, tp), rpn) == want
 
 
 def test_collective_formulas():

@@ -44,7 +44,7 @@ class DeviceRecorder(TorchDispatchMode):
 
 def _meta_zero(tp_rank: int, scaler: bool) -> ZeroAdamW:
     group = SimpleNamespace(size=2, rank=1)
-    topo = SimpleNamespace(tp_size=2, tp_rank=tp_rank, dp_comm=group, edp_comm=group,
+    topo = SimpleNamespace(tp_size=2, tp_rank=tp_rank, dpcp_comm=group, edpcp_comm=group,
                            world=SimpleNamespace(allreduce=lambda x, *a: x))
     named = []
     for i, (shape, tp_dim) in enumerate([((6, 4), 0), ((5,), None), ((3, 4), 1)]):

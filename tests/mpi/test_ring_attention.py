@@ -1,0 +1,77 @@
+"""Ring attention (``parallel/context.py``) inside MPI ranks: all ranks form one cp ring,
+each holding chunks r and 2cp-1-r of the sequence. The output and the gradients of queries,
+keys and values (this rank's positions) must equal causal attention over the whole sequence
+in float64, with grouped-query heads; and the llama attention layer with a ring context
+(rotary at global positions) must equal the same layer on one rank."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpctrain import comm
+from hpctrain.config import ModelConfig
+from hpctrain.data import context_positions
+from hpctrain.model.gpt import LocalOps, init_parameters
+from hpctrain.model.layers import Attention, Rotary
+from hpctrain.parallel.context import RingContext, segments
+
+pytestmark = pytest.mark.mpi
+
+TOL = dict(rtol=1e-11, atol=1e-13)
+
+
+@pytest.fixture(scope="module")
+def ring():
+    return RingContext(comm.Group(comm.world().mpi.Dup(), "cp"))
+
+
+def mine(t, ring, T):
+    return t.detach()[:, :, torch.from_numpy(context_positions(T, ring.cp_size, ring.cp_rank))]
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ring_equals_causal_attention(ring, groups):
+    g = torch.Generator().manual_seed(7)
+    B, H, T, hd = 2, 4, 4 * ring.cp_size, 6
+    q, dout = (torch.randn(B, H, T, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, H // groups, T, hd, generator=g, dtype=torch.float64)
+            for _ in range(2))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    rep = [t.repeat_interleave(groups, 1) for t in whole[1:]]
+    y = F.scaled_dot_product_attention(whole[0], *rep, is_causal=True)
+    (y * dout).sum().backward()
+    local = [mine(t, ring, T).clone().requires_grad_() for t in (q, k, v)]
+    y_local = ring.attention(*local, groups)
+    (y_local * mine(dout, ring, T)).sum().backward()
+    torch.testing.assert_close(y_local, mine(y, ring, T), **TOL)
+    for a, b in zip(local, whole):
+        torch.testing.assert_close(a.grad, mine(b.grad, ring, T), **TOL)
+
+
+def test_segments_are_the_sampler_positions():
+    for cp in (1, 2, 4):
+        for r in range(cp):
+            pos = [p for a, n in segments(16 // cp, cp, r) for p in range(a, a + n)]
+            assert pos == list(context_positions(16, cp, r))
+    # every position exactly once over the ring
+    assert sorted(p for r in range(4) for p in context_positions(16, 4, r)) == list(range(16))
+
+
+def test_llama_attention_layer_with_ring(ring):
+    cfg = replace(ModelConfig(dtype="float64"), arch="llama", d_model=32, n_heads=8,
+                  n_kv_heads=4)
+    T = 4 * ring.cp_size
+    rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+    one = Attention(cfg, LocalOps(), torch.float64, 0.02, rotary)
+    cp = Attention(cfg, LocalOps(), torch.float64, 0.02, rotary, ring)
+    for layer in (one, cp):
+        stage = torch.nn.Module()
+        stage.attn = layer
+        init_parameters([stage], seed=3)
+    x = torch.randn(2, T, cfg.d_model, generator=torch.Generator().manual_seed(1),
+                    dtype=torch.float64)
+    pos = torch.from_numpy(context_positions(T, ring.cp_size, ring.cp_rank))
+    y = one(x)
+    torch.testing.assert_close(cp(x[:, pos]), y[:, pos], **TOL)
