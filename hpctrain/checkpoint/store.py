@@ -326,7 +326,7 @@ class Checkpointer:
     def _load_rng(self, f, attrs) -> bool:
         """Per-rank RNG states are only meaningful on the layout that made them: restore
         them when the layout is the same, otherwise keep the seeded state. Collective."""
-        same = (attrs.get("rng_layout") == str(self.topo.dims)
+        same = (_rng_dims(attrs.get("rng_layout")) == tuple(self.topo.dims)
                 and "rng/torch" in f and f["rng/torch"].shape[0] == self.topo.world.size)
         if not same:
             return False
@@ -335,3 +335,16 @@ class Checkpointer:
         piece.scatter(transfer(f["rng/torch"], piece, write=False, collective=False))
         torch.set_rng_state(state)
         return True
+
+
+def _rng_dims(text) -> tuple | None:
+    """The grid dims a checkpoint's RNG states were saved on, as ``(pp, dp_outer, ep, cp,
+    tp)``; a checkpoint from before context parallelism recorded ``(pp, dp_outer, ep, tp)``,
+    the same rank order with cp = 1. None when absent or unreadable."""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    try:
+        dims = tuple(int(x) for x in str(text).strip("() ").split(",") if x.strip())
+    except ValueError:
+        return None
+    return dims[:3] + (1,) + dims[3:] if len(dims) == 4 else dims

@@ -132,3 +132,13 @@ def test_flipped_bytes_and_truncation_are_detected(tmp_path):
     assert problems and ("cannot open" in problems[0] or "unreadable" in problems[0])
     # a share of the datasets: only those are checked
     assert cv.verify(flipped, (1, 2)) == []
+
+
+def test_rng_layout_of_a_checkpoint_from_before_cp_reads_with_cp_1():
+    """A 4-dim rng_layout (pp, dp_outer, ep, tp) is the same rank order as cp = 1, so its
+    RNG states are restored on that layout (not silently dropped)."""
+    from hpctrain.checkpoint.store import _rng_dims
+
+    assert _rng_dims("(2, 1, 1, 2)") == (2, 1, 1, 1, 2)
+    assert _rng_dims(b"(1, 2, 1, 1, 4)") == (1, 2, 1, 1, 4)
+    assert _rng_dims(None) is None and _rng_dims("not dims") is None
