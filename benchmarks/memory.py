@@ -42,7 +42,7 @@ def _train(cfg, world) -> tuple[list[float], list[float], dict]:
     return times, list(res.losses), mem
 
 
-def run(world, size: str, repeats: int, levels=LEVELS) -> dict:
+def run(world, size: str, repeats: int, levels=LEVELS, overrides=()) -> dict:
     from hpctrain.telemetry.memory import estimate
 
     dp = world.size
@@ -52,7 +52,8 @@ def run(world, size: str, repeats: int, levels=LEVELS) -> dict:
     losses, table = {}, []
     samples: dict = {z: [] for z in levels}
     mems: dict = {}
-    cfgs = {z: train_config(size, f"topology.dp={dp}", f"optim.zero={z}") for z in levels}
+    cfgs = {z: train_config(size, *overrides, f"topology.dp={dp}", f"optim.zero={z}")
+            for z in levels}
     for _ in range(repeats):  # interleaved: every level once per repeat
         for z in levels:
             times, losses[f"zero={z}"], mems[z] = _train(cfgs[z], world)
@@ -63,7 +64,8 @@ def run(world, size: str, repeats: int, levels=LEVELS) -> dict:
         table.append({"dp": dp, "zero": z, "step_s": median(samples[z]),
                       "peak_bytes": mem["mem_peak_max"], "estimate_bytes": estimate(cfg).total,
                       "optimizer_bytes": mem["mem_optimizer"], "grad_bytes": mem["mem_grads"],
-                      "param_bytes": mem["mem_params"], "act_bytes": mem["mem_activations"]})
+                      "param_bytes": mem["mem_params"], "act_bytes": mem["mem_activations"],
+                      "gathered_bytes": mem.get("mem_params_gathered", 0)})
     res["table"] = table
     res["check"] = same_losses(losses, tol=1e-4)
     res["notes"].append("peak = parameters + gradient storage + optimizer state + saved "
@@ -74,13 +76,14 @@ def run(world, size: str, repeats: int, levels=LEVELS) -> dict:
 def markdown(tables: list[list[dict]]) -> list[str]:
     """One row per (dp, zero): the README's side-by-side table."""
     kib = 1024.0
-    out = ["| dp | zero | peak / rank (KiB) | plan (KiB) | parameters (KiB) | "
-           "optimizer state (KiB) | gradients (KiB) | step time (ms) |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| dp | zero | peak / rank (KiB) | plan (KiB) | parameters (KiB) | of which "
+           "gathered (KiB) | optimizer state (KiB) | gradients (KiB) | step time (ms) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for rows in tables:
         for r in rows:
             out.append(f"| {r['dp']} | {r['zero']} | {r['peak_bytes'] / kib:.0f} | "
                        f"{r['estimate_bytes'] / kib:.0f} | {r['param_bytes'] / kib:.0f} | "
+                       f"{r.get('gathered_bytes', 0) / kib:.0f} | "
                        f"{r['optimizer_bytes'] / kib:.0f} | "
                        f"{r['grad_bytes'] / kib:.0f} | {1000 * r['step_s']:.0f} |")
     return out
@@ -97,6 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--levels", default="0,1,2,3", help="ZeRO levels, e.g. 1,3")
+    p.add_argument("--set", action="append", default=[], dest="overrides",
+                   help="config override on top of the size preset, e.g. model.n_layers=16")
     args = p.parse_args(argv)
     env = with_checkout({**os.environ, **launch_env()})
     tables = []
@@ -105,7 +110,8 @@ def main(argv=None) -> int:
             code = ("import json,sys; from hpctrain import comm; "
                     "from benchmarks.memory import run; "
                     f"r = run(comm.world(), {args.size!r}, {args.repeats}, "
-                    f"{tuple(int(z) for z in args.levels.split(','))}); "
+                    f"{tuple(int(z) for z in args.levels.split(','))}, "
+                    f"{tuple(args.overrides)!r}); "
                     f"comm.world().rank == 0 and json.dump(r, open('{out}/m{n}.json', 'w'))")
             subprocess.run(["mpirun", "-n", str(n), "--oversubscribe", sys.executable, "-m",
                             "mpi4py", "-c", code], check=True, env=env)

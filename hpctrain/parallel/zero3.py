@@ -82,7 +82,8 @@ class ShardedParams:
         by_unit: dict[int, list] = {}
         for b in grads.buckets:
             if id(b.group) not in groups:  # gathers never share a communicator with the
-                groups[id(b.group)] = b.group.dup(b.group.axis)  # reduce-scatters
+                # reduce-scatters; recorded under the same axis (comm_dp, trace, watchdog)
+                groups[id(b.group)] = b.group.dup(b.group.axis, b.group.recorder)
             b.gather_group = groups[id(b.group)]
             self._shard(b)
             by_unit.setdefault(b.unit, []).append(b)
