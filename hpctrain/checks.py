@@ -83,7 +83,7 @@ def _check_layout(cfg: Config, world_size: int, need) -> None:
     _one_of(cfg, need, ("flat", "hierarchical"), "topology.dp_reduction")
     need(top.dp_reduction == "flat" or (o.zero == 0 and not o.overlap),
          "topology.dp_reduction=hierarchical needs optim.zero=0 and optim.overlap=false")
-    need(o.zero in (0, 1, 2), f"optim.zero={o.zero} must be 0, 1 or 2")
+    need(o.zero in (0, 1, 2, 3), f"optim.zero={o.zero} must be 0, 1, 2 or 3")
     _one_of(cfg, need, REDUCTIONS, "optim.reduction")
     need(o.reduction == "bucketed" or (o.zero == 0 and not o.overlap
                                        and top.dp_reduction == "flat"),
@@ -225,6 +225,14 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
     v = s.virtual_stages if s.kind == "interleaved" else 2 if s.kind == "zbv" else 1
     need(not (s.moe_overlap and m.recompute), "schedule.moe_overlap cannot be combined with "
          "model.recompute (the forward is cut into segments at the expert all-to-alls)")
+    if cfg.optim.zero == 3:  # the gathers hang on module calls and whole backwards
+        for bad, why in ((m.recompute, "model.recompute (the recomputed forward would free "
+                          "the block its backward needs)"),
+                         (s.moe_overlap, "schedule.moe_overlap (its executor steps into "
+                          "blocks without the module calls that gather them)"),
+                         (s.kind == "zb-h1", "schedule.kind='zb-h1' (its weight gradients "
+                          "come after the input gradients, when the block is freed)")):
+            need(not bad, f"optim.zero=3 cannot be combined with {why}; use optim.zero=2")
     need(m.n_layers >= top.pp * v,
          f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "
          "stage needs at least one layer")

@@ -33,6 +33,7 @@ from .optim import NumericGuard, build_optimizer, lr_at
 from .parallel import build_model, hierarchical, named_parameters
 from .parallel.data import GradBuffers, overlap_on
 from .parallel.moe_exchange import set_loss_scale, step_metrics
+from .parallel.zero3 import shard_parameters, units_of
 from .schedule.runner import pipeline_metrics, run_step
 from .telemetry import Faults, Meter, RunLog, Telemetry
 from .topology import Topology
@@ -85,7 +86,7 @@ def setup_run_dir(cfg: Config, run_dir: Path, topo) -> Path:
 
 def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     """1. Partition: the grid, this rank's model chunks, gradient buckets, optimizer (ZeRO
-    0/1/2) and its slice of every batch; then restore, telemetry, the numeric guard,
+    0/1/2/3) and its slice of every batch; then restore, telemetry, the numeric guard,
     evaluation and stop rules. Collective over the world."""
     topo = Topology(cfg.topology, world)
     run_dir = setup_run_dir(cfg, Path(run_dir), topo)
@@ -100,7 +101,10 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
                         overlap=overlap_on(cfg.optim, topo, cfg.topology.dp_reduction),
                         hierarchical=hierarchical.reducer(topo),
                         microbatches=microbatches_per_rank(cfg), mode=cfg.optim.reduction,
-                        progress=cfg.optim.overlap_progress)
+                        progress=cfg.optim.overlap_progress,
+                        units=units_of(chunks) if cfg.optim.zero == 3 else None)
+    if cfg.optim.zero == 3:  # parameters sharded too, gathered per block (parallel/zero3.py)
+        shard_parameters(chunks, grads)
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)
     d = cfg.data
     tokens = load_tokens(d.path, "train", d.corpus_mb, d.val_fraction, d.tokenizer)

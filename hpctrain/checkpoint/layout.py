@@ -17,7 +17,9 @@ this rank's own tensors, no communication; a tensor is a flat shard when
 ``optimizer.flat_shard(name)`` returns ``(a, b)`` (ZeRO: a 1-D view of the shard holding the
 local parameter's flattened elements [a, b)), otherwise it has the parameter's local shape
 and is a shard like the parameter. Loading writes into these tensors in place.
-``optimizer.step_count`` is the global step counter.
+``optimizer.step_count`` is the global step counter. ZeRO-3 shards the parameters too:
+``optimizer.param_shard(name)`` is then a 1-D view of the parameter's flat shard, written
+and read as a flat piece by every rank of the group (no gathering, ever).
 
 :func:`transfer` moves one piece between memory and an open h5py dataset with the HDF5
 low-level API so that ranks holding nothing still take part in a collective transfer
@@ -187,6 +189,7 @@ def flat_piece(path, tensor, meta, local_shape, a, b, topo, writes) -> Piece:
 def pieces_of(named_params, optimizer, topo) -> list[Piece]:
     """Every piece this rank holds: parameters, then their optimizer state."""
     flat_shard = getattr(optimizer, "flat_shard", None)
+    zero3 = getattr(optimizer, "zero3", False)
     local_state = getattr(optimizer, "local_state", None)
     state = local_state() if local_state is not None else optimizer.state
     out = []
@@ -196,8 +199,15 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
         first_tp = meta.tp_dim is not None or topo.tp_rank == 0
         # replicas take turns (parameter i: replica i mod dp): the writing is spread evenly
         mine = group.rank == i % group.size
-        out.append(shard_piece(f"model/{name}", p.detach(), meta, topo, first_tp and mine))
         rng = flat_shard(name) if flat_shard is not None else None
+        if zero3:  # the parameter lives only in the shards: every rank writes its own
+            pshard = optimizer.param_shard(name)
+            a, b = rng or (0, 0)
+            out.append(flat_piece(f"model/{name}", pshard if pshard is not None else
+                                  p.new_empty(0), meta, p.shape, a, b, topo, first_tp))
+        else:
+            out.append(shard_piece(f"model/{name}", p.detach(), meta, topo,
+                                   first_tp and mine))
         for key, t in state.get(name, {}).items():
             path = f"optim/{name}/{key}"
             if rng is not None and t.dim() == 1 and t.numel() == rng[1] - rng[0]:

@@ -34,9 +34,13 @@ class _Buffers:
     def __init__(self):
         self._finish = []
 
-    def __call__(self, t: torch.Tensor, write: bool = False):
+    def __call__(self, t: torch.Tensor, write: bool = False, raw: bool = False):
+        """``raw``: host memory as bytes (data movement only), without a numpy view, which
+        would pin the tensor's storage size (ZeRO-3 frees and re-grows gathered buffers)."""
         if not t.is_contiguous():
             raise ValueError("MPI buffers must be contiguous tensors")
+        if raw and not t.is_cuda and not _stand_in_active():
+            return [MPI.buffer.fromaddress(t.data_ptr(), t.nbytes), MPI.BYTE]
         if t.dtype in _LOW_PRECISION:  # 16-bit floats move as raw 16-bit words
             t = t.view(torch.int16)
         if t.is_cuda or _stand_in_active():
@@ -252,10 +256,20 @@ class Group:
         if self.size == 1:
             return t_out.copy_(t_in)
         bufs = _Buffers()
-        sb, rb = bufs(t_in), bufs(t_out, write=True)
+        sb, rb = bufs(t_in, raw=True), bufs(t_out, write=True, raw=True)
         self._run("allgather", t_out.nbytes, lambda: self.mpi.Allgather(sb, rb))
         bufs.done()
         return t_out
+
+    def iallgather(self, t_in: torch.Tensor, t_out: torch.Tensor) -> Handle:
+        """Nonblocking :meth:`allgather`; ``t_out`` is valid after ``wait()``."""
+        rec = self.recorder.post("iallgather", self.axis, -1, t_out.nbytes)
+        if self.size == 1:
+            t_out.copy_(t_in)
+            return Handle(self.recorder, _DoneRequest(), rec)
+        bufs = _Buffers()
+        req = self.mpi.Iallgather(bufs(t_in, raw=True), bufs(t_out, write=True, raw=True))
+        return Handle(self.recorder, req, rec, finalise=bufs.done, keep=(t_in, t_out))
 
     def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         if self.size > 1:

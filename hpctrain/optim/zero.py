@@ -1,4 +1,4 @@
-"""ZeRO-1/2: AdamW on this rank's shard of every gradient bucket.
+"""ZeRO-1/2/3: AdamW on this rank's shard of every gradient bucket.
 
 :class:`~hpctrain.parallel.data.GradBuffers` (``zero`` = 1 or 2) leaves in each bucket the
 reduced gradient of this rank's contiguous shard (``bucket.shard``, float32, or float64 for
@@ -15,6 +15,12 @@ gradient sum over ranks differs, so ZeRO equals plain data parallelism to roundi
 The gradient norm sums every rank's shard (each element of a parameter lives in exactly one
 shard of its group) and counts tp-replicated parameters on tp rank 0 only (invariant 2),
 summing on the shards' device (one number crosses to the host for the world all-reduce).
+
+ZeRO-3 (``parallel/zero3.py``): the parameters are sharded too. The update writes this rank's
+shard of the parameters (``bucket.pshard``; for float32/float64 it IS the updated tensor, for
+16-bit models the float32 master is rounded into it) and nothing is all-gathered after the
+step: the next forward gathers each block when it needs it. :meth:`param_shard` gives
+checkpoints the parameter elements of the shard, written and read like the moments.
 
 Checkpoints never gather the state: each rank saves and loads its own shards as hyperslabs of
 the global datasets (:meth:`ZeroAdamW.local_state`, :meth:`ZeroAdamW.flat_shard`,
@@ -50,9 +56,12 @@ class ZeroAdamW(ScaledOptimizer):
         self.scaler = scaler or LossScaler(enabled=False)
         self.params = grads.named
         self.step_count = 0
+        self.zero3 = grads.zero_level == 3
         self._masks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (decay, counted)
         self.shards = [self._init_shard(b) for b in grads.buckets]
         self._ranges = {n: (plo, phi) for _, n, _, _, plo, phi in self._overlaps()}
+        self._pshards = {n: b.pshard[lo:hi] for b, n, lo, hi in self._bucket_overlaps()
+                         if b.pshard is not None}
 
     def _init_shard(self, b) -> dict[str, torch.Tensor]:
         lo, hi = b.shard_range
@@ -71,6 +80,8 @@ class ZeroAdamW(ScaledOptimizer):
 
     def _gather_params(self, b, dt) -> torch.Tensor:
         """This rank's shard of the bucket's current parameter values, as ``dt``."""
+        if b.pshard is not None:  # zero 3
+            return b.pshard.to(dt, copy=True)
         lo, hi = b.shard_range
         w = torch.zeros(hi - lo, dtype=dt, device=b.shard.device)
         for p, a, e, plo, phi in self.grads.segments(b):
@@ -105,7 +116,10 @@ class ZeroAdamW(ScaledOptimizer):
     def _update(self, b, st, decay, lr: float) -> None:
         c, t = self.cfg, self.step_count
         bc1, bc2 = 1 - c.beta1**t, 1 - c.beta2**t
-        w = st["master"] if "master" in st else self._gather_params(b, b.shard.dtype)
+        if "master" in st:
+            w = st["master"]
+        else:  # zero 3: the parameter shard itself; zero 1/2: a copy from the parameters
+            w = b.pshard if self.zero3 else self._gather_params(b, b.shard.dtype)
         g, m, v = b.shard, st["exp_avg"], st["exp_avg_sq"]
         m.mul_(c.beta1).add_(g, alpha=1 - c.beta1)
         v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
@@ -119,6 +133,10 @@ class ZeroAdamW(ScaledOptimizer):
         """Every rank's updated shard -> the full bucket -> the parameters (one bucket of
         temporary memory). Collective over ``b.group``."""
         w = st.pop("_w")
+        if self.zero3:  # no gather: the next forward gathers each block
+            if w is not b.pshard:
+                b.pshard.copy_(w)
+            return
         full = torch.empty(b.numel, dtype=b.dtype, device=w.device)
         b.group.allgather(w.to(b.dtype), full)
         for p, off in zip(b.params, b.offsets):
@@ -139,6 +157,18 @@ class ZeroAdamW(ScaledOptimizer):
         elements :meth:`flat_shard` ``(a, b)``. A load writes straight into the shards."""
         return {name: {key: t[lo:hi] for key, t in st.items()}
                 for st, name, lo, hi, _, _ in self._overlaps()}
+
+    def _bucket_overlaps(self):
+        for b in self.grads.buckets:
+            names = {id(p): n for n, p in zip(b.names, b.params)}
+            for p, lo, hi, _, _ in self.grads.segments(b):
+                yield b, names[id(p)], lo, hi
+
+    def param_shard(self, name: str) -> torch.Tensor | None:
+        """Zero 3: the 1-D view of this rank's parameter shard holding the flattened local
+        parameter ``name``'s elements :meth:`flat_shard` (a checkpoint writes and reads the
+        parameter there); None for zero 1/2 or when the shard holds none of it."""
+        return self._pshards.get(name)
 
     def flat_shard(self, name: str) -> tuple[int, int] | None:
         """[a, b) of the flattened local parameter ``name`` held in this rank's shard."""

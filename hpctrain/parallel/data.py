@@ -28,6 +28,9 @@ Modes (``optim.zero``, ``optim.overlap``):
   into a per-bucket staging buffer (float32 for 16-bit models) and frees ``p.grad``; a bucket
   is reduce-scattered into its shard (and its staging freed) as soon as all its parameters
   have this microbatch's gradient. Microbatches are summed in the float32 shard.
+- zero 3: as zero 2, with one bucket per block (and per stage root) and reduction group
+  instead of buckets cut by size; the parameters themselves are sharded too
+  (``parallel/zero3.py``).
 - overlap (zero 0/1): the same hooks post a bucket's nonblocking reduction as soon as all its
   gradients of the LAST microbatch are final; :meth:`reduce` waits for all of them. How
   posted reductions progress while autograd computes is ``progress``
@@ -68,6 +71,9 @@ class Bucket:
     shard: torch.Tensor | None = None  # (numel / group.size,) reduced gradient, zero 1/2
     staging: torch.Tensor | None = None  # zero 2: (numel,) this microbatch's gradients
     posted: int = 0  # reductions posted this step
+    unit: int = 0  # zero 3: the unit (block or stage root) this bucket belongs to
+    pshard: torch.Tensor | None = None  # zero 3: this rank's shard of the parameters
+    full: torch.Tensor | None = None  # zero 3: the gathered parameters (storage freed)
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -105,15 +111,17 @@ class GradBuffers:
 
     def __init__(self, named_params, topo, bucket_mb: float, hierarchical=None, *,
                  zero: int = 0, overlap: bool = False, microbatches: int = 1,
-                 mode: str = "bucketed", progress: str = "test"):
+                 mode: str = "bucketed", progress: str = "test",
+                 units: list | None = None):
         if zero and hierarchical is not None:
             raise ValueError("optim.zero > 0 needs topology.dp_reduction = flat")
         if mode != "bucketed" and (zero or overlap or hierarchical is not None):
             raise ValueError(f"optim.reduction={mode} needs zero 0, no overlap, flat dp")
         self.topo, self.zero_level, self.microbatches = topo, zero, microbatches
         self.mode = mode  # optim.reduction
-        self.overlap = overlap or zero == 2
+        self.overlap = overlap or zero >= 2
         self.progress = progress  # optim.overlap_progress: thread, poll, test or wait
+        self.sharded = None  # zero 3: the parallel.zero3.ShardedParams
         self.named = list(named_params)
         self.hierarchical = hierarchical  # optional callable(flat) for multi-node dp
         by_group: dict[str, list] = {"dp": [], "edp": []}
@@ -123,10 +131,18 @@ class GradBuffers:
         self.flats: list[torch.Tensor] = []
         self.buckets: list[Bucket] = []
         limit = max(1, int(bucket_mb * 2**20))
-        for key, items in by_group.items():
-            if not items:
-                continue
-            self._build(items, groups[key], limit)
+        if zero == 3:  # one bucket per unit and group, in backward order (zero3.units_of)
+            names = dict(self.named)
+            for k, unit in enumerate(units):
+                for key in by_group:
+                    items = [(n, names[n]) for n in unit
+                             if (names[n].hp.expert_dim is not None) == (key == "edp")]
+                    if items:
+                        self._build(items, groups[key], 2**62, unit=k)
+        else:
+            for key, items in by_group.items():
+                if items:
+                    self._build(items, groups[key], limit)
         self.sp_params = [p for _, p in self.named if p.hp.sp_partial and topo.tp_size > 1]
         self._where = {id(p): (b, off) for b in self.buckets
                        for p, off in zip(b.params, b.offsets)}
@@ -154,7 +170,7 @@ class GradBuffers:
             self.offload.close()
             self.offload = None
 
-    def _build(self, items, group: comm.Group, limit: int) -> None:
+    def _build(self, items, group: comm.Group, limit: int, unit: int = 0) -> None:
         dtype = items[0][1].dtype
         if any(p.dtype != dtype for _, p in items):
             raise ValueError("all parameters of one reduction group must share a dtype")
@@ -175,7 +191,7 @@ class GradBuffers:
                 offsets.append(n)
                 n += p.numel()
             buckets.append(Bucket(group, None, [m for m, _ in members], [p for _, p in members],
-                                  offsets, -(-n // pad) * pad, dtype))
+                                  offsets, -(-n // pad) * pad, dtype, unit=unit))
         if self.zero_level < 2:  # one flat buffer; every main grad a view into it
             flat = torch.zeros(sum(b.numel for b in buckets), dtype=shard_dtype(dtype),
                                device=items[0][1].device)
@@ -209,14 +225,14 @@ class GradBuffers:
         for k in self._count:
             self._count[k] = 0
         for _, p in self.named:
-            if self.zero_level == 2 or p.dtype in _LOW:
+            if self.zero_level >= 2 or p.dtype in _LOW:
                 p.grad = None
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Post-accumulate hook: move the gradient into the float32 main grad (16-bit, zero
         0/1) or the staging buffer (zero 2) and free ``p.grad``; with overlap, count it and
         post what is ready."""
-        if self.zero_level == 2:
+        if self.zero_level >= 2:
             b, off = self._where[id(p)]
             if b.staging is None:
                 b.staging = torch.zeros(b.numel, dtype=shard_dtype(b.dtype), device=p.device)
@@ -234,7 +250,7 @@ class GradBuffers:
 
     def _targets(self) -> list[int]:
         """The microbatch counts at which buckets are reduced, in posting order."""
-        if self.zero_level == 2:
+        if self.zero_level >= 2:
             return list(range(1, self.microbatches + 1))
         return [self.microbatches]
 
@@ -261,7 +277,7 @@ class GradBuffers:
                 self._pending.append((h, b, None))
             return
         send = b.flat
-        if self.zero_level == 2:
+        if self.zero_level >= 2:
             send = b.staging if b.staging is not None else b.shard.new_zeros(b.numel)
             b.staging = None  # freed when the reduction completes
         recv = torch.empty_like(b.shard)
@@ -301,6 +317,8 @@ class GradBuffers:
                     self._post(b)
                     self._wait_all()
         self._wait_all()
+        if self.sharded is not None:  # zero 3: no gathered parameters outlive the step
+            self.sharded.free_all()
         if self.zero_level:
             for b in self.buckets:
                 for lo, hi in self.sp_ranges(b):
@@ -328,7 +346,7 @@ class GradBuffers:
         """Bytes of gradient storage this rank holds now (flat buffers, staging, shards)."""
         n = sum(f.numel() * f.element_size() for f in self.flats)
         for b in self.buckets:
-            for t in (b.shard, b.staging):
+            for t in (b.shard, b.staging):  # (zero 3 parameters: ShardedParams)
                 n += 0 if t is None else t.numel() * t.element_size()
         return n
 

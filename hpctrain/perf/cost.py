@@ -246,7 +246,7 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras) -> f
     M = microbatches(cfg)
     # hpctrain reduces in buckets of optim.bucket_mb: one collective's latency per bucket
     extra = (max(1, math.ceil(P * gs / (o.bucket_mb * 2**20))) - 1) * (d - 1) * link.latency
-    if ex.fsdp:
+    if ex.fsdp or o.zero == 3:  # a gather forward, one backward, a reduce-scatter
         return M * (2 * scatter(P * ps, d, link) + scatter(P * gs, d, link))
     if o.zero == 0:
         return allreduce(P * gs, d, link, algo, k, cluster.intra) + 2 * extra

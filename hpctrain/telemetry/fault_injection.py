@@ -79,7 +79,7 @@ class Faults:
                 grads = [g for g in (main_grad(p) for _, p in named_params) if g is not None]
                 if not grads:
                     raise RuntimeError("poison fault: no gradient buffer to poison (optim.zero=2 "
-                                       "keeps gradients in shards)")
+                                       "and 3 keep gradients in shards)")
                 grads[0].view(-1)[0] = float("nan")  # what the optimizer reads
             elif f.kind == "raise":
                 raise RuntimeError(f"injected fault: rank {self.rank} raises at step {step}")

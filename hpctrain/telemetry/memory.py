@@ -6,9 +6,12 @@
   stage, split over tp; expert weights split over ep) x dtype size;
 - gradients, all float32 (float64 for float64; 16-bit models accumulate in float32 "main
   grads", their transient 16-bit ``p.grad`` is not counted): zero 0/1 a flat buffer; zero 1
-  also a reduced shard of 1/dp; zero 2 only the shard plus one staging bucket;
+  also a reduced shard of 1/dp; zero 2 only the shard plus one staging bucket; zero 3 the
+  shard plus one block's staging;
 - optimizer state: Adam's two moments (+ a float32 master copy for 16-bit parameters), all
   divided by dp under ZeRO;
+- zero 3: parameters divided by dp too, plus what is gathered at once (:func:`gathered`: the
+  stage's embedding/head and two blocks, the one running and the one prefetched);
 - activations: what autograd saves per microbatch, times the microbatches in flight on the
   first stage (pp=1: 1; 1f1b/zb-h1/zbv/interleaved: min(pp, microbatches); gpipe: all).
   Recompute keeps each block's input plus one block's activations during its backward.
@@ -139,7 +142,11 @@ def estimate(cfg: Config) -> Estimate:
     P = max(per_rank)
     d = top.dp * top.cp  # ZeRO shards over the replicas of a parameter: dp x cp
     e = Estimate(params=P * ps)
-    if o.zero == 0:  # gradients accumulate in float32 (float64): ss, not ps
+    if o.zero == 3:
+        block, at_once = gathered(cfg)
+        e.params = P * ps // d + at_once * ps
+        e.grads = P * ss // d + block * ss
+    elif o.zero == 0:  # gradients accumulate in float32 (float64): ss, not ps
         e.grads = P * ss
     elif o.zero == 1:
         e.grads = P * ss + P * ss // d
@@ -165,6 +172,17 @@ def estimate(cfg: Config) -> Estimate:
     return e
 
 
+def gathered(cfg: Config) -> tuple[int, int]:
+    """ZeRO-3: (elements of the largest unit, elements gathered at once at the peak): the
+    embedding/final norm/head of the stage (both ends when pp = 1) and two blocks."""
+    block = _stage_params(cfg, 1, False, False)  # block 0: an MoE block if any
+    if cfg.topology.pp == 1:
+        root = _stage_params(cfg, 0, True, True)
+    else:
+        root = max(_stage_params(cfg, 0, True, False), _stage_params(cfg, 0, False, True))
+    return max(block, root), root + 2 * block
+
+
 def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
     """Bytes each rank sends per step per axis (ring algorithms: an all-reduce of N bytes
     sends 2N(d-1)/d, a reduce-scatter or all-gather N(d-1)/d)."""
@@ -173,9 +191,10 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
     d = top.dp * top.cp  # the replicas of a parameter: dp x cp
     if d > 1:
         frac = (d - 1) / d
-        rs = M if cfg.optim.zero == 2 else 1  # zero 2 reduces every microbatch
+        rs = M if cfg.optim.zero >= 2 else 1  # zero 2/3 reduce every microbatch
+        gathers = 2 * M if cfg.optim.zero == 3 else 1  # zero 3: forward and backward
         out["dp"] = int(2 * P * ps * frac) if cfg.optim.zero == 0 else int(
-            (rs + 1) * P * ps * frac)
+            (rs + gathers) * P * ps * frac)
     act = t.micro_batch_size * local_tokens(cfg) * m.d_model * ps  # one (B, T/cp, C)
     layers_here = -(-m.n_layers // top.pp)
     if top.cp > 1:  # the ring: k and v blocks forward (cp-1 hops), again backward with
@@ -255,12 +274,13 @@ class ActivationMeter:
 
     def __init__(self, exclude=()):
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.gathered: set = set()  # zero 3: storages of gathered parameters, now
         self._live: dict[int, list] = {}  # storage ptr -> [refs, bytes]
         self.current = self.peak = 0
 
     def _pack(self, t: torch.Tensor):
         key = t.untyped_storage().data_ptr()
-        if key in self._exclude or key == 0:
+        if key in self._exclude or key == 0 or key in self.gathered:
             return t
         entry = self._live.get(key)
         if entry is None:
@@ -301,13 +321,21 @@ class Meter(ActivationMeter):
     def __init__(self, named_params, grads, optimizer):
         self.params, self.grads, self.optimizer = list(named_params), grads, optimizer
         super().__init__([p for _, p in self.params])
+        if getattr(grads, "sharded", None) is not None:
+            self.gathered = grads.sharded.storages  # updated by every gather and free
 
     def take(self) -> dict:
         """This step's measured bytes (metrics keys ``mem_*``); resets the activation peak."""
-        out = {"mem_params": _nbytes(self.params), "mem_grads": self.grads.grad_bytes(),
+        sharded = getattr(self.grads, "sharded", None)  # zero 3: shards + gathered peak
+        gathered = sharded.take_peak() if sharded else 0
+        out = {"mem_params": sharded.shard_bytes() + gathered if sharded
+               else _nbytes(self.params),
+               "mem_grads": self.grads.grad_bytes(),
                "mem_optimizer": self.optimizer.state_bytes(),
                "mem_activations": self.take_peak()}
         out["mem_peak"] = sum(out.values())
         # Evidence of overlap: bucket reductions posted while backward was still running.
         out["grad_buckets_posted_in_backward"] = getattr(self.grads, "posted_early", 0)
+        if sharded:  # the part of mem_params that is all-gathered blocks, at its peak
+            out["mem_params_gathered"] = gathered
         return out

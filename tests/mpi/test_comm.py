@@ -63,6 +63,21 @@ def test_allgather_and_reduce_scatter(world):
                                rtol=1e-12)
 
 
+def test_iallgather_into_a_regrown_storage(world):
+    """The nonblocking all-gather (ZeRO-3) in float64 and bfloat16, into a buffer whose
+    storage was freed and grown again (raw byte buffers never pin the storage's size)."""
+    n = world.size
+    for dtype in (torch.float64, torch.bfloat16):
+        mine = rank_data(world.rank, (5,)).to(dtype)
+        out = torch.zeros(5 * n, dtype=dtype)
+        world.allgather(mine, out)
+        out.untyped_storage().resize_(0)
+        out.untyped_storage().resize_(5 * n * out.element_size())
+        world.iallgather(mine, out).wait()
+        ref = torch.cat([rank_data(r, (5,)).to(dtype) for r in range(n)])
+        assert torch.equal(out, ref)
+
+
 def test_bcast(world):
     t = rank_data(world.rank, (4,))
     world.bcast_(t, root=0)

@@ -20,6 +20,25 @@ def test_zero_divides_optimizer_state_and_gradients():
     assert est[0].comm["dp"] == est[1].comm["dp"]  # reduce-scatter + all-gather = all-reduce
 
 
+def test_zero3_divides_parameters_gradients_and_state():
+    """zero 3: parameters, gradients and optimizer state ~1/dp (plus a few gathered blocks);
+    the plan's memory and its dp traffic (two gathers and a reduce-scatter per microbatch)."""
+    cfg = {d: load(TINY, [f"topology.dp={d}", "optim.zero=3", "model.n_layers=32"])
+           for d in (1, 2, 4)}
+    est = {d: memory.estimate(c) for d, c in cfg.items()}
+    block, at_once = memory.gathered(cfg[4])
+    ps = memory.DTYPE_BYTES[cfg[1].model.dtype]
+    whole = est[1].params - at_once * ps  # the stage's parameter bytes
+    for d in (2, 4):
+        assert est[d].optimizer * d == est[1].optimizer
+        assert est[d].params == whole // d + at_once * ps
+        assert est[d].grads == est[1].grads - whole * (d - 1) // d
+    assert est[4].params < est[2].params < est[1].params
+    z2 = memory.estimate(load(TINY, ["topology.dp=4", "optim.zero=2", "model.n_layers=32"]))
+    assert est[4].params < z2.params / 2 and est[4].comm["dp"] > z2.comm["dp"]
+    assert block < at_once
+
+
 def test_gpipe_holds_all_microbatches_1f1b_at_most_pp():
     base = ["topology.pp=2", "train.global_batch_size=16"]
     g = load(TINY, [*base, "schedule.kind=gpipe"])
