@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from .common import median, scratch_dir, train_config
-from .mpi_env import launch_env, with_checkout
+from .mpi_env import command, launch_env, with_checkout
 
 LLAMA = ['model.arch="llama"', "model.n_kv_heads=2"]
 
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
                     "from benchmarks.context import run; "
                     f"r = run(comm.world(), {args.size!r}, {args.seq_len}, {args.steps}); "
                     f"comm.world().rank == 0 and json.dump(r, open('{out}/c{n}.json', 'w'))")
-            subprocess.run(["mpirun", "-n", str(n), "--oversubscribe", sys.executable, "-m",
-                            "mpi4py", "-c", code], check=True, env=env)
+            subprocess.run(command(n, sys.executable, "-m", "mpi4py", "-c", code), check=True,
+                           env=env)
             rows.append(json.loads(Path(f"{out}/c{n}.json").read_text()))
     ref = np.asarray(rows[0]["losses"])
     for r in rows[1:]:
