@@ -230,8 +230,8 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
                           "the block its backward needs)"),
                          (s.moe_overlap, "schedule.moe_overlap (its executor steps into "
                           "blocks without the module calls that gather them)"),
-                         (s.kind == "zb-h1", "schedule.kind='zb-h1' (its weight gradients "
-                          "come after the input gradients, when the block is freed)")):
+                         (s.kind in ("zb-h1", "zbv"), f"schedule.kind={s.kind!r} (its weight "
+                          "gradients come after the input gradients, when the block is freed)")):
             need(not bad, f"optim.zero=3 cannot be combined with {why}; use optim.zero=2")
     need(m.n_layers >= top.pp * v,
          f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "

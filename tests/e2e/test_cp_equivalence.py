@@ -1,6 +1,6 @@
 """Invariant 1 for context parallelism through the real CLI (float64, 5 steps): ring
 attention over ``cp_comm`` with causal load balancing trains the same model as one rank,
-alone and composed with tp + sequence parallelism, pp x dp and experts (ep). Each layout
+alone and composed with tp + sequence parallelism, pp x dp with ZeRO-3 and experts (ep). Each layout
 shares a baseline other tests already run (the llama and gpt presets, the MoE reference of
 ``test_moe_equivalence.py``); cp=4 runs in ``test_checkpoint_reshard.py`` (cp=4 -> 1 rank).
 """
@@ -21,7 +21,9 @@ WHOLE, HALF = "train.micro_batch_size=16", "train.micro_batch_size=4"
 LAYOUTS = [
     ("gpt-cp2", 2, TINY_GPT, ["topology.cp=2", WHOLE], []),
     ("cp2xtp2-sp", 4, TINY, ["topology.cp=2", "topology.tp=2", SP, WHOLE], []),
-    ("cp2xpp2xdp2", 8, TINY, ["topology.cp=2", "topology.pp=2", "topology.dp=2", HALF], []),
+    # ... with ZeRO-3: parameters sharded over the dp x cp replicas
+    ("cp2xpp2xdp2-zero3", 8, TINY, ["topology.cp=2", "topology.pp=2", "topology.dp=2", HALF,
+                                    "optim.zero=3"], []),
     # The MoE reference takes the global microbatch (dp * mbs = 2 sequences) at once.
     ("cp2xep2", 4, TINY, [*MOE, "topology.cp=2", "topology.dp=2", "topology.ep=2"],
      [*MOE, "train.micro_batch_size=2"]),

@@ -120,6 +120,8 @@ def test_unknown_key_lists_valid_keys():
      r"optim.zero=3 cannot be combined with model.recompute"),
     (["topology.dp=2", "topology.pp=2", "optim.zero=3", 'schedule.kind="zb-h1"'], 4,
      r"optim.zero=3 cannot be combined with schedule.kind='zb-h1'"),
+    (["topology.dp=2", "topology.pp=2", "optim.zero=3", 'schedule.kind="zbv"'], 4,
+     r"optim.zero=3 cannot be combined with schedule.kind='zbv'"),
     (["topology.dp=2", "topology.ep=2", "model.num_experts=4", "optim.zero=3",
       "schedule.moe_overlap=true"], 2, r"optim.zero=3 cannot be combined with schedule.moe_o"),
     (['model.arch="llama"', "model.n_kv_heads=2", "topology.tp=4"], 4,
