@@ -7,16 +7,8 @@ from __future__ import annotations
 
 import statistics
 
-MIN_PAIRS = 5
-
-
-def loadavg() -> list[float]:
-    """The 1, 5 and 15 minute load averages (``/proc/loadavg``); [] where there is none."""
-    try:
-        with open("/proc/loadavg") as f:
-            return [float(x) for x in f.read().split()[:3]]
-    except OSError:
-        return []
+from .common import PAIRS as MIN_PAIRS  # noqa: F401 - one minimum for every benchmark
+from .common import loadavg  # noqa: F401 - re-exported for the pipeline benchmark
 
 
 def interleave(sides: dict, rounds: int) -> dict[str, list[float]]:

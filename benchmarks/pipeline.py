@@ -15,10 +15,11 @@ from hpctrain.model import GPTStage, init_parameters
 from hpctrain.optim import lr_at
 from hpctrain.parallel.pipeline import partition
 
-from .abtest import MIN_PAIRS, interleave, loadavg, paired
+from .abtest import interleave, loadavg, paired
 from .common import (
     hpctrain_run,
     median,
+    pairs_of,
     result,
     row,
     same_losses,
@@ -116,7 +117,7 @@ def run(world, size: str, repeats: int) -> dict:
     torch_dist(world)
     split = [f"{r.start}-{r.stop - 1}" for r in partition(cfg.model.n_layers, pp)]
     m = cfg.train.global_batch_size // cfg.train.micro_batch_size
-    rounds = max(repeats, MIN_PAIRS)
+    rounds = pairs_of(repeats, size)  # the tiny smoke test: as given
     out = result("pipeline", world, size, rounds,
                  f"pp={pp}, {cfg.model.n_layers} layers ({split} for 1F1B), {m} microbatches "
                  f"of {cfg.train.micro_batch_size}x{cfg.train.seq_len}; A/B interleaved, "
