@@ -2,10 +2,10 @@
 
 Sharding never changes the model: losses, gradient norms, final parameters and the Adam
 moments equal the one-rank run (invariant 1, rel <= 1e-9) with dp, tp + sequence
-parallelism, pp and ep; the checkpoint is written from the shards and any layout continues
-it (zero=3 dp4 -> zero=0 dp1 -> zero=3 dp2); each rank keeps ~1/dp of the parameters,
-gradients and optimizer state. The baselines are the ones test_zero.py and
-test_moe_equivalence.py use (one run per session).
+parallelism, pp (1f1b, and the split backward of zb-h1 and zbv) and ep; the checkpoint is
+written from the shards and any layout continues it (zero=3 dp4 -> zero=0 dp1 -> zero=3
+dp2); each rank keeps ~1/dp of the parameters, gradients and optimizer state. The
+baselines are the ones test_zero.py and test_moe_equivalence.py use (one run per session).
 """
 
 import pytest
