@@ -225,13 +225,11 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
     v = s.virtual_stages if s.kind == "interleaved" else 2 if s.kind == "zbv" else 1
     need(not (s.moe_overlap and m.recompute), "schedule.moe_overlap cannot be combined with "
          "model.recompute (the forward is cut into segments at the expert all-to-alls)")
-    if cfg.optim.zero == 3:  # the gathers hang on module calls and whole backwards
+    if cfg.optim.zero == 3:  # the gathers hang on module calls and backward hooks
         for bad, why in ((m.recompute, "model.recompute (the recomputed forward would free "
                           "the block its backward needs)"),
                          (s.moe_overlap, "schedule.moe_overlap (its executor steps into "
-                          "blocks without the module calls that gather them)"),
-                         (s.kind in ("zb-h1", "zbv"), f"schedule.kind={s.kind!r} (its weight "
-                          "gradients come after the input gradients, when the block is freed)")):
+                          "blocks without the module calls that gather them)")):
             need(not bad, f"optim.zero=3 cannot be combined with {why}; use optim.zero=2")
     need(m.n_layers >= top.pp * v,
          f"model.n_layers={m.n_layers} < pp*virtual_stages = {top.pp}*{v}: every (virtual) "

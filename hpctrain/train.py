@@ -173,7 +173,7 @@ def train_step(tr: Trainer, step: int) -> dict:
     set_loss_scale(tr.chunks, scale)
     with timers("compute"), tr.meter.activations():
         loss_sum, tr.pipeline_timing = run_step(tr.chunks, microbatches, topo, cfg, scale,
-                                                timers)
+                                                timers, tr.grads.sharded)
     tr.faults.inject(step + 1, tr.params, timers)  # tests only: kill, stall, poison, slow
 
     # 3. Communicate: sum gradients over the data-parallel groups, bucketed.

@@ -30,9 +30,28 @@ communicator, so its order never mixes with the gradient reduce-scatters' on the
 Pipeline parallelism gathers per microbatch: each forward and each backward action gathers
 the blocks it runs and frees them after (two all-gathers of the stage per microbatch, the
 memory of one unit at a time); see docs/parallelism.md for the choice.
+
+Zero-bubble schedules split a stage's backward into ``B`` (input gradient) and ``W`` (weight
+gradients, later; ``schedule/zero_bubble.py``), and B delivers no weight gradient, which is
+what frees a unit above. The runner therefore wraps them (three gathers of the stage per
+microbatch, still one or two units at a time):
+
+- :meth:`ShardedParams.input_pass` around B: the output hooks gather each unit as before and
+  free the unit the input gradient has just left (its input gradient is complete, so its part
+  of B is done); nothing of the chunk stays gathered after B;
+- :meth:`ShardedParams.weight_pass` runs W's weight groups unit by unit, in the chunk's
+  backward order: it gathers each unit (prefetching the next), runs the groups whose
+  parameters are then all gathered and frees each unit after the last group that needs it.
+  The output hooks stand aside. A unit is gathered exactly once per W whatever the groups,
+  so the gathers match across the group.
+
+A stage without a differentiable input (the first) has no split: its W is a whole backward,
+driven by the hooks as above.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -91,6 +110,9 @@ class ShardedParams:
         self._unit_of = {i: u for u in self.units for i in u.ids}
         self.live = self.peak = 0  # gathered bytes now, and the peak since take_peak
         self.storages: set[int] = set()  # data pointers of gathered full buffers
+        self.mode = "full"  # or "inputs" / "weights" during B / W of a split backward
+        self._prev: Unit | None = None  # inputs: the unit B passed through last
+        self._chunk_units: dict[int, list[Unit]] = {}  # id(chunk) -> units, backward order
         for chunk in chunks:
             self._attach(chunk)
 
@@ -160,6 +182,8 @@ class ShardedParams:
         first = blocks[0] if blocks else None
         last = blocks[-1] if blocks else None
         self._hooks(chunk, root, ahead=first, behind=last)
+        mine = {id(u): u for u in [*blocks, root] if u is not None}
+        self._chunk_units[id(chunk)] = [u for u in self.units if id(u) in mine]
         for k, block in enumerate(chunk.blocks.values()):
             ahead = blocks[k + 1] if k + 1 < len(blocks) else None
             behind = blocks[k - 1] if k else None
@@ -183,9 +207,16 @@ class ShardedParams:
                 out.register_hook(backward)
 
         def backward(grad):
+            if self.mode == "weights":  # W of a split backward: weight_pass gathers
+                return grad
             if unit is not None:
                 self.gather(unit)
-                unit.waiting = set(unit.ids)
+                if self.mode == "inputs":  # B: the unit it left is done (no weight grads)
+                    if self._prev is not None and self._prev is not unit:
+                        self.free(self._prev)
+                    self._prev = unit
+                else:
+                    unit.waiting = set(unit.ids)
             self.prefetch(behind)
             return grad
 
@@ -198,6 +229,47 @@ class ShardedParams:
             unit.waiting.discard(id(p))
             if not unit.waiting:
                 self.free(unit)
+
+
+    # -- split backward (zero-bubble schedules) --------------------------------------------
+    @contextlib.contextmanager
+    def input_pass(self, chunk):
+        """Around ``B`` of ``chunk``: the hooks free each unit once the input gradient has
+        left it; the chunk's units are all freed after."""
+        self.mode, self._prev = "inputs", None
+        try:
+            yield
+        finally:
+            self.mode, self._prev = "full", None
+            for unit in self._chunk_units[id(chunk)]:
+                self.free(unit)
+                unit.waiting = set()
+
+    def weight_pass(self, chunk, passes) -> None:
+        """``W`` of ``chunk``: ``passes`` = [(weights, run)], one per weight group of the
+        split backward; each ``run()`` accumulates its weights' gradients and needs their
+        units gathered. Gathers every unit of the chunk once, in backward order."""
+        units = self._chunk_units[id(chunk)]
+        pos = {id(u): k for k, u in enumerate(units)}
+        due: list[list] = [[] for _ in units]  # passes runnable once unit k is gathered
+        last = list(range(len(units)))  # the step after which each unit is freed
+        for weights, run in passes:
+            ks = {pos[id(self._unit_of[id(p)])] for p in weights}
+            due[max(ks)].append(run)
+            for k in ks:
+                last[k] = max(last[k], max(ks))
+        self.mode = "weights"
+        try:
+            for k, unit in enumerate(units):
+                self.gather(unit)
+                self.prefetch(units[k + 1] if k + 1 < len(units) else None)
+                for run in due[k]:
+                    run()
+                for j in range(k + 1):
+                    if last[j] == k:
+                        self.free(units[j])
+        finally:
+            self.mode = "full"
 
 
 def shard_parameters(chunks, grads) -> ShardedParams:

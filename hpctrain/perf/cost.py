@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config, microbatches
 from ..telemetry.flops import train_flops_per_token
-from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate
+from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate, zero3_gathers
 from .cluster import Cluster, Link
 
 SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
@@ -246,8 +246,9 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras) -> f
     M = microbatches(cfg)
     # hpctrain reduces in buckets of optim.bucket_mb: one collective's latency per bucket
     extra = (max(1, math.ceil(P * gs / (o.bucket_mb * 2**20))) - 1) * (d - 1) * link.latency
-    if ex.fsdp or o.zero == 3:  # a gather forward, one backward, a reduce-scatter
-        return M * (2 * scatter(P * ps, d, link) + scatter(P * gs, d, link))
+    if ex.fsdp or o.zero == 3:  # a gather forward, one backward (+ W's), a reduce-scatter
+        g = zero3_gathers(cfg) if o.zero == 3 else 2
+        return M * (g * scatter(P * ps, d, link) + scatter(P * gs, d, link))
     if o.zero == 0:
         return allreduce(P * gs, d, link, algo, k, cluster.intra) + 2 * extra
     rs = M if o.zero == 2 else 1

@@ -46,8 +46,10 @@ def schedule_for(cfg, m: int) -> Schedule:
 class StepState:
     """Everything one step's handlers share on this rank."""
 
-    def __init__(self, chunks, microbatches, topo, cfg, loss_scale: float, sched: Schedule):
+    def __init__(self, chunks, microbatches, topo, cfg, loss_scale: float, sched: Schedule,
+                 sharded=None):
         self.chunks, self.microbatches, self.topo = chunks, microbatches, topo
+        self.sharded = sharded  # zero 3: parallel.zero3.ShardedParams (gathers around B, W)
         self.loss_scale, self.sched = loss_scale, sched
         self.rank = topo.pp_rank
         self.split = any(a.kind == "W" for a in sched.ranks[self.rank])
@@ -114,7 +116,9 @@ def _backward(st: StepState, a: Action) -> None:
     grad = None if st.is_last(a) else st.take("RB", a)
     out, x = st.outputs[key], st.inputs.get(key)
     if st.split:  # B: input gradient only (schedule/zero_bubble.py); W follows later
-        gx, st.grad_out[key] = zero_bubble.input_grad(out, grad, x, _params(st.chunks[a.c]))
+        chunk = st.chunks[a.c]
+        with (st.sharded.input_pass(chunk) if st.sharded else contextlib.nullcontext()):
+            gx, st.grad_out[key] = zero_bubble.input_grad(out, grad, x, _params(chunk))
         if gx is not None:
             st.grad_in[key] = gx
         return
@@ -126,8 +130,9 @@ def _backward(st: StepState, a: Action) -> None:
 
 def _weight(st: StepState, a: Action) -> None:
     """Weight gradient of a split backward: accumulates into the chunk's ``.grad``."""
-    key = (a.microbatch, a.c)
-    zero_bubble.weight_grad(st.grad_out[key], _params(st.chunks[a.c]))
+    key, chunk = (a.microbatch, a.c), st.chunks[a.c]
+    hold = functools.partial(st.sharded.weight_pass, chunk) if st.sharded else None
+    zero_bubble.weight_grad(st.grad_out[key], _params(chunk), hold)
     st.drop(key)
 
 
@@ -193,15 +198,16 @@ def execute(st: StepState, timers=None) -> dict[str, float]:
 
 
 def run_step(chunks, microbatches, topo, cfg, loss_scale: float,
-             timers=None) -> tuple[float, dict[str, float]]:
+             timers=None, sharded=None) -> tuple[float, dict[str, float]]:
     """Forward and backward of every microbatch by this rank's schedule; gradients accumulate
     in the parameters' ``.grad``. Returns (the sum of token losses this rank computed, non-zero
     only on the last stage; this rank's timing of the step, see :func:`execute`).
     ``loss_scale`` = 1 / tokens in the global batch. Point-to-point over ``topo.pp_comm`` only
-    (no collective of its own; tp/ep ops inside the model are)."""
+    (no collective of its own; tp/ep ops inside the model are, and so are ZeRO-3's gathers:
+    ``sharded``, the ``ShardedParams`` the split backward's B and W gather around)."""
     sched = schedule_for(cfg, len(microbatches))
     expanded = moe_overlap.overlapped(cfg, sched)  # MoE: D/E/C/G actions
-    st = StepState(chunks, microbatches, topo, cfg, loss_scale, expanded)
+    st = StepState(chunks, microbatches, topo, cfg, loss_scale, expanded, sharded)
     if expanded is not sched:
         st.handlers = {**HANDLERS, **moe_executor.handlers_for(expanded)}
     timing = execute(st, timers)

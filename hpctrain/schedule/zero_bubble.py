@@ -15,6 +15,8 @@ work.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _HELPERS: list = []
@@ -57,24 +59,39 @@ def input_grad(out: torch.Tensor, grad, x: torch.Tensor | None, params: list):
     return gx, ("groups", groups)
 
 
-def weight_grad(state, params: list) -> None:
-    """Accumulate this microbatch's weight gradients into ``.grad`` (AccumulateGrad)."""
+def weight_grad(state, params: list, hold=None) -> None:
+    """Accumulate this microbatch's weight gradients into ``.grad`` (AccumulateGrad).
+    ``hold`` (ZeRO-3, ``ShardedParams.weight_pass``): called with [(weights, run)], one per
+    weight group, it calls every ``run()`` with those weights gathered; a retained-graph W is
+    a whole backward, gathered by the module hooks, and ignores it."""
     if state[0] == "retained":
         _, out, grad = state
         torch.autograd.backward(out, grad, inputs=params)
         return
-    _, grad_node, GradientEdge = _helpers()
+    grad_node = _helpers()[1]
     by_node = {grad_node(p): p for p in params}
+    passes = []
     for group in state[1]:
-        edges, grads, hooks = [], [], []
-        for saved, node in zip(group["grads"], group["intermediates"]):
-            edges += [GradientEdge(node, i) for i, g in enumerate(saved) if g is not None]
-            grads += [g for g in saved if g is not None]
-            if len(group["intermediates"]) > 1:  # do not count a descendant's grad twice
-                hooks.append(node.register_prehook(lambda _, s=saved: s))
-        try:
-            weights = [by_node[n] for n in group["params"]]
-            torch.autograd.backward(edges, grads, inputs=weights)
-        finally:
-            for h in hooks:
-                h.remove()
+        weights = [by_node[n] for n in group["params"]]
+        passes.append((weights, functools.partial(_group_backward, group, weights)))
+    if hold is not None:
+        hold(passes)
+        return
+    for _, run in passes:
+        run()
+
+
+def _group_backward(group: dict, weights: list) -> None:
+    """One weight group: from the gradients saved at its intermediates to its weights."""
+    GradientEdge = _helpers()[2]
+    edges, grads, hooks = [], [], []
+    for saved, node in zip(group["grads"], group["intermediates"]):
+        edges += [GradientEdge(node, i) for i, g in enumerate(saved) if g is not None]
+        grads += [g for g in saved if g is not None]
+        if len(group["intermediates"]) > 1:  # do not count a descendant's grad twice
+            hooks.append(node.register_prehook(lambda _, s=saved: s))
+    try:
+        torch.autograd.backward(edges, grads, inputs=weights)
+    finally:
+        for h in hooks:
+            h.remove()

@@ -2,10 +2,10 @@
 
 Sharding never changes the model: losses, gradient norms, final parameters and the Adam
 moments equal the one-rank run (invariant 1, rel <= 1e-9) with dp, tp + sequence
-parallelism, pp and ep; the checkpoint is written from the shards and any layout continues
-it (zero=3 dp4 -> zero=0 dp1 -> zero=3 dp2); each rank keeps ~1/dp of the parameters,
-gradients and optimizer state. The baselines are the ones test_zero.py and
-test_moe_equivalence.py use (one run per session).
+parallelism, pp (1f1b, and the split backward of zb-h1 and zbv) and ep; the checkpoint is
+written from the shards and any layout continues it (zero=3 dp4 -> zero=0 dp1 -> zero=3
+dp2); each rank keeps ~1/dp of the parameters, gradients and optimizer state. The
+baselines are the ones test_zero.py and test_moe_equivalence.py use (one run per session).
 """
 
 import pytest
@@ -46,8 +46,10 @@ def assert_about_one_dp(run, ref, dp: int, what: str) -> None:
     (2, ("topology.dp=2",)),
     (4, ("topology.dp=2", "topology.tp=2", "topology.sequence_parallel=true")),
     (4, ("topology.dp=2", "topology.pp=2")),
+    (4, ("topology.dp=2", "topology.pp=2", 'schedule.kind="zb-h1"')),
+    (4, ("topology.dp=2", "topology.pp=2", 'schedule.kind="zbv"')),
     (2, (*MOE, "topology.dp=2", "topology.ep=2")),
-])
+], ids=["dp2", "dp2-tp2-sp", "dp2-pp2", "dp2-pp2-zbh1", "dp2-pp2-zbv", "dp2-ep2"])
 def test_zero3_equals_one_rank(tmp_path, session_dir, n, layout):
     moe = layout[0] == MOE[0]
     ref = baseline(session_dir, *MOE, "train.micro_batch_size=2") if moe else \

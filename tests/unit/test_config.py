@@ -118,10 +118,6 @@ def test_unknown_key_lists_valid_keys():
     (["optim.zero=4"], 1, r"optim.zero=4 must be 0, 1, 2 or 3"),
     (["topology.dp=2", "optim.zero=3", "model.recompute=true"], 2,
      r"optim.zero=3 cannot be combined with model.recompute"),
-    (["topology.dp=2", "topology.pp=2", "optim.zero=3", 'schedule.kind="zb-h1"'], 4,
-     r"optim.zero=3 cannot be combined with schedule.kind='zb-h1'"),
-    (["topology.dp=2", "topology.pp=2", "optim.zero=3", 'schedule.kind="zbv"'], 4,
-     r"optim.zero=3 cannot be combined with schedule.kind='zbv'"),
     (["topology.dp=2", "topology.ep=2", "model.num_experts=4", "optim.zero=3",
       "schedule.moe_overlap=true"], 2, r"optim.zero=3 cannot be combined with schedule.moe_o"),
     (['model.arch="llama"', "model.n_kv_heads=2", "topology.tp=4"], 4,
@@ -242,3 +238,10 @@ def test_holes_are_reported_together_with_the_rest():
 ])
 def test_edges_that_stay_valid(overrides):
     validate(load(TINY, overrides), 2 if "topology.pp=2" in overrides else 1)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1", "zbv"])
+def test_zero3_runs_every_pipeline_schedule(kind):
+    """ZeRO-3 gathers around the split backward's B and W too (parallel/zero3.py)."""
+    validate(load(TINY, ["topology.dp=2", "topology.pp=2", "optim.zero=3",
+                         f'schedule.kind="{kind}"']), 4)
