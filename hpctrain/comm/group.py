@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from .records import OpRecord, Recorder
 
+if TYPE_CHECKING:
+    import torch
+
 PROC_NULL = MPI.PROC_NULL
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 
@@ -41,7 +43,9 @@ class _Buffers:
             raise ValueError("MPI buffers must be contiguous tensors")
         if raw and not t.is_cuda and not _stand_in_active():
             return [MPI.buffer.fromaddress(t.data_ptr(), t.nbytes), MPI.BYTE]
-        if t.dtype in _LOW_PRECISION:  # 16-bit floats move as raw 16-bit words
+        if _low(t):  # 16-bit floats move as raw 16-bit words
+            import torch  # loaded already: t is a tensor
+
             t = t.view(torch.int16)
         if t.is_cuda or _stand_in_active():
             from . import gpu
@@ -56,6 +60,13 @@ class _Buffers:
         for fn in self._finish:
             fn()
         self._finish.clear()
+
+
+def _low(t) -> bool:
+    """A 16-bit float tensor (bfloat16, float16): reduced in float32, moved as 16-bit words.
+    Asked of the tensor, so importing comm does not import torch (a config refused before
+    any collective costs no torch start-up)."""
+    return t.is_floating_point() and t.element_size() == 2
 
 
 def _stand_in_active() -> bool:
@@ -173,7 +184,7 @@ class Group:
         """In-place all-reduce; 16-bit floats are reduced in float32."""
         if self.size == 1:
             return t
-        if t.dtype in _LOW_PRECISION:
+        if _low(t):
             staged = t.float()
             self.allreduce_(staged, op)
             t.copy_(staged)
@@ -188,7 +199,7 @@ class Group:
         """Nonblocking in-place all-reduce; the tensor is valid after ``wait()``."""
         rec = self.recorder.post("iallreduce", self.axis, -1, t.nbytes)
         bufs = _Buffers()
-        if t.dtype in _LOW_PRECISION:
+        if _low(t):
             staged = t.float()
             req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(staged, write=True), _OPS[op])
 
@@ -219,8 +230,8 @@ class Group:
         """Sum ``t_in`` (``size`` equal blocks along dim 0) and keep block ``rank`` in t_out."""
         if self.size == 1:
             return t_out.copy_(t_in)
-        if t_in.dtype in _LOW_PRECISION:
-            out32 = torch.empty_like(t_out, dtype=torch.float32)
+        if _low(t_in):
+            out32 = t_out.new_empty(t_out.shape, dtype=t_in.float().dtype)
             self.reduce_scatter(t_in.float(), out32)
             return t_out.copy_(out32)
         bufs = _Buffers()
@@ -234,8 +245,8 @@ class Group:
         """Nonblocking :meth:`reduce_scatter`; ``t_out`` is valid after ``wait()``. 16-bit
         inputs are reduced in float32 (``t_out`` may be float32 to keep that precision)."""
         rec = self.recorder.post("ireduce_scatter", self.axis, -1, t_in.nbytes)
-        src = t_in.float() if t_in.dtype in _LOW_PRECISION else t_in
-        dst = t_out.float() if t_out.dtype in _LOW_PRECISION or src.dtype != t_out.dtype \
+        src = t_in.float() if _low(t_in) else t_in
+        dst = t_out.float() if _low(t_out) or src.dtype != t_out.dtype \
             else t_out
         bufs = _Buffers()
 

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import queue
 import threading
+from typing import TYPE_CHECKING
 
-import torch
 from mpi4py import MPI
 
 from .group import Group, Handle
 from .records import Recorder
+
+if TYPE_CHECKING:
+    import torch
 
 
 class _ThreadRequest:
