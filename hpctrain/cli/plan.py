@@ -27,7 +27,8 @@ def add_arguments(p) -> None:
                         "gradient pass for the simulation (an unsplit backward costs B+W)")
     p.add_argument("--memory-per-rank", default="", metavar="BYTES",
                    help="memory available per rank, e.g. 80GiB: warn when the estimate "
-                        "does not fit")
+                        "does not fit (--search: list the layouts that fit it, with their "
+                        "--set lines)")
     p.add_argument("--nodes", type=int, default=0,
                    help="nodes the ranks are packed on: show which axes cross the link")
     p.add_argument("--ranks-per-node", type=int, default=0,
