@@ -27,7 +27,8 @@ def add_arguments(p) -> None:
                         "gradient pass for the simulation (an unsplit backward costs B+W)")
     p.add_argument("--memory-per-rank", default="", metavar="BYTES",
                    help="memory available per rank, e.g. 80GiB: warn when the estimate "
-                        "does not fit")
+                        "does not fit (--search: list the layouts that fit it, with their "
+                        "--set lines)")
     p.add_argument("--nodes", type=int, default=0,
                    help="nodes the ranks are packed on: show which axes cross the link")
     p.add_argument("--ranks-per-node", type=int, default=0,
@@ -162,15 +163,12 @@ def performance_section(cfg, cluster) -> list[str]:
     parts = ", ".join(f"{k} {v:.4g}" + (f" ({p.links[k]})" if k in p.links and v else "")
                       for k, v in p.parts.items() if v)
     fit = "fits" if p.memory.total <= cluster.memory else "DOES NOT FIT"
-    note = [f"  note: the cost model does not model context parallelism yet: the step above "
-            f"is for whole sequences per rank (cp={cfg.topology.cp} not counted)"] \
-        if cfg.topology.cp > 1 else []
     return [f"performance on {cluster.name} ({cluster.ranks_per_node} ranks per node, "
             f"{cluster.efficiency:.3g} x {cluster.peak(dtype):.4g} FLOP/s {dtype} per rank):",
             f"  step {p.step_s:.4g} s: {parts} (seconds; pp = bubble and transfers)",
             f"  {p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_rank:,.0f} per rank), "
             f"MFU {100 * p.mfu:.1f}%, memory {fmt_bytes(p.memory.total)} of "
-            f"{fmt_bytes(cluster.memory)}: {fit}", *note]
+            f"{fmt_bytes(cluster.memory)}: {fit}"]
 
 
 def special(args) -> int | None:
@@ -197,11 +195,15 @@ def special(args) -> int | None:
         return None
     if not args.cluster or args.nodes < 1:
         raise ValueError("--search needs --cluster and --nodes")
+    from ..telemetry.memory import parse_bytes
+
     cluster = load_cluster(args.cluster)
     if args.ranks_per_node:  # e.g. 4 GPUs per node of a cluster described with 8
         cluster = dataclasses.replace(cluster, ranks_per_node=args.ranks_per_node)
+    if args.memory_per_rank:  # which layouts fit this memory per rank
+        cluster = dataclasses.replace(cluster, memory=parse_bytes(args.memory_per_rank))
     cands = search.search(load(args.config, args.overrides), cluster, args.nodes)
-    lines = search.report(cands, args.top, 2)
+    lines = search.report(cands, args.top, 2, sets=bool(args.memory_per_rank))
     if cands and cands[0].prediction:
         lines += ["best as --set arguments:", "  " + " ".join(f"--set {x}" for x in
                                                          cands[0].sets),
@@ -269,9 +271,3 @@ def run(args) -> int:
             return 2
     print("\n".join(lines))
     return 0
-
-
-def _cluster(name):
-    from ..perf.cluster import load
-
-    return load(name)

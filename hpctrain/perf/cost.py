@@ -9,14 +9,23 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
   ring volume) of one ``(B, T, C)`` activation per layer forward, 2 backward (+2 to recompute),
   plus the small ones of the vocabulary-parallel embedding, head and loss;
 - **ep**: dispatch + combine all-to-alls of ``top_k`` activations per MoE layer, both ways;
-- **pp**: one activation per microbatch per stage boundary, as the simulator's latency.
+- **pp**: one activation per microbatch per stage boundary, as the simulator's latency;
+- **cp**: every rank computes ``seq_len / cp`` tokens (activations, tp/ep/pp messages are
+  per ``T/cp`` too); the ring attention's K/V transfers over the cp link, exposed beyond
+  the attention compute they overlap with (:func:`ring_exposed`);
+- **zero3** (``optim.zero = 3``): the per-unit parameter all-gathers (forward and again
+  backward) and gradient reduce-scatters over dp x cp, exposed beyond the pass's compute
+  (:func:`zero3_exposed`); in the passes, hence in the pipeline;
+- **split backward** (zb-h1, zbv): B + W cost ``SPLIT_B + SPLIT_W`` = 1.5 backwards, as
+  measured for hpctrain's B/W (a B that also computes the weight branches' partners).
 
 The pipeline's makespan comes from ``schedule/simulate.py`` fed with these per-rank costs
 (bubble included), or the closed form ``(m + (p-1)/v)(F+B)`` above ``SIMULATED_MAX``
-chunk-microbatches. Then per step: the dp gradient reduction (ZeRO 0: all-reduce of float32
-gradients; 1: reduce-scatter + all-gather of parameters; 2: reduce-scatter per microbatch;
-ZeRO-3/FSDP, a *planned* mode hpctrain cannot run: two all-gathers of parameters and one
-reduce-scatter per microbatch; one latency per ``optim.bucket_mb`` bucket), exposed beyond
+chunk-microbatches (zbv's V placement and bubble included). Then per step: the gradient
+reduction over the replicas dp x cp (ZeRO 0: all-reduce of float32 gradients; 1:
+reduce-scatter + all-gather of parameters; 2: reduce-scatter per microbatch; FSDP of the
+published runs (``Extras.fsdp``): two all-gathers of parameters and one reduce-scatter per
+microbatch; one latency per ``optim.bucket_mb`` bucket), exposed beyond
 the backward it overlaps with
 (``optim.overlap``; FSDP prefetch overlaps with all compute); the optimizer step (bytes of
 parameters, gradients and Adam state over ``memory_bandwidth``); ``step_overhead_s``; a
@@ -33,16 +42,22 @@ it on dp). The link of an axis is the inter-node one when any of its groups span
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
 
 from ..config import Config, microbatches
 from ..telemetry.flops import train_flops_per_token
-from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate, zero3_gathers
+from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate, stage_params
 from .cluster import Cluster, Link
 
 SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
+# zb-h1/zbv split each backward into B (input gradients) and W (weight gradients). hpctrain's
+# B (PyTorch's stage_backward_input) also computes the weight branches' partners, so it is
+# nearly a whole backward and W comes on top: measured B 0.93-0.97x and W 0.51-0.62x one
+# backward (docs/benchmarks.md, pipeline section, 2026-11-30 20:04 UTC, load 11).
+SPLIT_B, SPLIT_W = 0.95, 0.55
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,7 @@ class Extras:
 
     n_kv_heads: int = 0  # grouped-query attention; 0: as many as n_heads
     gated_mlp: bool = False  # SwiGLU: three C x F matrices (Llama)
-    fsdp: bool = False  # ZeRO-3 (planned in hpctrain, modelled here only)
+    fsdp: bool = False  # FSDP as torchtitan runs it (hpctrain's own ZeRO-3: optim.zero=3)
     attention_full: bool = False  # the kernel computes the masked half of attention too
 
 
@@ -106,7 +121,7 @@ def scatter(n: float, d: int, link: Link) -> float:
 def axis_links(cfg: Config, cluster: Cluster) -> dict[str, Link]:
     """Per axis, the link its groups use (inter-node as soon as one group spans nodes)."""
     t = cfg.topology
-    world = t.dp * t.tp * t.pp
+    world = t.dp * t.tp * t.pp * t.cp
     rpn = min(cluster.ranks_per_node, world)
     if world % rpn:
         raise ValueError(f"{world} ranks do not fill nodes of {cluster.ranks_per_node} "
@@ -117,6 +132,9 @@ def axis_links(cfg: Config, cluster: Cluster) -> dict[str, Link]:
         cross = {a: n > 0 for a, (n, _) in crossing(t, world // rpn, rpn).items()}
     else:
         cross = packed_crossing((t.pp, t.dp // t.ep, t.ep, t.cp, t.tp), rpn)
+    # the replicas of a parameter are dp x cp (gradients, ZeRO shards): a dp x cp group
+    # spans two nodes iff its dp or its cp sub-groups do (both are contiguous blocks)
+    cross["dp"] = cross["dp"] or (t.cp > 1 and cross["cp"])
     return {axis: cluster.inter if c else cluster.intra for axis, c in cross.items()}
 
 
@@ -125,6 +143,12 @@ AXIS_DIMS = {"tp": (4,), "cp": (3,), "ep": (2,), "dp": (1, 2), "pp": (0,)}
 
 
 def packed_crossing(dims: tuple, rpn: int) -> dict[str, bool]:
+    """:func:`_crossing_of`, cached (a search asks the same grids many times)."""
+    return dict(_crossing_of(tuple(dims), rpn))
+
+
+@functools.lru_cache(maxsize=4096)
+def _crossing_of(dims: tuple, rpn: int) -> tuple:
     """Whether any group of each axis spans two nodes, ranks packed ``rpn`` per node in the
     grid's row-major order (``topology.crossing`` for ``placement = "auto"``, in O(groups)):
     a group's ranks lie between its first and last, so it crosses iff those two do."""
@@ -139,7 +163,7 @@ def packed_crossing(dims: tuple, rpn: int) -> dict[str, bool]:
             base // rpn != (base + span) // rpn
             for base in (sum(c * strides[k] for c, k in zip(cs, fixed))
                          for cs in itertools.product(*(range(dims[k]) for k in fixed))))
-    return out
+    return tuple(out.items())
 
 
 # -- per-rank work -----------------------------------------------------------------------
@@ -155,7 +179,8 @@ def layer_flops(cfg: Config, i: int, full: bool = False) -> float:
 
 
 def rank_work(cfg: Config, full: bool = False) -> list[dict]:
-    """Per pp rank: forward FLOPs per token on this rank (over tp), its layers, MoE layers."""
+    """Per pp rank: forward FLOPs per token on this rank (over tp), its layers, MoE layers,
+    parameter elements (unsharded) and ZeRO-3 units (its blocks and its root, if any)."""
     from ..parallel.pipeline import chunks_of_rank, layer_ranges, style_of
 
     m, t = cfg.model, cfg.topology
@@ -168,9 +193,54 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
         flops = sum(layer_flops(cfg, i, full) for i in layers)
         flops += 2 * m.d_model * m.vocab_size if S - 1 in stages else 0
         moe = sum(1 for i in layers if m.num_experts and (i + 1) % max(1, m.moe_every) == 0)
+        first, last = 0 in stages, S - 1 in stages
+        params = sum(stage_params(cfg, len(ranges[s]), s == 0, s == S - 1) for s in stages)
         out.append({"flops": flops / t.tp, "layers": len(layers), "moe": moe,
-                    "first": 0 in stages, "last": S - 1 in stages})
+                    "first": first, "last": last, "params": params,
+                    "units": len(layers) + (1 if first or last else 0)})
     return out
+
+
+def ring_exposed(cfg: Config, link: Link, rate: float) -> tuple[float, float]:
+    """Context parallelism: (forward s, backward s) per layer and microbatch of the ring
+    attention's K/V transfer *not* hidden behind the attention compute it overlaps with.
+    A hop moves one stacked K/V block, ``2 B (T/cp) kv_heads/tp hd`` elements (float32 for
+    16-bit models, as ``parallel/context.py`` computes); a ring step computes the scores of
+    ``(T/cp)^2 / 2`` query-key pairs (the causal load balancing gives every step the same
+    work). Forward: cp-1 hops, each behind one step. Backward: cp-1 steps each pass the K/V
+    block and a K/V gradient block (2 hops) behind the step's backward (2x its forward);
+    the last gradient hop to the block's owner is exposed."""
+    m, t, tr = cfg.model, cfg.topology, cfg.train
+    cp = t.cp
+    if cp <= 1:
+        return 0.0, 0.0
+    ps = DTYPE_BYTES[m.dtype]
+    local = tr.seq_len // cp
+    hop = link.p2p(2 * tr.micro_batch_size * local * m.kv_heads * m.head_dim // t.tp
+                   * (4 if ps == 2 else ps))
+    step = 2 * 2 * m.n_heads * m.head_dim / t.tp * local * local / 2 \
+        * tr.micro_batch_size / rate
+    return (cp - 1) * max(0.0, hop - step), (cp - 1) * max(0.0, 2 * hop - 2 * step) + hop
+
+
+def zero3_exposed(cfg: Config, w: dict, link: Link, fwd: float,
+                  bwd: float) -> tuple[float, float]:
+    """ZeRO-3 (``parallel/zero3.py``): (forward s, backward s) per microbatch of the
+    parameter all-gathers (every unit before its forward and again before its backward)
+    and the gradient reduce-scatters (every unit, as its backward ends) over dp x cp, not
+    hidden: each unit's gather is prefetched behind the previous unit's compute, except
+    the first unit of each pass. One collective (its latencies) per unit."""
+    d = cfg.topology.dp * cfg.topology.cp
+    if cfg.optim.zero != 3 or d <= 1:
+        return 0.0, 0.0
+    ps = DTYPE_BYTES[cfg.model.dtype]
+    gs = 8 if cfg.model.dtype == "float64" else 4
+    u = w["units"]
+    lat = u * (d - 1) * link.latency
+    gather = lat + (d - 1) / d * w["params"] * ps / link.bandwidth
+    reduce = lat + (d - 1) / d * w["params"] * gs / link.bandwidth
+    first, rest = gather / u, gather * (u - 1) / u
+    return first + max(0.0, rest - fwd), first + max(0.0, rest + reduce - bwd)
 
 
 def pass_costs(cfg: Config, cluster: Cluster, links: dict,
@@ -179,10 +249,12 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
     m, t, tr = cfg.model, cfg.topology, cfg.train
     ps = DTYPE_BYTES[m.dtype]
     rate = cluster.peak(m.dtype) * cluster.efficiency * cluster.compute_share
-    tokens = tr.micro_batch_size * tr.seq_len
+    tokens = tr.micro_batch_size * tr.seq_len // t.cp  # context parallelism: T/cp each
     act = tokens * m.d_model * ps
     tp_one = allreduce(act, t.tp, links["tp"], cluster.collective)
     ep_one = scatter(act * m.top_k, t.ep, links["ep"]) if t.ep > 1 and m.num_experts else 0.0
+    ring_f, ring_b = ring_exposed(cfg, links["cp"], rate)
+    split = SPLIT_B + SPLIT_W - 1 if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0
     out = []
     for w in rank_work(cfg, full):
         f = w["flops"] * tokens / rate
@@ -193,10 +265,14 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
         ends = (w["first"] + 1.5 * w["last"]) * allreduce(tokens * 8, t.tp, links["tp"])
         tp = tp_one * w["layers"] * 2 + ends
         ep = ep_one * w["moe"] * 2
-        fwd = f + over + tp + ep
-        bwd = (2 + redo) * f + (2 + redo) * over + tp * (1 + redo) + ep * (1 + redo)
-        out.append((fwd, bwd, {"compute": (3 + redo) * f + (3 + redo) * over,
-                               "tp": tp * (2 + redo), "ep": ep * (2 + redo)}))
+        cp_f, cp_b = ring_f * w["layers"], (ring_b + redo * ring_f) * w["layers"]
+        z_f, z_b = zero3_exposed(cfg, w, links["dp"], f + over, 2 * (f + over))
+        back = (2 * (1 + split) + redo) * (f + over)  # split: B + W cost 1.5 backwards
+        fwd = f + over + tp + ep + cp_f + z_f
+        bwd = back + (tp + ep) * (1 + redo) + cp_b + z_b
+        out.append((fwd, bwd, {"compute": f + over + back,
+                               "tp": tp * (2 + redo), "ep": ep * (2 + redo),
+                               "cp": cp_f + cp_b, "zero3": z_f + z_b}))
     return out
 
 
@@ -226,7 +302,9 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True) -> tuple[fl
         f, b, _ = costs[rank]
         if a.kind == "F":
             return f / v
-        return (b / 2 if split else b) / v if a.kind in ("B", "W") else 0.0
+        if a.kind in ("B", "W") and split:  # the measured shares of the split backward
+            return b * (SPLIT_B if a.kind == "B" else SPLIT_W) / (SPLIT_B + SPLIT_W) / v
+        return b / v if a.kind == "B" else 0.0
 
     res = simulate(sched, cost, latency=p2p)
     return res.makespan, res.bubble
@@ -235,8 +313,8 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True) -> tuple[fl
 def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras) -> float:
     """Seconds of one step's gradient (and ZeRO parameter) traffic over dp, not overlapped."""
     t, o = cfg.topology, cfg.optim
-    d = t.dp
-    if d <= 1:
+    d = t.dp * t.cp  # the replicas of a parameter (gradients are summed over dp x cp)
+    if d <= 1 or (o.zero == 3 and not ex.fsdp):  # zero 3: in the passes (zero3_exposed)
         return 0.0
     ps = DTYPE_BYTES[cfg.model.dtype]
     gs = 8 if cfg.model.dtype == "float64" else 4
@@ -246,9 +324,8 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras) -> f
     M = microbatches(cfg)
     # hpctrain reduces in buckets of optim.bucket_mb: one collective's latency per bucket
     extra = (max(1, math.ceil(P * gs / (o.bucket_mb * 2**20))) - 1) * (d - 1) * link.latency
-    if ex.fsdp or o.zero == 3:  # a gather forward, one backward (+ W's), a reduce-scatter
-        g = zero3_gathers(cfg) if o.zero == 3 else 2
-        return M * (g * scatter(P * ps, d, link) + scatter(P * gs, d, link))
+    if ex.fsdp:  # a gather forward, one backward, a reduce-scatter
+        return M * (2 * scatter(P * ps, d, link) + scatter(P * gs, d, link))
     if o.zero == 0:
         return allreduce(P * gs, d, link, algo, k, cluster.intra) + 2 * extra
     rs = M if o.zero == 2 else 1
@@ -261,14 +338,16 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     (``simulated=False``: the pipeline's closed form, for a quick first ranking)."""
     c = equivalent(cfg, ex)
     t, m, tr = c.topology, c.model, c.train
-    world = t.dp * t.tp * t.pp
+    world = t.dp * t.tp * t.pp * t.cp
     links = axis_links(c, cluster)
     costs = pass_costs(c, cluster, links, ex.attention_full)
     ps = DTYPE_BYTES[m.dtype]
-    p2p = links["pp"].p2p(tr.micro_batch_size * tr.seq_len * m.d_model * ps) if t.pp > 1 else 0
+    act = tr.micro_batch_size * tr.seq_len // t.cp * m.d_model * ps
+    p2p = links["pp"].p2p(act) if t.pp > 1 else 0
     span, bubble = pipeline(c, costs, p2p, simulated)
     mem = estimate(c)
-    P = mem.params // ps
+    P = (mem if c.optim.zero != 3 else estimate(dataclasses.replace(
+        c, optim=dataclasses.replace(c.optim, zero=0)))).params // ps  # unsharded
     M = microbatches(c)
     busiest = max(range(t.pp), key=lambda r: costs[r][0] + costs[r][1])
     parts = {k: M * v for k, v in costs[busiest][2].items()}
@@ -293,10 +372,11 @@ def _update_and_save(cfg: Config, cluster: Cluster, mem: Estimate, P: int,
     ps = DTYPE_BYTES[cfg.model.dtype]
     ss = 8 if cfg.model.dtype == "float64" else 4
     state = 2 * ss + (4 if ps == 2 else 0)
+    t = cfg.topology
     sharded = cfg.optim.zero or ex.fsdp
-    n = P / (cfg.topology.dp if sharded else 1)
+    n = P / (t.dp * t.cp if sharded else 1)
     optimizer = n * (2 * (ps + state) + ss) / cluster.memory_bandwidth
-    world = cfg.topology.dp * cfg.topology.tp * cfg.topology.pp
+    world = t.dp * t.tp * t.pp * t.cp
     nodes = max(1, world // cluster.ranks_per_node)
     # one copy of the model and its optimizer state is written per save
     saved = P * cfg.topology.tp * cfg.topology.pp * (ps + state)

@@ -1,16 +1,19 @@
 """``hpctrain plan --search``: every layout of a model on a cluster, ranked (no MPI).
 
 For a model, sequence length and global batch (the config) on ``nodes x ranks_per_node``
-ranks, every combination of tp (a power of two dividing the heads), pp, dp (the rest),
-ep (the config's), microbatch size, schedule (1f1b, gpipe, zb-h1, interleaved with 2 or 4
-virtual stages), ZeRO stage (0, 1, 2) and recompute is either
+ranks, every combination of tp (a power of two dividing the heads), cp (context
+parallelism: a power of two with ``seq_len % (2 cp) == 0``, at most ``max_cp``), pp, dp
+(the rest; ``cp x tp x pp x ep`` must divide the world, ep is the config's), microbatch
+size, schedule (1f1b, gpipe, zb-h1, zbv, interleaved with 2 or 4 virtual stages), ZeRO
+stage (0, 1, 2, 3) and recompute is either
 
 - **rejected**, with the reason: the config's own rules (``validate``: the batch does not
-  split, the layers do not, a schedule does not fit the microbatch count), or the memory
-  estimate over the cluster's memory per rank; or
+  split, the layers do not, a schedule does not fit the microbatch count, ZeRO-3 with
+  zb-h1, zbv or recompute, cp with a capacity factor), or the memory estimate over the
+  cluster's memory per rank (``plan --memory-per-rank`` replaces that); or
 - **predicted** (``cost.predict``) and ranked by step time.
 
-cp = 1 only and ZeRO 0/1/2 only: context parallelism and ZeRO-3 are not in hpctrain.
+ZeRO at dp x cp = 1 is ZeRO 0 (one candidate, not four).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from ..telemetry.memory import estimate, fmt_bytes
 from .cluster import Cluster
 from .cost import Prediction, predict
 
-SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4))
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zbv", 1), ("interleaved", 2),
+             ("interleaved", 4))
+ZEROS = (0, 1, 2, 3)
 
 
 @dataclass
@@ -39,6 +44,7 @@ class Candidate:
         t, s, tr = self.cfg.topology, self.cfg.schedule, self.cfg.train
         out = [f"topology.dp={t.dp}", f"topology.tp={t.tp}", f"topology.pp={t.pp}"]
         out += [f"topology.ep={t.ep}"] if t.ep > 1 else []
+        out += [f"topology.cp={t.cp}"] if t.cp > 1 else []
         out += [f"train.micro_batch_size={tr.micro_batch_size}",
                 f"schedule.kind={s.kind}" if t.pp > 1 else "schedule.kind=1f1b"]
         out += [f"schedule.virtual_stages={s.virtual_stages}"] if s.kind == "interleaved" else []
@@ -50,7 +56,7 @@ class Candidate:
         t, s = self.cfg.topology, self.cfg.schedule
         sched = "-" if t.pp == 1 else s.kind + (f" v={s.virtual_stages}"
                                                 if s.kind == "interleaved" else "")
-        return (f"dp={t.dp} tp={t.tp} pp={t.pp} ep={t.ep} cp=1 {sched} "
+        return (f"dp={t.dp} tp={t.tp} pp={t.pp} ep={t.ep} cp={t.cp} {sched} "
                 f"mbs={self.cfg.train.micro_batch_size} zero={self.cfg.optim.zero} "
                 f"recompute={'on' if self.cfg.model.recompute else 'off'}")
 
@@ -59,27 +65,32 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(cfg: Config, world: int, max_tp: int = 0):
-    """Every (tp, pp, dp, mbs, schedule, virtual, zero, recompute) for ``world`` ranks."""
-    m = cfg.model
+def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0):
+    """Every (tp, cp, pp, dp, mbs, schedule, virtual, zero, recompute) for ``world`` ranks."""
+    m, T, ep = cfg.model, cfg.train.seq_len, cfg.topology.ep
     tps = [d for d in _divisors(world) if m.n_heads % d == 0 and d & (d - 1) == 0
            and (not max_tp or d <= max_tp)]
-    for tp in tps:
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
+    cps = [d for d in _divisors(world) if d & (d - 1) == 0 and T % (2 * d) == 0
+           and (not max_cp or d <= max_cp)] if max_cp != 1 else [1]
+    for tp, cp in itertools.product(tps, cps):
+        if world % (tp * cp * ep):
+            continue
+        for pp in _divisors(world // (tp * cp * ep)):
+            dp = world // (tp * cp * pp)
             for mbs in (1, 2, 4, 8):
                 for (kind, v), zero, rc in itertools.product(
-                        SCHEDULES if pp > 1 else SCHEDULES[:1], (0, 1, 2), (False, True)):
-                    yield _with(cfg, dp, tp, pp, mbs, kind, v, zero, rc)
+                        SCHEDULES if pp > 1 else SCHEDULES[:1], ZEROS, (False, True)):
+                    yield _with(cfg, (dp, tp, pp, cp), mbs, kind, v, zero, rc)
 
 
-def _with(cfg: Config, dp, tp, pp, mbs, kind, v, zero, rc) -> Config:
+def _with(cfg: Config, layout, mbs, kind, v, zero, rc) -> Config:
     r = dataclasses.replace
-    return r(cfg, topology=r(cfg.topology, dp=dp, tp=tp, pp=pp,
+    dp, tp, pp, cp = layout
+    return r(cfg, topology=r(cfg.topology, dp=dp, tp=tp, pp=pp, cp=cp,
                              sequence_parallel=cfg.topology.sequence_parallel and tp > 1),
              train=r(cfg.train, micro_batch_size=mbs),
              schedule=r(cfg.schedule, kind=kind, virtual_stages=v, boundaries=""),
-             optim=r(cfg.optim, zero=zero if dp > 1 else 0),
+             optim=r(cfg.optim, zero=zero if dp * cp > 1 else 0),
              model=r(cfg.model, recompute=rc))
 
 
@@ -108,13 +119,14 @@ def judge(cfg: Config, cluster: Cluster, world: int) -> Candidate:
 
 
 def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
-           refine: int = 30) -> list[Candidate]:
+           refine: int = 30, max_cp: int = 0) -> list[Candidate]:
     """All candidates on ``nodes`` full nodes: fitting ones first, fastest first, then the
-    rejected ones in enumeration order. Duplicates (ZeRO at dp=1) are dropped. Candidates
-    are ranked by the pipeline's closed form; the best ``refine`` again with the simulator."""
+    rejected ones in enumeration order. Duplicates (ZeRO at dp x cp = 1) are dropped.
+    Candidates are ranked by the pipeline's closed form; the best ``refine`` again with the
+    simulator. ``max_cp``: the largest cp tried (0: any, 1: none)."""
     world = nodes * cluster.ranks_per_node
     seen, out = set(), []
-    for c in layouts(cfg, world, max_tp):
+    for c in layouts(cfg, world, max_tp, max_cp):
         key = (c.topology, c.train.micro_batch_size, c.schedule.kind,
                c.schedule.virtual_stages, c.optim.zero, c.model.recompute)
         if key in seen:
@@ -135,8 +147,10 @@ def slurm_line(c: Candidate, nodes: int, cluster: Cluster, config: str) -> str:
             f"{cluster.ranks_per_node} --export=ALL,LAYOUT=\"{layout}\" jobs/multi-node.sbatch")
 
 
-def report(cands: list[Candidate], top: int = 10, rejected: int = 20) -> list[str]:
-    """The ranked table, then the rejected layouts with their reasons."""
+def report(cands: list[Candidate], top: int = 10, rejected: int = 20,
+           sets: bool = False) -> list[str]:
+    """The ranked table (``sets``: each with its ``--set`` line), then the rejected layouts
+    with their reasons."""
     fits = [c for c in cands if c.prediction]
     bad = [c for c in cands if not c.prediction]
     lines = [f"{len(cands)} layouts: {len(fits)} fit, {len(bad)} rejected"]
@@ -145,6 +159,8 @@ def report(cands: list[Candidate], top: int = 10, rejected: int = 20) -> list[st
         lines.append(f"{i:3d}. {c.label():<62} step {p.step_s:.4g} s, "
                      f"{p.tokens_per_s_per_rank:,.0f} tok/s/rank, MFU {100 * p.mfu:.1f}%, "
                      f"bubble {100 * p.bubble:.1f}%, memory {fmt_bytes(p.memory.total)}")
+        if sets:
+            lines.append("       " + " ".join(f"--set {x}" for x in c.sets))
     groups: dict[str, list[Candidate]] = {}
     for c in bad:  # by the reason's rule, its numbers left out
         groups.setdefault(_rule(c.reason), []).append(c)

@@ -39,7 +39,7 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # -- estimate --------------------------------------------------------------------------
-def _stage_params(cfg: Config, layers: int, first: bool, last: bool) -> int:
+def stage_params(cfg: Config, layers: int, first: bool, last: bool) -> int:
     """Parameter elements on one rank of a stage with ``layers`` blocks."""
     m, top = cfg.model, cfg.topology
     C, F, tp = m.d_model, m.ffn_dim, top.tp
@@ -137,7 +137,7 @@ def estimate(cfg: Config) -> Estimate:
     ranges = partition(m.n_layers, top.pp * v)
     S = len(ranges)
     style = style_of(cfg.schedule.kind)
-    per_rank = [sum(_stage_params(cfg, len(ranges[s]), s == 0, s == S - 1)
+    per_rank = [sum(stage_params(cfg, len(ranges[s]), s == 0, s == S - 1)
                     for s in chunks_of_rank(r, top.pp, v, style)) for r in range(top.pp)]
     P = max(per_rank)
     d = top.dp * top.cp  # ZeRO shards over the replicas of a parameter: dp x cp
@@ -175,11 +175,11 @@ def estimate(cfg: Config) -> Estimate:
 def gathered(cfg: Config) -> tuple[int, int]:
     """ZeRO-3: (elements of the largest unit, elements gathered at once at the peak): the
     embedding/final norm/head of the stage (both ends when pp = 1) and two blocks."""
-    block = _stage_params(cfg, 1, False, False)  # block 0: an MoE block if any
+    block = stage_params(cfg, 1, False, False)  # block 0: an MoE block if any
     if cfg.topology.pp == 1:
-        root = _stage_params(cfg, 0, True, True)
+        root = stage_params(cfg, 0, True, True)
     else:
-        root = max(_stage_params(cfg, 0, True, False), _stage_params(cfg, 0, False, True))
+        root = max(stage_params(cfg, 0, True, False), stage_params(cfg, 0, False, True))
     return max(block, root), root + 2 * block
 
 

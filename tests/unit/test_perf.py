@@ -296,3 +296,55 @@ def test_memory_in_a_prediction_is_the_plans_estimate():
     cfg = from_dict({"topology": {"dp": 2}, "train": {"global_batch_size": 8}})
     assert predict(cfg, load_cluster("dgx-a100")).memory == estimate(cfg)
     assert Extras() == Extras(0, False, False, False)
+
+
+LONG = ["train.seq_len=4096", "train.global_batch_size=4"]
+
+
+def test_plan_search_lists_what_fits_a_memory_per_rank(capsys, tmp_path):
+    """A long sequence on 4 ranks with less memory than any cp = 1, zero < 3 layout needs:
+    only context-parallel or ZeRO-3 layouts are listed, each with its --set line."""
+    cfg = load(TINY, LONG)
+    roomy = search.search(cfg, _small_cluster(2 ** 40), 1)
+    plain = [c for c in roomy if c.prediction and c.cfg.topology.cp == 1
+             and c.cfg.optim.zero != 3]
+    limit = min(c.prediction.memory.total for c in plain) - 1
+    path = tmp_path / "test.toml"
+    path.write_text(dumps(_small_cluster(2 ** 40)))
+    args = ["plan", TINY, "--search", "--cluster", str(path), "--nodes", "1", "--top", "100",
+            "--memory-per-rank", str(limit), *[x for s in LONG for x in ("--set", s)]]
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    fits = [i for i, x in enumerate(out) if x[:5].strip().rstrip(".").isdigit()]
+    assert fits and "does not fit in memory" in "\n".join(out)
+    for i in fits:
+        assert " cp=1 " not in out[i] or " zero=3 " in out[i], out[i]
+        sets = out[i + 1].split()
+        assert sets[0] == "--set" and ("topology.cp=2" in sets or "topology.cp=4" in sets
+                                       or "optim.zero=3" in sets), out[i + 1]
+    assert any("topology.cp=" in out[i + 1] for i in fits)
+
+
+def test_search_models_cp_zero3_zbv_and_keeps_refusals():
+    """cp, ZeRO-3 and zbv are enumerated and priced (ring and gathers exposed >= 0); the
+    combinations validate refuses are rejected with its message."""
+    cfg = load(TINY, [*LONG, "model.num_experts=2", "model.capacity_factor=1.25",
+                      "model.moe_every=2"])
+    cands = search.search(cfg, _small_cluster(2 ** 40), 1)
+    fits = [c for c in cands if c.prediction]
+    kinds = {(c.cfg.topology.cp > 1, c.cfg.optim.zero, c.cfg.schedule.kind) for c in fits}
+    assert any(z == 3 for _, z, _ in kinds) and any(k == "zbv" for _, _, k in kinds)
+    assert not any(cp for cp, _, _ in kinds)  # cp needs capacity_factor = 0
+    reasons = [c.reason for c in cands if not c.prediction]
+    assert any("capacity_factor=1.25 needs topology.cp=1" in r for r in reasons)
+    assert any("optim.zero=3 cannot be combined with schedule.kind='zbv'" in r
+               for r in reasons)
+    assert any("optim.zero=3 cannot be combined with model.recompute" in r for r in reasons)
+    cfg = load(TINY, LONG)
+    for o in (["topology.cp=4"], ["topology.cp=2", "topology.dp=2", "optim.zero=3"]):
+        p = predict(load(TINY, [*LONG, *o]), _small_cluster(2 ** 40))
+        assert p.parts["cp"] > 0 and p.world == 4 and p.parts["zero3"] >= 0
+        assert p.step_s == pytest.approx(sum(p.parts.values()))
+    one = predict(cfg, _small_cluster(2 ** 40))
+    four = predict(load(TINY, [*LONG, "topology.cp=4"]), _small_cluster(2 ** 40))
+    assert four.parts["compute"] == pytest.approx(one.parts["compute"] / 4)
