@@ -2,6 +2,7 @@
 #   make run    set up what is missing, then train the demo preset on 4 ranks
 #   make test   set up what is missing, then run the whole test suite
 #   make bench  set up what is missing, then run the benchmarks (python -m benchmarks)
+#   make test-mpich  the site-stack job: the equivalence core under MPICH (tests/mpich_core.sh)
 # Overridable: MPI_IMPL (openmpi | mpich: the MPI set-up installs on Debian; mpich uses
 #              VENV=.venv-mpich), MPICC / HDF5_DIR (a site's MPI and parallel HDF5, see
 #              docs/site-mpi.md), VENV, NP (ranks for `make run`), TORCH_SPEC (e.g.
@@ -21,7 +22,7 @@ LAUNCH = $(PY) -m benchmarks.mpi_env
 export OMP_NUM_THREADS ?= 1
 export HDF5_USE_FILE_LOCKING ?= FALSE
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-mpich lint bench clean
 
 setup:
 	@VENV=$(VENV) bash scripts/setup.sh
@@ -33,6 +34,9 @@ run: setup
 test: setup
 	$(PY) -m ruff check hpctrain tests benchmarks
 	PY=$(PY) bash tests/run_all.sh $(PYTEST_ARGS)
+
+test-mpich: setup
+	bash tests/mpich_core.sh $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check hpctrain tests benchmarks

@@ -269,7 +269,7 @@ def run(world, size: str, repeats: int) -> dict:
     out["table"] = rows
     out["ratios"] = bandwidth_ratios(rows)
     if size == "small":
-        demo = blocked(world, max(1, repeats // 2))
+        demo = world.bcast_obj(blocked(world, max(1, repeats // 2)))  # rank 0 has them
         out["rows"] += [row(k, v) for k, v in demo.items()]
         out["ratios"].append(blocked_ratio(demo))
     out["notes"].append("hpctrain save = each rank writes its own hyperslabs, checksums from "

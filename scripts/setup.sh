@@ -11,7 +11,10 @@
 #
 # Overridable:  MPI_IMPL (openmpi | mpich), MPICC, HDF5_DIR (parallel HDF5 prefix),
 #               TORCH_SPEC (default torch==2.13.0, the CPU build), PYTHON (default python3),
-#               VENV (default .venv; .venv-mpich is the usual second one), HPCTRAIN_EXTRAS.
+#               VENV (default .venv; .venv-mpich is the usual second one), HPCTRAIN_EXTRAS,
+#               BASE_VENV (a set-up venv of the same Python whose MPI-free packages, torch
+#               and the rest, this one reuses: only mpi4py and h5py are built here; the
+#               site-stack CI job uses it to avoid a second torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -107,12 +110,22 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 PIP="$PY -m pip --disable-pip-version-check -q"
+if [ -n "${BASE_VENV:-}" ]; then  # reuse BASE_VENV's torch & co; this venv's own come first
+  base_site=$("$BASE_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
+    || { say "BASE_VENV=$BASE_VENV is not a working venv: run \`make setup\` first" >&2; exit 1; }
+  own_site=$("$PY" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+  [ "$base_site" != "$own_site" ] || { say "BASE_VENV is VENV itself" >&2; exit 1; }
+  echo "import site; site.addsitedir('$base_site')" > "$own_site/hpctrain-base-venv.pth"
+  say "reusing the MPI-free packages of $BASE_VENV (torch: not installed again)"
+fi
 # The stamp names the torch build and the package list: a changed list installs again.
 BASE_PKGS="numpy cython pkgconfig pytest pytest-mpi pytest-timeout hypothesis ruff
   matplotlib safetensors tokenizers==0.23.3 transformers==5.23.0"
 [ "$SOURCE_MPI4PY" = 1 ] || BASE_PKGS="$BASE_PKGS mpi4py>=4"
 stamp="$VENV/.hpctrain-base-$(echo "$TORCH_SPEC $BASE_PKGS" | cksum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ]; then
+if [ -n "${BASE_VENV:-}" ] && ls "$BASE_VENV"/.hpctrain-base-* >/dev/null 2>&1; then
+  $PIP install --upgrade pip setuptools wheel >/dev/null  # what builds mpi4py and h5py
+elif [ ! -f "$stamp" ]; then
   say "installing $TORCH_SPEC, numpy, test tools"
   $PIP install --upgrade pip setuptools wheel >/dev/null
   # shellcheck disable=SC2086  # BASE_PKGS is a word list
@@ -129,7 +142,10 @@ if [ "$SOURCE_MPI4PY" = 1 ] && [ ! -f "$VENV/.hpctrain-mpi4py-$build_key" ]; the
   rm -f "$VENV"/.hpctrain-mpi4py-*
   touch "$VENV/.hpctrain-mpi4py-$build_key"
 fi
-h5_ok() { "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; }
+h5_ok() {  # this venv's own h5py (not BASE_VENV's), built for MPI
+  "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi and
+    h5py.__file__.startswith(sys.prefix) else 1)" 2>/dev/null
+}
 if h5_ok && ! ls "$VENV"/.hpctrain-h5py-* >/dev/null 2>&1; then
   touch "$VENV/.hpctrain-h5py-$build_key"  # a venv from before the stamps: adopt its h5py
 fi
@@ -142,7 +158,10 @@ if ! h5_ok || [ ! -f "$VENV/.hpctrain-h5py-$build_key" ]; then
   touch "$VENV/.hpctrain-h5py-$build_key"
 fi
 PY_ABS="$(cd "$VENV" && pwd)/bin/python"
-if ! (cd / && "$PY_ABS" -c "import hpctrain" 2>/dev/null); then  # not via the cwd
+here=$(pwd -P)
+if ! (cd / && "$PY_ABS" -c "import hpctrain, pathlib, sys; sys.exit(0 if pathlib.Path(
+      hpctrain.__file__).resolve().is_relative_to('$here') else 1)" 2>/dev/null); then
+  # not via the cwd, and this checkout's (not another one's through BASE_VENV)
   say "installing hpctrain (editable)"
   $PIP install --no-build-isolation --no-deps -e . >/dev/null
 fi
