@@ -65,7 +65,31 @@ def comparisons(results: list[dict]) -> list[dict]:
             out.append({"bench": res["bench"], "ranks": res.get("ranks"), "name": q["name"],
                         "ratio": q["value"], "target": q["target"], "met": q["met"],
                         "spread": q.get("spread"), "pairs": q.get("pairs"),
-                        "noise": q.get("noise"), "load": res.get("load")})
+                        "noise": q.get("noise"), "load": res.get("load"),
+                        "why": None if q["met"] else why_not(q)})
+    return out
+
+
+def why_not(q: dict) -> str:
+    """Why a comparison missed its target: the part's own measured reason (``why``), else
+    that its pairs cannot tell the sides apart, else that this run measured no reason."""
+    if q.get("why"):
+        return q["why"]
+    if q.get("noise"):
+        lo, hi = q["spread"]
+        return (f"noise: the {q.get('pairs')} pairs span {lo:.3g}-{hi:.3g}, which covers 1.0; "
+                "the two sides cannot be told apart in this run")
+    return "not met in this run; no cause measured by this part (see docs/benchmarks.md)"
+
+
+def not_met(comps: list[dict]) -> list[str]:
+    """bench.md's list of the targets this run missed, each with its reason."""
+    missed = [c for c in comps if not c["met"]]
+    if not missed:
+        return ["", "Every target was met in this run."]
+    out = ["", f"Targets not met in this run ({len(missed)} of {len(comps)}), and why:", ""]
+    out += [f"- {c['bench']} ({c['ranks']} ranks), {c['name']} = {c['ratio']:.3g} "
+            f"(target {c['target']}): {c['why']}" for c in missed]
     return out
 
 
@@ -116,6 +140,7 @@ def markdown(doc: dict) -> str:
              "covers 1.0.", ""]
     results = doc["results"]
     lines += main_table([r for r in results if r.get("bench") != "collectives"])
+    lines += not_met(doc["comparisons"])
     for r in results:
         if r.get("what"):
             lines.append(f"\n- {r['bench']} ({r['ranks']} ranks): {r['what']}")

@@ -10,6 +10,8 @@ has run) adds the throughput table and the strong-scaling efficiency
 
 from __future__ import annotations
 
+import os
+
 from .common import (
     hpctrain_run,
     interleaved,
@@ -82,6 +84,10 @@ def combine(results: list[dict]) -> None:
                 # the spread of per-sample efficiencies (k-th sample at n over k-th at 1);
                 # an efficiency, not an A/B ratio: 1.0 is not "no change"
                 q.update(spread=[min(effs), max(effs)], pairs=len(effs), noise=False)
+                cores = os.cpu_count() or 1
+                if not q["met"] and n > cores:
+                    q["why"] = (f"{n} ranks share {cores} cores: one node of this machine "
+                                f"caps the efficiency at {cores / n:.2f}")
                 res["ratios"].append(q)
         res["notes"] += [f"{t['design']}: {t['tokens_per_s']:.0f} tokens/s, efficiency "
                          f"{t['efficiency']:.2f} vs 1 rank" for t in res["table"]]

@@ -25,7 +25,7 @@ else:  # pragma: no cover - Python 3.10
 
 REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
 # How overlapped reductions progress while backward computes (optim.overlap_progress).
-OVERLAP_PROGRESS = ("test", "thread", "poll", "wait")
+OVERLAP_PROGRESS = ("auto", "test", "thread", "poll", "wait")
 ARCHS = ("gpt", "llama")  # model.arch
 
 
@@ -129,12 +129,15 @@ class OptimConfig:
     # per bucket, in order), "bucketed-nonblocking" (every bucket posted, then waited for),
     # "per-parameter" (one blocking all-reduce per parameter: the naive baseline).
     reduction: str = "bucketed"
-    # What advances overlapped reductions (overlap or zero 2) while backward computes: "test"
-    # (libnbc nonblocking collectives, MPI_Test on them from every gradient hook; fastest
-    # measured), "thread" (a thread owning a duplicate communicator runs each bucket's
-    # blocking all-reduce / reduce-scatter as it is posted), "poll" (that thread posts
-    # libnbc collectives and tests them every 0.5 ms) or "wait" (the final wait alone).
-    overlap_progress: str = "test"
+    # What advances overlapped reductions (overlap or zero 2) while backward computes:
+    # "thread" (a thread owning a duplicate communicator runs each bucket's blocking
+    # all-reduce / reduce-scatter as it is posted; needs MPI_THREAD_MULTIPLE), "test" (libnbc
+    # nonblocking collectives, MPI_Test on them from every gradient hook), "poll" (the thread
+    # posts libnbc collectives and tests them every 0.5 ms), "wait" (the final wait alone), or
+    # "auto": "thread" where the dp group crosses nodes and MPI provides MPI_THREAD_MULTIPLE,
+    # else "test" (and then overlap_across_nodes does not turn overlap on): the choice
+    # measured on a quiet machine (docs/benchmarks.md, "Overlap and the naive baseline").
+    overlap_progress: str = "auto"
     loss_scale: float = 65536.0  # float16: initial dynamic loss scale
 
 

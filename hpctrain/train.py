@@ -31,7 +31,7 @@ from .evaluate import Evaluator, StopRules
 from .interchange import init_from
 from .optim import NumericGuard, build_optimizer, lr_at
 from .parallel import build_model, hierarchical, named_parameters
-from .parallel.data import GradBuffers, overlap_on
+from .parallel.data import GradBuffers, overlap_on, progress_for
 from .parallel.moe_exchange import set_loss_scale, step_metrics
 from .parallel.zero3 import shard_parameters, units_of
 from .schedule.runner import pipeline_metrics, run_step
@@ -97,12 +97,15 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     params = named_parameters(chunks)
     if cfg.checkpoint.init_from:  # parameters from another model; a resume overrides them
         log.info(f"parameters from {init_from.load(cfg, topo, params)} (checkpoint.init_from)")
+    progress = progress_for(cfg.optim, topo)  # how overlapped reductions advance
     grads = GradBuffers(params, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero,
-                        overlap=overlap_on(cfg.optim, topo, cfg.topology.dp_reduction),
+                        overlap=overlap_on(cfg.optim, topo, cfg.topology.dp_reduction, progress),
                         hierarchical=hierarchical.reducer(topo),
                         microbatches=microbatches_per_rank(cfg), mode=cfg.optim.reduction,
-                        progress=cfg.optim.overlap_progress,
+                        progress=progress,
                         units=units_of(chunks) if cfg.optim.zero == 3 else None)
+    if grads.overlap:
+        log.info(f"gradient reduction overlapped with backward (progress: {progress})")
     if cfg.optim.zero == 3:  # parameters sharded too, gathered per block (parallel/zero3.py)
         shard_parameters(chunks, grads)
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)

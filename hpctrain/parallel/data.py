@@ -34,10 +34,11 @@ Modes (``optim.zero``, ``optim.overlap``):
 - overlap (zero 0/1): the same hooks post a bucket's nonblocking reduction as soon as all its
   gradients of the LAST microbatch are final; :meth:`reduce` waits for all of them. How
   posted reductions progress while autograd computes is ``progress``
-  (``optim.overlap_progress``): ``test`` (default: libnbc, ``MPI_Test`` on every outstanding
-  one from each hook), ``thread``/``poll`` (``comm.Offload``: a thread runs them on a
-  duplicate communicator, blocking or nonblocking + ``MPI_Test``), ``wait`` (libnbc, only
-  the final wait). :func:`overlap_on` also turns overlap on where dp crosses nodes.
+  (``optim.overlap_progress``, ``auto`` decided by :func:`progress_for`): ``test`` (libnbc,
+  ``MPI_Test`` on every outstanding one from each hook), ``thread``/``poll``
+  (``comm.Offload``: a thread runs them on a duplicate communicator, blocking or nonblocking
+  + ``MPI_Test``), ``wait`` (libnbc, only the final wait). :func:`overlap_on` also turns
+  overlap on where dp crosses nodes.
 - without overlap, ``optim.reduction`` picks how zero 0 sums: ``bucketed`` (default: one
   blocking all-reduce per bucket, in order), ``bucketed-nonblocking`` (all buckets posted,
   then waited for) or ``per-parameter`` (the naive baseline the benchmarks compare with).
@@ -88,13 +89,26 @@ def shard_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def overlap_on(ocfg, topo, dp_reduction: str) -> bool:
+def progress_for(ocfg, topo) -> str:
+    """``optim.overlap_progress`` with ``auto`` decided: the offload thread where the dp
+    groups cross nodes (``topo.within_node``, the same on every rank) and MPI provides
+    ``MPI_THREAD_MULTIPLE`` (measured fastest over TCP on a quiet machine), else ``test``."""
+    if ocfg.overlap_progress != "auto":
+        return ocfg.overlap_progress
+    crosses = not topo.within_node.get("dp", True)
+    return "thread" if crosses and comm.thread_multiple()[0] else "test"
+
+
+def overlap_on(ocfg, topo, dp_reduction: str, progress: str) -> bool:
     """Whether this run overlaps the dp reduction with backward: ``optim.overlap``, or
     (``optim.overlap_across_nodes``) a flat bucketed reduction whose dp groups cross nodes
-    (``topo.within_node``, the same answer on every rank; edp groups lie inside dp's)."""
+    (``topo.within_node``, the same answer on every rank; edp groups lie inside dp's) with a
+    progress that wins there: not ``auto``'s fallback ``test``, measured slower than
+    blocking buckets over TCP on a quiet machine (``progress``: :func:`progress_for`)."""
     if ocfg.overlap:
         return True
-    return bool(ocfg.overlap_across_nodes and not topo.within_node.get("dp", True)
+    wins = ocfg.overlap_progress != "auto" or progress != "test"
+    return bool(ocfg.overlap_across_nodes and not topo.within_node.get("dp", True) and wins
                 and ocfg.reduction == "bucketed" and dp_reduction == "flat")
 
 

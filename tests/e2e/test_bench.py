@@ -85,6 +85,9 @@ def test_every_comparison_has_ratio_target_met_and_load(bench):
         assert {"bench", "ranks", "ratio", "target", "met"} <= set(c)
         assert isinstance(c["met"], bool) and math.isfinite(c["ratio"])
         assert c["spread"] is None or c["spread"][0] <= c["ratio"] <= c["spread"][1]
+        assert (c["why"] is None) == c["met"], c  # every missed target says why
+        if not c["met"]:
+            assert f"{c['name']} = {c['ratio']:.3g} (target {c['target']}): {c['why']}" in md
     assert all(len(r["load"]["before"]) == 3 and len(r["load"]["after"]) == 3
                for r in doc["results"] if "error" not in r)
     eff = {c["name"] for c in comps if c["bench"] == "scaling"}

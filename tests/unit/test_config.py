@@ -131,7 +131,7 @@ def test_unknown_key_lists_valid_keys():
     (["topology.tp=0"], 1, r"topology.tp=0 must be >= 1"),
     (["optim.reduction=\"ring\""], 1, r"optim.reduction='ring'; valid: bucketed, "),
     (["optim.overlap_progress=\"spin\""], 1,
-     r"optim.overlap_progress='spin'; valid: test, thread, poll, wait"),
+     r"optim.overlap_progress='spin'; valid: auto, test, thread, poll, wait"),
     (["topology.dp=2", "optim.zero=1", "optim.reduction=\"per-parameter\""], 2,
      r"optim.reduction=per-parameter needs optim.zero=0"),
 ])

@@ -1,0 +1,61 @@
+"""How overlapped gradient reductions progress, and where overlap turns itself on
+(``optim.overlap_progress = "auto"``, ``optim.overlap_across_nodes``): the choices measured in
+docs/benchmarks.md ("Overlap and the naive baseline")."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hpctrain.config import OptimConfig
+from hpctrain.parallel import data
+
+
+def topo(dp_within_node: bool):
+    return SimpleNamespace(within_node={"dp": dp_within_node})
+
+
+@pytest.fixture
+def multiple(monkeypatch):
+    def set_level(ok: bool):
+        level = "MPI_THREAD_MULTIPLE" if ok else "MPI_THREAD_SERIALIZED"
+        monkeypatch.setattr(data.comm, "thread_multiple", lambda: (ok, level))
+    return set_level
+
+
+@pytest.mark.parametrize("crosses, has_multiple, progress, overlap", [
+    (True, True, "thread", True),    # across nodes with a thread-safe MPI: offload thread
+    (True, False, "test", False),    # no THREAD_MULTIPLE: test loses over TCP, no overlap
+    (False, True, "test", False),    # inside a node: blocking buckets (overlap measured slower)
+    (False, False, "test", False),
+])
+def test_auto(multiple, crosses, has_multiple, progress, overlap):
+    multiple(has_multiple)
+    ocfg, t = OptimConfig(), topo(dp_within_node=not crosses)
+    assert ocfg.overlap_progress == "auto"
+    assert data.progress_for(ocfg, t) == progress
+    assert data.overlap_on(ocfg, t, "flat", data.progress_for(ocfg, t)) is overlap
+
+
+def test_an_explicit_choice_is_kept(multiple):
+    multiple(False)
+    ocfg = OptimConfig(overlap_progress="test")
+    assert data.progress_for(ocfg, topo(False)) == "test"
+    assert data.overlap_on(ocfg, topo(False), "flat", "test")  # the user asked for test
+    assert not data.overlap_on(ocfg, topo(True), "flat", "test")  # inside a node: off
+    assert data.overlap_on(OptimConfig(overlap=True), topo(True), "flat", "test")
+
+
+@pytest.mark.parametrize("change", [{"overlap_across_nodes": False},
+                                    {"reduction": "per-parameter"}])
+def test_no_automatic_overlap_when_turned_off_or_naive(multiple, change):
+    multiple(True)
+    ocfg = OptimConfig(**change)
+    assert not data.overlap_on(ocfg, topo(False), "flat", data.progress_for(ocfg, topo(False)))
+
+
+def test_not_with_hierarchical_reduction(multiple):
+    multiple(True)
+    ocfg = OptimConfig()
+    assert not data.overlap_on(ocfg, topo(False), "hierarchical", "thread")
