@@ -29,9 +29,7 @@ def run(args) -> int:
         check_inputs(cfg, args.run_dir)
     except ConfigError as e:  # InputError too: raised deliberately, never a bug's exception
         # Every rank reaches the same verdict before any collective: exit, no abort.
-        if world.rank == 0:
-            print(f"hpctrain train: {e}", file=sys.stderr)
-        return 2
+        return refused(world, e)
     from ..checkpoint.background import CheckpointFailed
     from ..checkpoint.lineage import LineageError
     from ..train import train
@@ -39,14 +37,28 @@ def run(args) -> int:
     try:
         train(cfg, args.run_dir, world)
     except LineageError as e:  # raised alike on every rank (the checkpoint's attributes)
-        if world.rank == 0:
-            print(f"hpctrain train: {e}", file=sys.stderr, flush=True)
-        return 2
+        return refused(world, e)
     except CheckpointFailed as e:  # raised alike on every rank, one step after the failure
         print(f"hpctrain train: rank {world.rank}: {e}", file=sys.stderr, flush=True)
         world.barrier()  # every rank has said it
         comm.abort(1)  # writer threads may still wait in a collective: end them too
     return 0
+
+
+def refused(world, why) -> int:
+    """A verdict every rank reached alike: rank 0 says it, every rank ends with status 2.
+    With more than one rank, MPI is finalised and the process exits here: returning 2 under
+    ``python -m mpi4py`` would ``MPI_Abort`` each rank, and an abort from a rank that had
+    nothing to say can end the job before rank 0's message is out (MPICH's Hydra)."""
+    if world.rank == 0:
+        print(f"hpctrain train: {why}", file=sys.stderr, flush=True)
+    if world.size == 1:
+        return 2  # one process (also in-process callers): the caller exits
+    sys.stdout.flush()
+    from .. import comm
+
+    comm.finalize()  # collective: every rank is here, no collective was left half done
+    os._exit(2)
 
 
 def check_inputs(cfg, run_dir: str) -> None:
