@@ -30,8 +30,16 @@ EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL: "try again later"
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 LAUNCH_HELP = (
     "launch one process per rank with srun (or mpirun inside the allocation), e.g.\n"
-    "    srun --mpi=pmix python -m mpi4py -m hpctrain train CONFIG --run-dir DIR\n"
+    "    srun --mpi={pmi} python -m mpi4py -m hpctrain train CONFIG --run-dir DIR\n"
     "  (see jobs/*.sbatch; `srun --mpi=list` shows the PMI plugins of this site)")
+
+
+def srun_pmi(library: str) -> str:
+    """srun's PMI plugin for an MPI library (``MPI_Get_library_version``): pmix for Open MPI,
+    pmi2 for the MPICH family (MPICH, Intel MPI, MVAPICH; Cray MPICH: cray_shasta)."""
+    if "CRAY MPICH" in library.upper():
+        return "cray_shasta"
+    return "pmix" if "Open MPI" in library or not library else "pmi2"
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -39,8 +47,9 @@ def _env_int(name: str, default: int | None = None) -> int | None:
     return int(value) if value.strip().lstrip("-").isdigit() else default
 
 
-def launch_error(world_size: int) -> str | None:
-    """Why this launch is wrong, or None. Pure (no MPI): every rank reaches the same verdict.
+def launch_error(world_size: int, library: str = "") -> str | None:
+    """Why this launch is wrong, or None. Pure (no MPI): every rank reaches the same verdict;
+    ``library`` (the MPI's version string) picks the srun plugin the message suggests.
 
     Inside a SLURM job step ``SLURM_NTASKS`` is the number of tasks srun started; ranks that
     each see a world of a different size were not wired together by PMI."""
@@ -50,7 +59,7 @@ def launch_error(world_size: int) -> str | None:
     return (f"SLURM allocated {ntasks} tasks (SLURM_NTASKS) but this MPI world has "
             f"{world_size} rank(s): the processes were started as MPI singletons (or by a "
             f"launcher that does not know the allocation), so they would train independent "
-            f"copies.\n  Fix: {LAUNCH_HELP}")
+            f"copies.\n  Fix: {LAUNCH_HELP.format(pmi=srun_pmi(library))}")
 
 
 @dataclass

@@ -4,7 +4,8 @@
 # Variables (set them in the environment of `sbatch`, which exports it to the job):
 #   HPCTRAIN_ROOT  the hpctrain checkout (default: the directory sbatch was called from)
 #   PYTHON         interpreter with hpctrain, mpi4py and h5py (default $HPCTRAIN_ROOT/.venv)
-#   SRUN_MPI       srun's PMI plugin (default pmix; `srun --mpi=list` shows the site's)
+#   SRUN_MPI       srun's PMI plugin (default: pmix for Open MPI, pmi2 for the MPICH family,
+#                  cray_shasta for Cray MPICH; `srun --mpi=list` shows the site's)
 #   CPU_BIND       srun --cpu-bind value (default cores: each rank pinned to the cores of
 #                  its --cpus-per-task); empty: leave binding to the site (and to clusters
 #                  without a task/affinity plugin, where srun would warn)
@@ -38,7 +39,16 @@ export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}  # Lustre/GPFS: no 
 # -- 2. Shared plumbing (templates call these; sites need not edit) ---------------------
 HPCTRAIN_ROOT=${HPCTRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
 PYTHON=${PYTHON:-$HPCTRAIN_ROOT/.venv/bin/python}
-SRUN_MPI=${SRUN_MPI:-pmix}
+hpctrain_pmi_default() {  # srun's PMI plugin for the MPI PYTHON's mpi4py is built with
+  "$PYTHON" - 2>/dev/null <<'PY' || echo pmix
+import mpi4py
+mpi4py.rc.initialize = False  # MPI_Get_library_version may be called before MPI_Init
+from mpi4py import MPI
+v = MPI.Get_library_version()
+print("cray_shasta" if "CRAY MPICH" in v.upper() else "pmix" if "Open MPI" in v else "pmi2")
+PY
+}
+SRUN_MPI=${SRUN_MPI:-$(hpctrain_pmi_default)}
 CPU_BIND=${CPU_BIND-cores}
 DEVICE=${DEVICE:-cpu}
 HPCTRAIN_EXIT_REQUEUE=75  # hpctrain/slurm.py EXIT_REQUEUE: checkpointed, run me again

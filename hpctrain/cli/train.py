@@ -20,7 +20,7 @@ def run(args) -> int:
     from ..validate import validate
 
     world = comm.world()
-    if (wrong_launch := slurm.launch_error(world.size)) is not None:
+    if (wrong_launch := slurm.launch_error(world.size, comm.library())) is not None:
         print(f"hpctrain train: {wrong_launch}", file=sys.stderr, flush=True)
         return 2
     try:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import PY, ROOT, TINY, assert_same, env, read_run
+from launch import LAUNCHER, PY, ROOT, TINY, assert_same, env, read_run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
@@ -205,7 +205,7 @@ def test_singletons_refused(submitted):
     for r in ("r0", "r1"):
         text = (d / f"{r}.txt").read_text()
         assert "SLURM allocated 2 tasks (SLURM_NTASKS) but this MPI world has 1 rank" in text, text
-        assert "srun --mpi=pmix" in text, text
+        assert f"srun --mpi={'pmix' if LAUNCHER.family == 'openmpi' else 'pmi2'}" in text, text
     assert not (d / "run/metrics.jsonl").exists(), "singletons started training"
 
 

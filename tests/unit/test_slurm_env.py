@@ -27,6 +27,11 @@ def test_launch_error_only_when_the_world_is_not_the_allocation(no_slurm):
     msg = slurm.launch_error(1)
     assert "SLURM allocated 4 tasks" in msg and "1 rank(s)" in msg and "singletons" in msg
     assert "srun --mpi=pmix" in msg
+    # the plugin the message suggests follows the MPI family
+    assert "srun --mpi=pmix" in slurm.launch_error(1, "Open MPI v4.1.4, package: Debian")
+    assert "srun --mpi=pmi2" in slurm.launch_error(1, "MPICH Version: 4.0.2")
+    assert "srun --mpi=pmi2" in slurm.launch_error(1, "Intel(R) MPI Library 2021.10")
+    assert "srun --mpi=cray_shasta" in slurm.launch_error(1, "MPI VERSION : CRAY MPICH 8.1.27")
 
 
 def test_job_from_env(no_slurm):
