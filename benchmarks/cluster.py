@@ -30,7 +30,15 @@ from pathlib import Path
 
 from .cluster_worker import MODEL
 from .common import median, ratio, result, row, same_losses
-from .mpi_env import ROOT, command, detect, launch_env, with_checkout, without_job
+from .mpi_env import (
+    ROOT,
+    cluster_program,
+    command,
+    detect,
+    launch_env,
+    with_checkout,
+    without_job,
+)
 
 RANKS = (1,)
 # The link: this machine computes ~10 GFLOP/s, so 200 Mbit/s gives about the FLOP-per-bit
@@ -52,7 +60,7 @@ def launch(size: str, repeats: int, out: Path) -> str:
     subprocess.run([str(SCRIPT), "up", name, "2", "2", RATE], check=True, env=env,
                    capture_output=True, text=True)
     try:
-        launcher = detect().with_program((str(SCRIPT), "mpirun", name))
+        launcher = detect().with_program(cluster_program(str(SCRIPT), name))
         proc = subprocess.run(
             command(4, sys.executable, "-m", "mpi4py", "-m", f"{__package__}.cluster_worker",
                     "--size", size, "--repeats", str(repeats), "--out", str(out),

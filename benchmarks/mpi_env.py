@@ -178,6 +178,19 @@ def detect(program: tuple[str, ...] | None = None) -> Launcher:
     return _detect(tuple(program or default_program()))
 
 
+def cluster_program(script: str, name: str, launcher: Launcher | None = None) -> tuple:
+    """The program that starts ranks over ``scripts/cluster.sh``'s simulated cluster NAME
+    with this launcher's family (for :meth:`Launcher.with_program`): Open MPI's ``mpirun``,
+    or Hydra's ``mpiexec`` (this launcher's own, through ``MPIEXEC``)."""
+    how = launcher or detect()
+    if how.family == "openmpi":
+        return (script, "mpirun", name)
+    if how.family == "hydra":
+        return ("env", f"MPIEXEC={how.program[0]}", script, "mpiexec", name)
+    raise RuntimeError("scripts/cluster.sh starts Open MPI's mpirun or Hydra's mpiexec; "
+                       f"not {how.describe()}")
+
+
 def command(n: int, *args: str, launcher: Launcher | None = None, **flags) -> list[str]:
     """``LAUNCHER -n N [flags] ARGS...``: see :meth:`Launcher.argv`."""
     return [*(launcher or detect()).argv(n, **flags), *args]

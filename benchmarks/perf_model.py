@@ -23,7 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from .mpi_env import ROOT, command, detect, launch_env, with_checkout, without_job
+from .mpi_env import (
+    ROOT,
+    cluster_program,
+    command,
+    detect,
+    launch_env,
+    with_checkout,
+    without_job,
+)
 
 PY = sys.executable  # the venv running this (its mpi4py picks the launcher)
 CFG = "share/configs/tiny.toml"
@@ -55,7 +63,7 @@ def _env() -> dict:
 
 def _launch(n: int, args: list[str], cluster: str | None) -> list[str]:
     launcher = detect() if cluster is None else detect().with_program(
-        (str(ROOT / "scripts" / "cluster.sh"), "mpirun", cluster))
+        cluster_program(str(ROOT / "scripts" / "cluster.sh"), cluster))
     return command(n, PY, "-m", "mpi4py", "-m", "hpctrain", *args, launcher=launcher,
                    oversubscribe=False)
 

@@ -4,7 +4,9 @@
 #   scripts/cluster.sh up NAME NODES [SLOTS [RATE]]  make it: SLOTS ranks per node (default 2)
 #                                             fill a node before the next; RATE e.g. 1gbit
 #   scripts/cluster.sh shape NAME RATE|off    shape (or unshape) every node's link
-#   scripts/cluster.sh mpirun NAME ARGS...    mpirun over the nodes (hostfile, agent, TCP)
+#   scripts/cluster.sh mpirun NAME ARGS...    Open MPI's mpirun over the nodes (hostfile, agent, TCP)
+#   scripts/cluster.sh mpiexec NAME ARGS...   Hydra's mpiexec (MPICH family; $MPIEXEC, default
+#                                             mpiexec.mpich) over the nodes, the same way
 #   scripts/cluster.sh down NAME              remove everything `up` made (alias: cleanup)
 #   scripts/cluster.sh check                  exit 0 when namespaces can be made here
 #   scripts/cluster.sh with NAME NODES SLOTS RATE -- CMD...   up, run CMD, down (always)
@@ -15,14 +17,16 @@
 # namespaces made here, so no traffic can leave them. mpirun runs in the hub namespace and
 # starts one orted per node through scripts/cluster_agent.sh, which enters the node's
 # namespace and a fresh UTS namespace whose hostname is the node's name (so Open MPI sees
-# distinct nodes: shared memory within a node, TCP between nodes). A link is shaped with a
+# distinct nodes: shared memory within a node, TCP between nodes; Hydra's proxies come up
+# the same way through its rsh launcher, and `-iface br0` gives them the hub's address). A
+# link is shaped with a
 # token bucket (tc tbf) on both of its ends; the kernel here has no netem, so no delay.
 set -Eeuo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NET=10.213.0
 
-usage() { sed -n '3,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 valid_name() { [[ "$1" =~ ^[a-z0-9]{1,8}$ ]] || die "NAME must be 1-8 of [a-z0-9], got '$1'"; }
 state() { echo "/tmp/hpct-cluster-$1"; }
@@ -118,6 +122,18 @@ run_mpirun() {  # mpirun NAME ARGS...: in the hub namespace, over the nodes' hos
     --mca oob_tcp_if_include "$NET.0/24" "$@"
 }
 
+run_mpiexec() {  # mpiexec NAME ARGS...: Hydra in the hub namespace, over host:slots lines
+  local name=$1
+  shift
+  valid_name "$name"
+  local dir
+  dir=$(state "$name")
+  [[ -f "$dir/hostfile" ]] || die "no cluster $name: cluster.sh up $name N first"
+  sed 's/ slots=/:/' "$dir/hostfile" > "$dir/hosts.hydra"
+  exec ip netns exec "hpct-$name-hub" "${MPIEXEC:-mpiexec.mpich}" -f "$dir/hosts.hydra" \
+    -launcher rsh -launcher-exec "$HERE/cluster_agent.sh" -iface br0 "$@"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -125,6 +141,7 @@ case "$cmd" in
   down | cleanup) [[ $# -eq 1 ]] || usage; down "$1" ;;
   shape) [[ $# -eq 2 ]] || usage; valid_name "$1"; shape "$1" "$2" ;;
   mpirun) [[ $# -ge 1 ]] || usage; run_mpirun "$@" ;;
+  mpiexec) [[ $# -ge 1 ]] || usage; run_mpiexec "$@" ;;
   with) [[ $# -ge 6 ]] || usage; with_cluster "$@" ;;
   check) check ;;
   *) usage ;;

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Open MPI's rsh agent for scripts/cluster.sh: `cluster_agent.sh HOST COMMAND...` runs the
+# Open MPI's rsh agent (and Hydra's rsh launcher) for scripts/cluster.sh: `cluster_agent.sh HOST COMMAND...` runs the
 # command (an orted) inside node HOST's network namespace and in a fresh UTS namespace whose
 # hostname is HOST. Only the namespaces cluster.sh makes (hpct-NAME-nI) are accepted.
 host=$1

@@ -11,6 +11,8 @@ import subprocess
 import pytest
 from launch import ROOT, assert_same, baseline, mpirun, rel_err, train_cli
 
+from benchmarks.mpi_env import cluster_program
+
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
 SCRIPT = str(ROOT / "scripts/cluster.sh")
@@ -27,7 +29,7 @@ def cluster():
     name = f"t{os.getpid() % 10**6}"
     subprocess.run([SCRIPT, "up", name, "2", "2"], check=True, capture_output=True)
     try:
-        yield (SCRIPT, "mpirun", name)
+        yield cluster_program(SCRIPT, name)  # Open MPI's mpirun or Hydra's mpiexec
     finally:
         subprocess.run([SCRIPT, "down", name], check=True)
 
