@@ -55,7 +55,8 @@ OPENMPI_ENV = {
 }
 # Variables by which a launcher tells its ranks about their job: a process started inside
 # one job that launches another (a simulated cluster) must drop them.
-JOB_PREFIXES = ("OMPI_", "PMIX_", "OPAL_", "ORTE_", "PRTE_", "PMI_", "HYDRA_")
+JOB_PREFIXES = ("OMPI_", "PMIX_", "OPAL_", "ORTE_", "PRTE_", "PMI_", "HYDRA_", "HYDI_",
+                "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "MPIR_CVAR_CH3_INTERFACE_HOSTNAME")
 FAMILIES = ("openmpi", "hydra", "srun")
 
 

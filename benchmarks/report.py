@@ -82,12 +82,18 @@ def why_not(q: dict) -> str:
     return "not met in this run; no cause measured by this part (see docs/benchmarks.md)"
 
 
-def not_met(comps: list[dict]) -> list[str]:
-    """bench.md's list of the targets this run missed, each with its reason."""
+def not_met(comps: list[dict], failed: int = 0) -> list[str]:
+    """bench.md's list of the targets this run missed, each with its reason (``failed``:
+    parts that left no result)."""
     missed = [c for c in comps if not c["met"]]
+    if failed:
+        missed_parts = [f"{failed} part(s) FAILED (above): their targets were not measured"]
+    else:
+        missed_parts = []
     if not missed:
-        return ["", "Every target was met in this run."]
+        return ["", *(missed_parts or ["Every target was met in this run."])]
     out = ["", f"Targets not met in this run ({len(missed)} of {len(comps)}), and why:", ""]
+    out += [f"- {m}" for m in missed_parts]
     out += [f"- {c['bench']} ({c['ranks']} ranks), {c['name']} = {c['ratio']:.3g} "
             f"(target {c['target']}): {c['why']}" for c in missed]
     return out
@@ -140,7 +146,7 @@ def markdown(doc: dict) -> str:
              "covers 1.0.", ""]
     results = doc["results"]
     lines += main_table([r for r in results if r.get("bench") != "collectives"])
-    lines += not_met(doc["comparisons"])
+    lines += not_met(doc["comparisons"], sum("error" in r for r in results))
     for r in results:
         if r.get("what"):
             lines.append(f"\n- {r['bench']} ({r['ranks']} ranks): {r['what']}")
