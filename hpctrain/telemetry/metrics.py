@@ -215,7 +215,11 @@ class Telemetry:
                  + (f", trace steps {tc.trace_steps}" if self.tracer else ""))
 
     def begin_step(self, step: int) -> None:
-        """``step`` is 1-based, as in ``metrics.jsonl``. Not collective."""
+        """``step`` is 1-based, as in ``metrics.jsonl``. Not collective. What was timed or
+        communicated since the last step ended (set-up, restore, the node's FLOP/s probe) is
+        in no step's time: dropped, so that a step's categories add up to its time."""
+        self.topo.recorder.take()
+        self.timers.take()
         if self.tracer:
             self.tracer.begin_step(step)
         if self.watchdog:
