@@ -109,13 +109,18 @@ down() {
   rm -rf "$(state "$name")"
 }
 
-run_mpirun() {  # mpirun NAME ARGS...: in the hub namespace, over the nodes' hostfile
-  local name=$1
-  shift
-  valid_name "$name"
+existing() {  # NAME -> the state directory of that cluster (dies when there is none)
+  valid_name "$1"
   local dir
-  dir=$(state "$name")
-  [[ -f "$dir/hostfile" ]] || die "no cluster $name: cluster.sh up $name N first"
+  dir=$(state "$1")
+  [[ -f "$dir/hostfile" ]] || die "no cluster $1: cluster.sh up $1 N first"
+  echo "$dir"
+}
+
+run_mpirun() {  # mpirun NAME ARGS...: in the hub namespace, over the nodes' hostfile
+  local name=$1 dir
+  shift
+  dir=$(existing "$name")
   exec ip netns exec "hpct-$name-hub" mpirun --hostfile "$dir/hostfile" \
     --mca plm_rsh_agent "$HERE/cluster_agent.sh" --mca plm_rsh_no_tree_spawn 1 \
     --mca btl tcp,vader,self --mca btl_tcp_if_include "$NET.0/24" \
@@ -123,12 +128,9 @@ run_mpirun() {  # mpirun NAME ARGS...: in the hub namespace, over the nodes' hos
 }
 
 run_mpiexec() {  # mpiexec NAME ARGS...: Hydra in the hub namespace, over host:slots lines
-  local name=$1
+  local name=$1 dir
   shift
-  valid_name "$name"
-  local dir
-  dir=$(state "$name")
-  [[ -f "$dir/hostfile" ]] || die "no cluster $name: cluster.sh up $name N first"
+  dir=$(existing "$name")
   sed 's/ slots=/:/' "$dir/hostfile" > "$dir/hosts.hydra"
   exec ip netns exec "hpct-$name-hub" "${MPIEXEC:-mpiexec.mpich}" -f "$dir/hosts.hydra" \
     -launcher rsh -launcher-exec "$HERE/cluster_agent.sh" -iface br0 "$@"
