@@ -30,15 +30,7 @@ from pathlib import Path
 
 from .cluster_worker import MODEL
 from .common import median, ratio, result, row, same_losses
-from .mpi_env import (
-    ROOT,
-    cluster_program,
-    command,
-    detect,
-    launch_env,
-    with_checkout,
-    without_job,
-)
+from .mpi_env import ROOT, cluster_program, command, detect, nested_env
 
 RANKS = (1,)
 # The link: this machine computes ~10 GFLOP/s, so 200 Mbit/s gives about the FLOP-per-bit
@@ -47,16 +39,11 @@ RATE = os.environ.get("HPCTRAIN_CLUSTER_RATE", "200mbit")
 SCRIPT = ROOT / "scripts" / "cluster.sh"
 
 
-def _env() -> dict:
-    """This process's environment without the MPI job it runs in (the cluster's mpirun is a
-    new job), plus the settings every local launch uses."""
-    return with_checkout({**without_job(dict(os.environ)), **launch_env()})
-
 
 def launch(size: str, repeats: int, out: Path) -> str:
     """Make the cluster, run the worker on 4 ranks over it, remove it; returns the log."""
     name = f"b{os.getpid() % 10**6}"
-    env = _env()
+    env = nested_env()
     subprocess.run([str(SCRIPT), "up", name, "2", "2", RATE], check=True, env=env,
                    capture_output=True, text=True)
     try:

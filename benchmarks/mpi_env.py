@@ -207,6 +207,13 @@ def without_job(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(JOB_PREFIXES)}
 
 
+def nested_env() -> dict[str, str]:
+    """The environment of a launch started from inside an MPI job (a simulated cluster's
+    mpirun or mpiexec is a new job): this process's without the job's variables, plus the
+    settings every local launch uses, the checkout first on PYTHONPATH."""
+    return with_checkout({**without_job(dict(os.environ)), **launch_env()})
+
+
 def with_checkout(env: dict[str, str]) -> dict[str, str]:
     """``env`` with the checkout first on PYTHONPATH, so that processes started anywhere
     (mpirun's ranks) import ``benchmarks``."""

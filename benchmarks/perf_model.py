@@ -23,15 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .mpi_env import (
-    ROOT,
-    cluster_program,
-    command,
-    detect,
-    launch_env,
-    with_checkout,
-    without_job,
-)
+from .mpi_env import ROOT, cluster_program, command, detect, nested_env
 
 PY = sys.executable  # the venv running this (its mpi4py picks the launcher)
 CFG = "share/configs/tiny.toml"
@@ -57,9 +49,6 @@ RATE = os.environ.get("HPCTRAIN_CLUSTER_RATE", "200mbit")
 OUT = ROOT / "share" / "perf" / "calibration-runs.json"
 
 
-def _env() -> dict:
-    return with_checkout({**without_job(dict(os.environ)), **launch_env()})
-
 
 def _launch(n: int, args: list[str], cluster: str | None) -> list[str]:
     launcher = detect() if cluster is None else detect().with_program(
@@ -72,7 +61,7 @@ def calibrate(n: int, out: Path, cluster: str | None) -> None:
     sets = [x for kv in MODEL for x in ("--set", kv)]
     cmd = _launch(n, ["plan", CFG, "--world-size", str(n), *sets, "--calibrate", str(out)],
                   cluster)
-    subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, env=nested_env(), cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
 def measure(n: int, layout: tuple, cluster: str | None) -> float:
@@ -80,7 +69,7 @@ def measure(n: int, layout: tuple, cluster: str | None) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         sets = [x for kv in (*MODEL, *layout) for x in ("--set", kv)]
         cmd = _launch(n, ["train", CFG, "--run-dir", f"{tmp}/run", *sets], cluster)
-        subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+        subprocess.run(cmd, check=True, env=nested_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         rows = [json.loads(x) for x in Path(f"{tmp}/run/metrics.jsonl").read_text().split(
             "\n") if x.strip()]

@@ -86,10 +86,8 @@ def not_met(comps: list[dict], failed: int = 0) -> list[str]:
     """bench.md's list of the targets this run missed, each with its reason (``failed``:
     parts that left no result)."""
     missed = [c for c in comps if not c["met"]]
-    if failed:
-        missed_parts = [f"{failed} part(s) FAILED (above): their targets were not measured"]
-    else:
-        missed_parts = []
+    missed_parts = ([f"{failed} part(s) FAILED (above): their targets were not measured"]
+                    if failed else [])
     if not missed:
         return ["", *(missed_parts or ["Every target was met in this run."])]
     out = ["", f"Targets not met in this run ({len(missed)} of {len(comps)}), and why:", ""]

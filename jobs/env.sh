@@ -44,8 +44,8 @@ hpctrain_pmi_default() {  # srun's PMI plugin for the MPI PYTHON's mpi4py is bui
 import mpi4py
 mpi4py.rc.initialize = False  # MPI_Get_library_version may be called before MPI_Init
 from mpi4py import MPI
-v = MPI.Get_library_version()
-print("cray_shasta" if "CRAY MPICH" in v.upper() else "pmix" if "Open MPI" in v else "pmi2")
+from hpctrain.slurm import srun_pmi  # the rule the singleton refusal uses too
+print(srun_pmi(MPI.Get_library_version()))
 PY
 }
 SRUN_MPI=${SRUN_MPI:-$(hpctrain_pmi_default)}

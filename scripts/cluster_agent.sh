@@ -1,7 +1,7 @@
 #!/bin/sh
-# Open MPI's rsh agent (and Hydra's rsh launcher) for scripts/cluster.sh: `cluster_agent.sh HOST COMMAND...` runs the
-# command (an orted) inside node HOST's network namespace and in a fresh UTS namespace whose
-# hostname is HOST. Only the namespaces cluster.sh makes (hpct-NAME-nI) are accepted.
+# Open MPI's rsh agent and Hydra's rsh launcher for scripts/cluster.sh:
+# `cluster_agent.sh HOST COMMAND...` runs the command (an orted, a hydra_pmi_proxy) inside
+# node HOST's network namespace and in a fresh UTS namespace whose hostname is HOST. Only the namespaces cluster.sh makes (hpct-NAME-nI) are accepted.
 host=$1
 shift
 case "$host" in
