@@ -14,13 +14,17 @@
 #               VENV (default .venv; .venv-mpich is the usual second one), HPCTRAIN_EXTRAS,
 #               BASE_VENV (a set-up venv of the same Python whose MPI-free packages, torch
 #               and the rest, this one reuses: only mpi4py and h5py are built here; the
-#               site-stack CI job uses it to avoid a second torch).
+#               site-stack CI job uses it to avoid a second torch),
+#               SETUP_PART (all | system: stop after the system packages, steps 0-1; CI
+#               installs them first so that apt never runs beside the SLURM tests' apt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 say() { echo "[setup] $*"; }
+case "${SETUP_PART:=all}" in all | system) ;;
+  *) say "SETUP_PART must be all or system, got '$SETUP_PART'" >&2; exit 1 ;; esac
 # shellcheck source=scripts/mpi-family.sh
 source scripts/mpi-family.sh
 
@@ -102,6 +106,7 @@ MSG
 fi
 hdf5_is_parallel "$HDF5_DIR" || { say "$HDF5_DIR is a serial HDF5: load the parallel one" >&2; exit 1; }
 say "MPI: $(mpi_family_name "$mpi_fam") via $MPICC; parallel HDF5: $HDF5_DIR"
+[ "$SETUP_PART" != system ] || exit 0
 
 # 2. The virtual environment.
 if [ ! -x "$VENV/bin/python" ]; then
