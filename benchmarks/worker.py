@@ -39,6 +39,7 @@ def main(argv=None) -> int:
         if world.rank == 0:
             res["wall_s"] = time.perf_counter() - t0
             res["load"] = {"before": before, "after": loadavg()}
+            Path(args.out).mkdir(parents=True, exist_ok=True)
             with open(Path(args.out) / f"{name}_n{world.size}.json", "w") as f:
                 json.dump(res, f, indent=1)
     return 0
