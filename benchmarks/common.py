@@ -138,15 +138,29 @@ def hpctrain_run(cfg, world) -> tuple[list[float], list[float]]:
     """Train with ``hpctrain.train.train`` (what ``hpctrain train`` runs) in a scratch run
     directory; returns (step seconds, losses) from rank 0's metrics.jsonl, on every rank.
     Collective over ``world``."""
+    rows, losses = hpctrain_steps(cfg, world)
+    return [r["step_time_s"] for r in rows], losses
+
+
+def hpctrain_steps(cfg, world) -> tuple[list[dict], list[float]]:
+    """:func:`hpctrain_run` with every row of rank 0's metrics.jsonl (the step's time per
+    phase, ``time_s``, among them) instead of the step times alone. Collective."""
     from hpctrain.train import train
 
-    times = None
+    rows = None
     with scratch_dir(world) as scratch:
         res = train(cfg, scratch, world)
         if world.rank == 0:
             lines = (Path(scratch) / "metrics.jsonl").read_text().splitlines()
-            times = [json.loads(line)["step_time_s"] for line in lines]
-    return world.bcast_obj(times), list(res.losses)
+            rows = [json.loads(line) for line in lines]
+    return world.bcast_obj(rows), list(res.losses)
+
+
+def exposed_comm_s(row: dict) -> float:
+    """A metrics row's communication the step waited for: every ``comm_*`` phase (MPI calls
+    outside overlap, per axis) and ``grad_sync`` (packing buckets)."""
+    t = row.get("time_s", {})
+    return sum(v for k, v in t.items() if k.startswith("comm_") or k == "grad_sync")
 
 
 # -- PyTorch's side ---------------------------------------------------------------------------
