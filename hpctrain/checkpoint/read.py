@@ -14,7 +14,8 @@ block of whole rows and slicing in NumPy 0.07-0.26 s, reading rows and redistrib
 with ``Alltoall`` 0.08-0.23 s, and the memory map 0.03-0.12 s, about half of the best other
 way; collective MPI-IO (two-phase) was the slowest. The map needs the dataset stored
 contiguously in the file itself, without filters (how hpctrain writes every dataset:
-``layout.dataset_offset``); any other dataset is read through HDF5.
+:func:`dataset_offset`); any other dataset is read through HDF5, and so is everything
+where the file system refuses the map.
 
 Independent reads (the default, ``checkpoint.collective_io = false``) therefore open the
 file on each rank alone (``sec2``: no collective open, and its contiguous reads measured
@@ -62,10 +63,11 @@ def dataset_offset(dset) -> int | None:
 
 
 class Mapped:
-    """A read-only memory map of one checkpoint file, opened at the first use."""
+    """A read-only memory map of one checkpoint file, opened at the first use; ``usable`` is
+    False where the file system cannot map it (then HDF5 reads every piece)."""
 
     def __init__(self, path):
-        self.path, self._map = path, None
+        self.path, self._map, self.usable = path, None, True
 
     def array(self, offset: int, shape, dtype) -> np.ndarray:
         if self._map is None:
@@ -122,9 +124,12 @@ def read_pieces(f, path, paths, pieces: dict, collective_min_bytes: int,
                 nbytes += size  # the checkpoint's bytes: the same on every rank
                 coll = collective and size >= collective_min_bytes
                 offset = dataset_offset(dset) if not coll and strided(piece) else None
-                if offset is not None:
-                    mapped_read(mapped, offset, dset, piece)
-                    continue
+                if offset is not None and mapped.usable:
+                    try:
+                        mapped_read(mapped, offset, dset, piece)
+                        continue
+                    except OSError:  # no mmap here: HDF5 reads it (and all the rest)
+                        mapped.usable = False
                 into = piece.direct() if piece is not None else None
                 buf = transfer(dset, piece, write=False, collective=coll, buf=into)
                 if piece is not None and into is None:  # via a buffer

@@ -81,3 +81,22 @@ def test_mapped_read_equals_hdf5_read(tmp_path, monkeypatch, shape, tp_dim, tp, 
             assert (g.tensor == -1).any() == (w.tensor == -1).any()  # padding left alone
     expected = 0 if chunked else sum(read.strided(p) for p in got)
     assert len(mapped) == expected and (expected > 0) == (tp_dim != 0 and not chunked)
+
+
+def test_a_file_system_without_mmap_falls_back_to_hdf5(tmp_path, monkeypatch):
+    shape = (6, 8)
+    full = np.arange(48, dtype=np.float64).reshape(shape)
+    path = tmp_path / "c.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("model/w", data=full)
+
+    def refuse(*a, **k):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(read.mmap, "mmap", refuse)
+    with h5py.File(path, "r") as f:
+        for piece in _pieces(ParamMeta(shape, tp_dim=1), 2, torch.float64):
+            assert read.strided(piece)
+            read.read_pieces(f, path, ["model/w"], {"model/w": piece}, 1 << 62, False)
+            c0 = piece.parts[0][1][0][1]  # the box's first column
+            assert torch.equal(piece.tensor, torch.from_numpy(full[:, c0:c0 + 4]))
