@@ -16,8 +16,8 @@ from memory) and hands it to a :class:`~.write.Writer`: in the training loop, or
 ``checkpoint.async`` in a background thread on a duplicated communicator (background.py),
 at most one at a time. Every rank writes only its own hyperslabs (ZeRO shards included; no
 rank gathers); the commit is atomic and durable (``.tmp``, fsync by every rank, rename,
-``latest``). Loading reads the hyperslabs the *current* layout owns, so any layout restores
-any checkpoint; checksums are verified first.
+``latest``). Loading reads the hyperslabs the *current* layout owns (read.py: strided ones
+from a memory map), so any layout restores any checkpoint; checksums are verified first.
 
 Without MPI in h5py (or with ``HPCTRAIN_CKPT_SERIAL=1``) ranks write the same format in
 turn. ``HDF5_USE_FILE_LOCKING`` defaults to FALSE (see integrity.disable_file_locking).
