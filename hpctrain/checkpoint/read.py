@@ -93,7 +93,7 @@ def mapped_read(mapped: Mapped, offset: int, dset, piece: Piece) -> None:
         box = src[tuple(slice(s, s + c) for s, c in zip(start, count))]
         dst = view(piece.tensor)
         if not dst.is_cuda and dst.dtype == _torch_dtype(box.dtype):
-            np.copyto(dst.numpy(), box)  # one strided copy, page cache -> tensor
+            np.copyto(dst.detach().numpy(), box)  # one strided copy, page cache -> tensor
         else:
             native = box.dtype.newbyteorder("=")
             dst.copy_(torch.from_numpy(np.ascontiguousarray(box, dtype=native)))
