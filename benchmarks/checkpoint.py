@@ -9,7 +9,8 @@ is reported too. Loads right after saves are served from the page cache.
 
 The load is measured twice: into the layout that wrote the file (each rank reads its rows)
 and into another one (the same tensors split by columns: each rank reads a strided block,
-what a restart on another layout does). A save and a load of 8 datasets of 4 KiB per rank
+what a restart on another layout does; hpctrain copies such strided blocks out of a memory
+map of the file, checkpoint/read.py). A save and a load of 8 datasets of 4 KiB per rank
 give the fixed cost of each (open, allgathers, close, fsyncs, commit: what does not grow
 with the bytes). Checkpointers are built once, as in a training run.
 
@@ -206,6 +207,10 @@ def bandwidth_ratios(rows: list[dict]) -> list[dict]:
                         f"the bytes alone: {by[den] / rest:.2f}x")
             if "load" in name:
                 r["why"] += "; the raw read is one process reading the page cache"
+            if "another layout" in name:
+                r["why"] += (f"; the same load on the writer's layout took {by[LOAD]:.3f} s: "
+                             f"a column block is one short run per row, copied out of a "
+                             f"memory map of the file (checkpoint/read.py)")
         out.append(r)
     return out
 

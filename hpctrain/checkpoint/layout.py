@@ -271,8 +271,8 @@ def transfer(dset, piece: Piece | None, write: bool, collective: bool,
         buf = buf if buf is not None else piece.gather()
     elif write:
         buf = np.empty((0,), dtype=dset.dtype)
-    elif buf is None or buf.size != n:
-        buf = np.empty((n,), dtype=dset.dtype)
+    elif buf is None or buf.size != n:  # native byte order: HDF5 converts (torch needs it)
+        buf = np.empty((n,), dtype=dset.dtype.newbyteorder("="))
     if n == 0 and not collective:
         return buf
     mspace = h5s.create_simple((max(n, 1),))

@@ -16,8 +16,8 @@ from memory) and hands it to a :class:`~.write.Writer`: in the training loop, or
 ``checkpoint.async`` in a background thread on a duplicated communicator (background.py),
 at most one at a time. Every rank writes only its own hyperslabs (ZeRO shards included; no
 rank gathers); the commit is atomic and durable (``.tmp``, fsync by every rank, rename,
-``latest``). Loading reads the hyperslabs the *current* layout owns, so any layout restores
-any checkpoint; checksums are verified first.
+``latest``). Loading reads the hyperslabs the *current* layout owns (read.py: strided ones
+from a memory map), so any layout restores any checkpoint; checksums are verified first.
 
 Without MPI in h5py (or with ``HPCTRAIN_CKPT_SERIAL=1``) ranks write the same format in
 turn. ``HDF5_USE_FILE_LOCKING`` defaults to FALSE (see integrity.disable_file_locking).
@@ -42,6 +42,7 @@ from .background import CheckpointFailed, InFlight
 from .files import Opener
 from .layout import Piece, misfits, pieces_of, transfer, unknown_params
 from .lineage import LineageError
+from .read import read_pieces
 from .write import (
     KILL_RANK_ENV,
     KILL_STEP_ENV,
@@ -124,7 +125,11 @@ class Checkpointer:
         self._env: dict | None = None  # versions and git commit, once per run (rank 0)
         self.writer = Writer(topo.world, self.dir, self._opener(topo.world), self.mpio, ccfg,
                              collective_min_bytes)
-        self._reader = self.writer.open  # the world's opener: its property list is shared
+        # independent reads (the default): every rank opens the file alone (read.py says
+        # why); collective ones: the world's MPI-IO opener, its property list shared
+        self._reads_mpio = self.mpio and collective_min_bytes < NEVER
+        self._reader = self.writer.open if self._reads_mpio or not self.mpio else Opener(
+            topo.world, False, {}, 0, ALIGN_MIN_BYTES)
         self.background = self._background(collective_min_bytes)
 
     def _background(self, collective_min_bytes: int) -> InFlight | None:
@@ -300,19 +305,9 @@ class Checkpointer:
                 raise CheckpointMismatch(
                     f"refusing to resume from {path}: it does not fit this model "
                     f"({len(errors)} problem(s): {'; '.join(errors[:3])})")
-            nbytes = 0
-            with torch.no_grad():
-                for dpath in paths:
-                    piece, dset = pieces.get(dpath), f[dpath]
-                    size = dset.size * dset.dtype.itemsize
-                    nbytes += size  # the checkpoint's bytes: the same on every rank
-                    big = size >= self.collective_min_bytes
-                    into = piece.direct() if piece is not None else None
-                    buf = transfer(dset, piece, write=False, collective=self.mpio and big,
-                                   buf=into)
-                    if piece is not None and into is None:  # via a buffer
-                        piece.scatter(buf)
-                attrs["rng_restored"] = self._load_rng(f, attrs)
+            nbytes = read_pieces(f, path, paths, pieces, self.collective_min_bytes,
+                                 self._reads_mpio)
+            attrs["rng_restored"] = self._load_rng(f, attrs)
         if hasattr(optimizer, "step_count"):
             optimizer.step_count = int(attrs["optim_step"])
         if getattr(optimizer, "scaler", None) is not None:  # float16 dynamic loss scale
