@@ -8,7 +8,12 @@
    measured step time is the median over repeats of each run's median ``step_time_s``
    (first steps dropped);
 3. the table (measured, predicted, error, load average) is printed and written to
-   ``share/perf/calibration-runs.json``, which ``tests/unit/test_perf.py`` holds to 25 %.
+   ``share/perf/calibration-runs.json``, which ``tests/unit/test_perf.py`` holds to 25 %
+   (``--markdown``: also as the table of docs/performance-model.md; ``--predict-only``:
+   the stored runs with this model's predictions, no runs).
+
+The whole run: ``python -m benchmarks.perf_model --repeats 2 --two-node --markdown``
+(about 10 minutes on this machine when it is quiet).
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ LAYOUTS = {  # name -> (ranks, overrides): at most 2 ranks, one per core
     "pp=2 1f1b": (2, ("topology.pp=2", "schedule.kind=1f1b")),
     "pp=2 gpipe mbs=2": (2, ("topology.pp=2", "schedule.kind=gpipe",
                              "train.micro_batch_size=2")),
+    "pp=2 zb-h1": (2, ("topology.pp=2", "schedule.kind=zb-h1")),
+    "cp=2": (2, ("topology.cp=2",)),
+    "dp=2 zero=3": (2, ("topology.dp=2", "optim.zero=3")),
+    "dp=2 overlap": (2, ("topology.dp=2", "optim.overlap=true")),
 }
 TWO_NODE = {  # 2 simulated nodes x 2 ranks (4 ranks on this machine's 2 cores)
     "2 nodes dp=4": (4, ("topology.dp=4",)),
@@ -91,6 +100,7 @@ def median_cluster(paths: list[Path], out: Path) -> None:
         **first.__dict__, "efficiency": med(lambda c: c.efficiency),
         "overhead_s": med(lambda c: c.overhead_s),
         "step_overhead_s": med(lambda c: c.step_overhead_s),
+        "call_overhead_s": med(lambda c: c.call_overhead_s),
         "peak_flops": {dtype: med(lambda c: c.peak_flops[dtype])}, "name": out.stem,
         "intra": link("intra"), "inter": link("inter"),
         "source": first.source + f"; median of {len(cs)} calibrations, one before each "
@@ -134,30 +144,62 @@ def predict_rows(rows: list) -> list:
     return rows
 
 
+TOLERANCE = 0.25
+
+
+def markdown(data: dict) -> str:
+    """The table of docs/performance-model.md ("Calibration on this machine")."""
+    out = ["| layout | ranks | description | measured median s (min-max of "
+           f"{data.get('repeats', 2)}) | predicted s | error | load average (1 min) during "
+           "the rounds | held |", "|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lo, hi = r["spread_s"]
+        la, lb = r["load_average"]
+        out.append(f"| {r['layout']} | {r['ranks']} | `{r['cluster']}` | "
+                   f"{r['measured_s']:.3f} ({lo:.3f}-{hi:.3f}) | {r['predicted_s']:.3f} | "
+                   f"{100 * r['error']:+.0f}% | {la:.1f}-{lb:.1f} | "
+                   f"{'yes' if abs(r['error']) <= TOLERANCE else 'no'} |")
+    held = sum(abs(r["error"]) <= TOLERANCE for r in data["rows"])
+    out.append(f"\n{held} of {len(data['rows'])} rows within {100 * TOLERANCE:.0f} %"
+               f" ({data['date']}, {data.get('duration_s', 0) / 60:.1f} min; "
+               f"`uptime` at the end: `{data.get('uptime', '')}`).")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--two-node", action="store_true", help="also the simulated 2 nodes")
     ap.add_argument("--predict-only", action="store_true",
-                    help="recompute predictions of the stored table")
+                    help="recompute the predictions of the stored table (no runs) and rewrite it")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print the table as markdown for docs/performance-model.md")
     a = ap.parse_args(argv)
     if a.predict_only:
         data = json.loads(OUT.read_text())
         data["rows"] = predict_rows(data["rows"])
     else:
+        t0 = time.monotonic()
         data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "model": list(MODEL), "config": CFG, "rows": []}
+                "model": list(MODEL), "config": CFG, "repeats": a.repeats, "rows": []}
         data["rows"] += run_table(LAYOUTS, a.repeats, None, "this-machine.toml")
         if a.two_node:
             data["rows"] += two_node(a.repeats)
         data["rows"] = predict_rows(data["rows"])
         data["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        data["duration_s"] = round(time.monotonic() - t0)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(data, indent=1) + "\n")
     for r in data["rows"]:
         print(f"{r['layout']:<22} measured {r['measured_s']:.4f} s  predicted "
               f"{r['predicted_s']:.4f} s  error {100 * r['error']:+.1f}%  load "
               f"{r['load_average']}")
+    missed = [r["layout"] for r in data["rows"] if abs(r["error"]) > TOLERANCE]
+    print(f"written {OUT.relative_to(ROOT)}; outside {100 * TOLERANCE:.0f} %: "
+          f"{', '.join(missed) or 'none'} (tests/unit/test_perf.py: MISSED must name exactly "
+          "these, with the reason)")
+    if a.markdown:
+        print(markdown(data))
     return 0
 
 

@@ -11,7 +11,10 @@ OUT.toml``; one process measures compute only, the links keep the base descripti
   ``step_overhead_s``;
 - **links** (all ranks together, through ``comm`` only): all-reduces of 8 B and 1 MiB over
   the ranks of one node (``intra``) and, when the ranks span nodes, over all ranks
-  (``inter``); latency and bandwidth from the ring formula's two unknowns.
+  (``inter``); latency and bandwidth from the ring formula's two unknowns;
+- **calls** (the ranks of each node): the model split over them by tensor parallelism,
+  with and without its collectives; what each call costs beyond the intra link's
+  alpha-beta is ``call_overhead_s``.
 
 Medians over repeats; the machine is shared, so the load average is written beside them.
 """
@@ -29,6 +32,7 @@ from .. import comm
 from ..config import Config
 from ..telemetry.flops import forward_flops_per_token, measure_peak_flops
 from .cluster import Cluster, Link
+from .collectives import allreduce
 from .cost import layer_flops
 
 SIZES = (8, 1 << 20)
@@ -60,12 +64,14 @@ def compute_rate(cfg: Config, repeats: int = 5) -> dict:
             stage(x, x).backward()
         times[B] = (_median_time(step, repeats), B * T * forward_flops_per_token(m, T))
     (t1, f1), (t4, f4) = times.values()
-    rate = 3 * (f4 - f1) / max(t4 - t1, 1e-9)
+    peak = measure_peak_flops(getattr(torch, m.dtype))
+    # two unknowns from two noisy times: the rate lies between what 4B achieves with no
+    # overhead at all and the matrix multiplies' peak (t4 - t1 <= 0 under load: the peak)
+    rate = 3 * (f4 - f1) / (t4 - t1) if t4 > t1 else peak
+    rate = min(peak, max(3 * f4 / t4, rate))
     overhead = max(0.0, (t1 - 3 * f1 / rate) / (3 * m.n_layers))
     opt = torch.optim.AdamW(stage.parameters(), foreach=False)
-    peak = measure_peak_flops({"float64": torch.float64, "bfloat16": torch.bfloat16,
-                               "float16": torch.float16}.get(m.dtype, torch.float32))
-    return {"peak": max(peak, rate), "rate": rate, "overhead_s": overhead,
+    return {"peak": peak, "rate": rate, "overhead_s": overhead,
             "step_overhead_s": _median_time(opt.step, repeats)}
 
 
@@ -96,6 +102,48 @@ def link_of(group, repeats: int = 40) -> Link:
     return Link(latency=alpha, bandwidth=1 / beta)
 
 
+def call_overhead(cfg: Config, group, link: Link, repeats: int = 10) -> dict | None:
+    """The cost of each tp collective of a step as a layout issues it: the config's whole
+    model, split over ``group`` as tensor parallelism splits it, forward + backward of one
+    microbatch through ``parallel/tensor.py``'s autograd functions, against the same split
+    model whose tp functions do not communicate, interleaved, on every rank at once. Per
+    call (``per_call`` s): the difference over the calls a step issues (``calls``, counted
+    by the group's recorder, ``bytes`` each on average): the link's time, the dispatch
+    around it and the wait for a peer that computed slower (the other ranks of a shared
+    machine). ``overhead``: what the link's alpha-beta does not explain
+    (``call_overhead_s``). Means over repeats (a step pays the sum), the slowest rank's.
+    Collective over ``group``; None when the model does not split over it."""
+    from ..model import GPTStage, LocalOps, init_parameters
+    from ..parallel.tensor import TensorParallelOps
+
+    m, tr, d = cfg.model, cfg.train, group.size
+    if m.n_heads % d or m.kv_heads % d or m.ffn_dim % d:
+        return None
+    silent = LocalOps()
+    silent.tp_size, silent.tp_rank = d, group.rank
+    x = torch.randint(0, m.vocab_size // d, (tr.micro_batch_size, tr.seq_len))
+    stages = []
+    for ops in (TensorParallelOps(group), silent):
+        stages.append(GPTStage(m, range(m.n_layers), first=True, last=True, ops=ops))
+        init_parameters([stages[-1]], seed=1, tp_size=d, tp_rank=group.rank)
+    rec = group.recorder
+    before = rec.calls[group.axis], rec.bytes[group.axis]
+    times: list[list[float]] = [[], []]
+    for r in range(repeats + 1):
+        for k, stage in enumerate(stages):
+            stage.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            stage(x, x).backward()
+            if r:  # the first round warms up
+                times[k].append(time.perf_counter() - t0)
+    calls = (rec.calls[group.axis] - before[0]) / (repeats + 1)
+    nbytes = (rec.bytes[group.axis] - before[1]) / (repeats + 1) / calls
+    extra = statistics.fmean(times[0]) - statistics.fmean(times[1])
+    per_call = max(0.0, group.allreduce(extra, "max")) / calls
+    return {"per_call": per_call, "calls": calls, "bytes": nbytes,
+            "overhead": max(0.0, per_call - allreduce(nbytes, d, link))}
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
@@ -123,6 +171,9 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     nodes = world.allreduce(1.0 if node.rank == 0 else 0.0)
     intra = link_of(node) if node.size > 1 else base.intra
     inter = link_of(world) if nodes > 1 else base.inter
+    calls = call_overhead(cfg, node, intra) if node.size > 1 else None
+    overhead = world.allreduce(calls["overhead"] if calls else -1.0, "max")
+    overhead = base.call_overhead_s if overhead < 0 else overhead
     # One machine (simulated nodes share the kernel, hence its boot id): ranks share cores.
     hosts = set(world.allgather_obj(_boot_id()))
     cores = os.cpu_count() or 1
@@ -139,7 +190,10 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
         peak_flops={cfg.model.dtype: pick["peak"]}, memory=ram,
         efficiency=min(1.0, pick["rate"] / pick["peak"]), overhead_s=pick["overhead_s"],
         step_overhead_s=pick["step_overhead_s"], intra=intra, inter=inter,
+        call_overhead_s=overhead,
         compute_share=share,
         extra={"load_average": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
-               "ranks": world.size, "nodes": int(nodes), "model_rate_flops": pick["rate"],
+               "ranks": world.size, "nodes": int(nodes),
+               "tp_call_s": calls["per_call"] if calls else 0.0,
+               "model_rate_flops": pick["rate"],
                "layer_flops_per_token": layer_flops(cfg, 0)})

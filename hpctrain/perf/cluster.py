@@ -13,6 +13,8 @@ or a path)::
     checkpoint_bandwidth = 5e9   # bytes/s per node to the file system
     overhead_s = 0.0             # per layer per forward or backward pass (launches, Python)
     step_overhead_s = 0.0        # per step (norm, clip, bookkeeping)
+    call_overhead_s = 0.0        # per collective the passes issue (tp, cp, ep, ZeRO-3): the
+                                 # fixed time around each call beyond its link's alpha-beta
     compute_share = 1.0          # fraction of its device a rank gets (< 1: oversubscribed)
     [peak_flops]                 # per rank, by model dtype
     bfloat16 = 312e12
@@ -70,6 +72,10 @@ class Cluster:
     checkpoint_bandwidth: float = 1e9
     overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    # seconds each collective issued inside the passes (tp, cp, ep, ZeRO-3) costs beyond its
+    # link's alpha-beta: dispatch, the autograd function around it, on a shared machine the
+    # wait until the peers run (``plan --calibrate`` measures it; 0 where not measured)
+    call_overhead_s: float = 0.0
     compute_share: float = 1.0
     source: str = ""
     extra: dict = field(default_factory=dict)  # measured details kept by --calibrate
@@ -153,6 +159,7 @@ def from_dict(raw: dict, where: str = "cluster") -> Cluster:
         checkpoint_bandwidth=num("checkpoint_bandwidth", 1e9),
         overhead_s=num("overhead_s", 0.0, strict_low=False),
         step_overhead_s=num("step_overhead_s", 0.0, strict_low=False),
+        call_overhead_s=num("call_overhead_s", 0.0, strict_low=False),
         compute_share=num("compute_share", 1.0, high=1.0),
         extra=dict(raw.get("measured", {})))
 
@@ -185,6 +192,7 @@ def dumps(c: Cluster) -> str:
              f"memory_bandwidth = {c.memory_bandwidth:.6g}",
              f"checkpoint_bandwidth = {c.checkpoint_bandwidth:.6g}",
              f"overhead_s = {c.overhead_s:.6g}", f"step_overhead_s = {c.step_overhead_s:.6g}",
+             f"call_overhead_s = {c.call_overhead_s:.6g}",
              f"compute_share = {c.compute_share:.6g}", "", "[peak_flops]"]
     lines += [f"{k} = {v:.6g}" for k, v in c.peak_flops.items()]
     for level, link in (("intra", c.intra), ("inter", c.inter)):

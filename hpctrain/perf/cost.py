@@ -5,17 +5,20 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 - **compute**: the rank's model FLOPs (``telemetry/flops.py`` per layer: its layers, the head
   on the last stage, split over tp) at ``peak x efficiency x compute_share``; backward 2x
   forward, +1 forward with ``model.recompute``; plus ``overhead_s`` per layer and pass;
-- **tp**: 2 all-reduces (or all-gather + reduce-scatter with sequence parallelism, the same
-  ring volume) of one ``(B, T, C)`` activation per layer forward, 2 backward (+2 to recompute),
-  plus the small ones of the vocabulary-parallel embedding, head and loss;
-- **ep**: dispatch + combine all-to-alls of ``top_k`` activations per MoE layer, both ways;
+- **tp**: 2 all-reduces (with sequence parallelism 2 all-gathers + 2 reduce-scatters, the
+  same ring volume in twice the calls) of one ``(B, T, C)`` activation per layer forward, as
+  many backward (again to recompute), plus the small ones of the vocabulary-parallel
+  embedding, head and loss; every call also costs ``call_overhead_s``
+  (``perf/collectives.py``);
+- **ep**: dispatch + combine all-to-alls of ``top_k`` activations per MoE layer, both ways,
+  and the routing counts forward;
 - **pp**: one activation per microbatch per stage boundary, as the simulator's latency;
 - **cp**: every rank computes ``seq_len / cp`` tokens (activations, tp/ep/pp messages are
   per ``T/cp`` too); the ring attention's K/V transfers over the cp link, exposed beyond
-  the attention compute they overlap with (:func:`ring_exposed`);
+  the attention compute they overlap with (``collectives.ring_exposed``);
 - **zero3** (``optim.zero = 3``): the per-unit parameter all-gathers (forward and again
   backward) and gradient reduce-scatters over dp x cp, exposed beyond the pass's compute
-  (:func:`zero3_exposed`); in the passes, hence in the pipeline;
+  (``collectives.zero3_exposed``); in the passes, hence in the pipeline;
 - **split backward** (zb-h1, zbv): B + W cost ``SPLIT_B + SPLIT_W`` = 1.5 backwards, as
   measured for hpctrain's B/W (a B that also computes the weight branches' partners).
 
@@ -51,6 +54,7 @@ from ..config import Config, microbatches
 from ..telemetry.flops import train_flops_per_token
 from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate, stage_params
 from .cluster import Cluster, Link
+from .collectives import allreduce, ring_exposed, scatter, tp_ep_costs, zero3_exposed
 
 SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
 # zb-h1/zbv split each backward into B (input gradients) and W (weight gradients). hpctrain's
@@ -98,26 +102,7 @@ def equivalent(cfg: Config, ex: Extras) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, d_ff=d_ff))
 
 
-# -- collectives -------------------------------------------------------------------------
-def allreduce(n: float, d: int, link: Link, algo: str = "ring", k: int = 1,
-              intra: Link | None = None) -> float:
-    """Seconds of an all-reduce of ``n`` bytes over ``d`` ranks (``k`` of them per node)."""
-    if d <= 1 or n <= 0:
-        return 0.0
-    if algo == "hierarchical" and intra is not None and 1 < k < d and d % k == 0:
-        return 2 * scatter(n, k, intra) + allreduce(n / k, d // k, link, "ring")
-    if algo == "tree":
-        return 2 * math.ceil(math.log2(d)) * link.latency + 2 * n / link.bandwidth
-    return 2 * (d - 1) * link.latency + 2 * (d - 1) / d * n / link.bandwidth
-
-
-def scatter(n: float, d: int, link: Link) -> float:
-    """A ring reduce-scatter (or all-gather, or all-to-all) of ``n`` bytes over ``d`` ranks."""
-    if d <= 1 or n <= 0:
-        return 0.0
-    return (d - 1) * link.latency + (d - 1) / d * n / link.bandwidth
-
-
+# -- links -------------------------------------------------------------------------------
 def axis_links(cfg: Config, cluster: Cluster) -> dict[str, Link]:
     """Per axis, the link its groups use (inter-node as soon as one group spans nodes)."""
     t = cfg.topology
@@ -201,77 +186,30 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
     return out
 
 
-def ring_exposed(cfg: Config, link: Link, rate: float) -> tuple[float, float]:
-    """Context parallelism: (forward s, backward s) per layer and microbatch of the ring
-    attention's K/V transfer *not* hidden behind the attention compute it overlaps with.
-    A hop moves one stacked K/V block, ``2 B (T/cp) kv_heads/tp hd`` elements (float32 for
-    16-bit models, as ``parallel/context.py`` computes); a ring step computes the scores of
-    ``(T/cp)^2 / 2`` query-key pairs (the causal load balancing gives every step the same
-    work). Forward: cp-1 hops, each behind one step. Backward: cp-1 steps each pass the K/V
-    block and a K/V gradient block (2 hops) behind the step's backward (2x its forward);
-    the last gradient hop to the block's owner is exposed."""
-    m, t, tr = cfg.model, cfg.topology, cfg.train
-    cp = t.cp
-    if cp <= 1:
-        return 0.0, 0.0
-    ps = DTYPE_BYTES[m.dtype]
-    local = tr.seq_len // cp
-    hop = link.p2p(2 * tr.micro_batch_size * local * m.kv_heads * m.head_dim // t.tp
-                   * (4 if ps == 2 else ps))
-    step = 2 * 2 * m.n_heads * m.head_dim / t.tp * local * local / 2 \
-        * tr.micro_batch_size / rate
-    return (cp - 1) * max(0.0, hop - step), (cp - 1) * max(0.0, 2 * hop - 2 * step) + hop
-
-
-def zero3_exposed(cfg: Config, w: dict, link: Link, fwd: float,
-                  bwd: float) -> tuple[float, float]:
-    """ZeRO-3 (``parallel/zero3.py``): (forward s, backward s) per microbatch of the
-    parameter all-gathers (every unit before its forward and again before its backward)
-    and the gradient reduce-scatters (every unit, as its backward ends) over dp x cp, not
-    hidden: each unit's gather is prefetched behind the previous unit's compute, except
-    the first unit of each pass. One collective (its latencies) per unit."""
-    d = cfg.topology.dp * cfg.topology.cp
-    if cfg.optim.zero != 3 or d <= 1:
-        return 0.0, 0.0
-    ps = DTYPE_BYTES[cfg.model.dtype]
-    gs = 8 if cfg.model.dtype == "float64" else 4
-    u = w["units"]
-    lat = u * (d - 1) * link.latency
-    gather = lat + (d - 1) / d * w["params"] * ps / link.bandwidth
-    reduce = lat + (d - 1) / d * w["params"] * gs / link.bandwidth
-    first, rest = gather / u, gather * (u - 1) / u
-    return first + max(0.0, rest - fwd), first + max(0.0, rest + reduce - bwd)
-
-
 def pass_costs(cfg: Config, cluster: Cluster, links: dict,
                full: bool = False) -> list[tuple[float, float, dict]]:
-    """Per pp rank: (forward s, whole backward s, {part: s} per microbatch)."""
+    """Per pp rank: (forward s, whole backward s, {part: s} per microbatch); the
+    communication inside the passes from ``perf/collectives.py``."""
     m, t, tr = cfg.model, cfg.topology, cfg.train
-    ps = DTYPE_BYTES[m.dtype]
     rate = cluster.peak(m.dtype) * cluster.efficiency * cluster.compute_share
     tokens = tr.micro_batch_size * tr.seq_len // t.cp  # context parallelism: T/cp each
-    act = tokens * m.d_model * ps
-    tp_one = allreduce(act, t.tp, links["tp"], cluster.collective)
-    ep_one = scatter(act * m.top_k, t.ep, links["ep"]) if t.ep > 1 and m.num_experts else 0.0
-    ring_f, ring_b = ring_exposed(cfg, links["cp"], rate)
+    ring_f, ring_b = ring_exposed(cfg, cluster, links["cp"], rate)
     split = SPLIT_B + SPLIT_W - 1 if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0
     out = []
     for w in rank_work(cfg, full):
         f = w["flops"] * tokens / rate
         over = cluster.overhead_s * w["layers"]
         redo = 1 if m.recompute else 0
-        # + the vocabulary-parallel ends: the embedding's all-reduce forward (first stage);
-        # the head's input gradient and the loss's max and sums (last stage), small messages
-        ends = (w["first"] + 1.5 * w["last"]) * allreduce(tokens * 8, t.tp, links["tp"])
-        tp = tp_one * w["layers"] * 2 + ends
-        ep = ep_one * w["moe"] * 2
+        c = tp_ep_costs(cfg, cluster, links, w)
+        tp = c["tp"]
         cp_f, cp_b = ring_f * w["layers"], (ring_b + redo * ring_f) * w["layers"]
-        z_f, z_b = zero3_exposed(cfg, w, links["dp"], f + over, 2 * (f + over))
+        z_f, z_b = zero3_exposed(cfg, cluster, w, links["dp"], f + over, 2 * (f + over))
         back = (2 * (1 + split) + redo) * (f + over)  # split: B + W cost 1.5 backwards
-        fwd = f + over + tp + ep + cp_f + z_f
-        bwd = back + (tp + ep) * (1 + redo) + cp_b + z_b
+        fwd = f + over + tp + c["ep_f"] + cp_f + z_f
+        bwd = back + tp * (1 + redo) + c["ep_b"] + redo * c["ep_f"] + cp_b + z_b
         out.append((fwd, bwd, {"compute": f + over + back,
-                               "tp": tp * (2 + redo), "ep": ep * (2 + redo),
+                               "tp": tp * (2 + redo),
+                               "ep": c["ep_f"] * (1 + redo) + c["ep_b"],
                                "cp": cp_f + cp_b, "zero3": z_f + z_b}))
     return out
 

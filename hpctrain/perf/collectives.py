@@ -1,0 +1,119 @@
+"""What collectives cost (no MPI): the alpha-beta formulas, and the communication a
+microbatch's passes issue on one pp rank (tp, ep, the cp ring, ZeRO-3 gathers).
+
+Every collective the passes issue (from the model's autograd functions and hooks) costs the
+link's alpha-beta time plus ``Cluster.call_overhead_s``: the fixed time around each call
+(Python and torch dispatch, the autograd function, on a shared machine the wait until the
+peers are scheduled), which ``plan --calibrate`` measures as the layout issues its tp
+all-reduces and is 0 in the published descriptions. Calls counted per layer and pass:
+
+- **tp**: without sequence parallelism 2 all-reduces of one ``(B, T/cp, C)`` activation
+  (``exit_tp`` forward, ``enter_tp`` backward); with it 4 calls, an all-gather and a
+  reduce-scatter for each (the same ring volume, twice the calls); the vocabulary-parallel
+  ends add 4 calls per microbatch: the embedding's all-reduce forward (first stage), the
+  head's input gradient and the loss's max and sums (last stage);
+- **ep**, per MoE layer: forward the routing counts (gathered over dp, exchanged over ep)
+  and the dispatch and combine all-to-alls of ``top_k`` activations; backward the two
+  all-to-alls;
+- **cp**: :func:`ring_exposed`; **ZeRO-3**: :func:`zero3_exposed`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..config import Config
+from ..telemetry.memory import DTYPE_BYTES
+from .cluster import Cluster, Link
+
+
+def allreduce(n: float, d: int, link: Link, algo: str = "ring", k: int = 1,
+              intra: Link | None = None) -> float:
+    """Seconds of an all-reduce of ``n`` bytes over ``d`` ranks (``k`` of them per node)."""
+    if d <= 1 or n <= 0:
+        return 0.0
+    if algo == "hierarchical" and intra is not None and 1 < k < d and d % k == 0:
+        return 2 * scatter(n, k, intra) + allreduce(n / k, d // k, link, "ring")
+    if algo == "tree":
+        return 2 * math.ceil(math.log2(d)) * link.latency + 2 * n / link.bandwidth
+    return 2 * (d - 1) * link.latency + 2 * (d - 1) / d * n / link.bandwidth
+
+
+def scatter(n: float, d: int, link: Link) -> float:
+    """A ring reduce-scatter (or all-gather, or all-to-all) of ``n`` bytes over ``d`` ranks."""
+    if d <= 1 or n <= 0:
+        return 0.0
+    return (d - 1) * link.latency + (d - 1) / d * n / link.bandwidth
+
+
+def tp_ep_costs(cfg: Config, cluster: Cluster, links: dict, w: dict) -> dict:
+    """Seconds per microbatch on a pp rank with work ``w`` (``cost.rank_work``): tp per
+    pass (forward and backward issue as many), ep forward and ep backward."""
+    m, t, tr = cfg.model, cfg.topology, cfg.train
+    o = cluster.call_overhead_s
+    tokens = tr.micro_batch_size * tr.seq_len // t.cp
+    act = tokens * m.d_model * DTYPE_BYTES[m.dtype]
+    tp = 0.0
+    if t.tp > 1:
+        link = links["tp"]
+        layer = (4 * (o + scatter(act, t.tp, link)) if t.sequence_parallel
+                 else 2 * (o + allreduce(act, t.tp, link)))
+        # per pass on average: the embedding's all-reduce (forward only), the head's input
+        # gradient (backward) and the loss's max and sums (forward)
+        ends = (0.5 * w["first"] + 1.5 * w["last"]) * (o + allreduce(tokens * 8, t.tp, link))
+        tp = layer * w["layers"] + ends
+    ep_f = ep_b = 0.0
+    if t.ep > 1 and m.num_experts and w["moe"]:
+        link = links["ep"]
+        one = o + scatter(act * m.top_k, t.ep, link)
+        counts = 8 * m.num_experts
+        small = (o + scatter(counts * t.ep, t.ep, link)) + \
+            (o + scatter(counts * t.dp, t.dp, links["dp"]))
+        ep_f, ep_b = w["moe"] * (2 * one + small), w["moe"] * 2 * one
+    return {"tp": tp, "ep_f": ep_f, "ep_b": ep_b}
+
+
+def ring_exposed(cfg: Config, cluster: Cluster, link: Link,
+                 rate: float) -> tuple[float, float]:
+    """Context parallelism: (forward s, backward s) per layer and microbatch of the ring
+    attention's K/V transfer *not* hidden behind the attention compute it overlaps with.
+    A hop (one call: ``call_overhead_s`` + the link's time) moves one stacked K/V block,
+    ``2 B (T/cp) kv_heads/tp hd`` elements (float32 for 16-bit models, as
+    ``parallel/context.py`` computes); a ring step computes the scores of ``(T/cp)^2 / 2``
+    query-key pairs (the causal load balancing gives every step the same work). Forward:
+    cp-1 hops, each behind one step. Backward: cp-1 steps each pass the K/V block and a K/V
+    gradient block (2 hops) behind the step's backward (2x its forward); the last gradient
+    hop to the block's owner is exposed."""
+    m, t, tr = cfg.model, cfg.topology, cfg.train
+    cp = t.cp
+    if cp <= 1:
+        return 0.0, 0.0
+    ps = DTYPE_BYTES[m.dtype]
+    local = tr.seq_len // cp
+    hop = cluster.call_overhead_s + link.p2p(
+        2 * tr.micro_batch_size * local * m.kv_heads * m.head_dim // t.tp
+        * (4 if ps == 2 else ps))
+    step = 2 * 2 * m.n_heads * m.head_dim / t.tp * local * local / 2 \
+        * tr.micro_batch_size / rate
+    return (cp - 1) * max(0.0, hop - step), (cp - 1) * max(0.0, 2 * hop - 2 * step) + hop
+
+
+def zero3_exposed(cfg: Config, cluster: Cluster, w: dict, link: Link, fwd: float,
+                  bwd: float) -> tuple[float, float]:
+    """ZeRO-3 (``parallel/zero3.py``): (forward s, backward s) per microbatch of the
+    parameter all-gathers (every unit before its forward and again before its backward)
+    and the gradient reduce-scatters (every unit, as its backward ends) over dp x cp, not
+    hidden: each unit's gather is prefetched behind the previous unit's compute, except
+    the first unit of each pass. One collective (its latencies and ``call_overhead_s``)
+    per unit."""
+    d = cfg.topology.dp * cfg.topology.cp
+    if cfg.optim.zero != 3 or d <= 1:
+        return 0.0, 0.0
+    ps = DTYPE_BYTES[cfg.model.dtype]
+    gs = 8 if cfg.model.dtype == "float64" else 4
+    u = w["units"]
+    lat = u * ((d - 1) * link.latency + cluster.call_overhead_s)
+    gather = lat + (d - 1) / d * w["params"] * ps / link.bandwidth
+    reduce = lat + (d - 1) / d * w["params"] * gs / link.bandwidth
+    first, rest = gather / u, gather * (u - 1) / u
+    return first + max(0.0, rest - fwd), first + max(0.0, rest + reduce - bwd)

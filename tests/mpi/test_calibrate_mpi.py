@@ -1,0 +1,47 @@
+"""``plan --calibrate``'s per-call cost of tp collectives (perf/calibrate.call_overhead),
+inside MPI ranks (all ranks form one tp group): the model split over the group issues, per
+microbatch, exactly the tp calls the cost model counts (2 per layer and pass, the
+vocabulary-parallel ends), and the overhead is the per-call time less the link's
+alpha-beta, the same on every rank."""
+
+from pathlib import Path
+
+import pytest
+
+from hpctrain import comm
+from hpctrain.config import load
+from hpctrain.perf.calibrate import call_overhead
+from hpctrain.perf.cluster import Link
+from hpctrain.perf.collectives import allreduce
+
+pytestmark = pytest.mark.mpi
+
+CFG = load(str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml"),
+           ['model.dtype="float32"'])
+
+
+@pytest.fixture(scope="module")
+def group():
+    world = comm.world()
+    if world.size < 2 or CFG.model.n_heads % world.size or CFG.model.ffn_dim % world.size:
+        pytest.skip(f"the tiny model does not split over {world.size} tp ranks")
+    return comm.Group(world.mpi.Dup(), "tp")
+
+
+@pytest.mark.parametrize("latency", [0.0, 1.0])
+def test_call_overhead_is_the_calls_less_the_link(group, latency):
+    link = Link(latency=latency, bandwidth=1e9)
+    got = call_overhead(CFG, group, link, repeats=2)
+    m, tr = CFG.model, CFG.train
+    # per layer: exit_tp forward twice, enter_tp backward twice; the embedding's all-reduce,
+    # the head's input gradient, the loss's max and sums: as perf/collectives.py counts
+    assert got["calls"] == 4 * m.n_layers + 4
+    act = tr.micro_batch_size * tr.seq_len * m.d_model * 4
+    small = tr.micro_batch_size * tr.seq_len * 4  # the loss's (N,) and (N, 2) statistics
+    assert got["bytes"] == pytest.approx((4 * m.n_layers + 2) * act / got["calls"]
+                                         + 3 * small / got["calls"])
+    want = max(0.0, got["per_call"] - allreduce(got["bytes"], group.size, link))
+    assert got["per_call"] >= 0 and got["overhead"] == want
+    if latency:  # a link slower than any call: nothing left over
+        assert got["overhead"] == 0
+    assert len(set(group.allgather_obj((got["per_call"], got["overhead"])))) == 1

@@ -1,0 +1,91 @@
+"""The performance model's per-call cost (``Cluster.call_overhead_s``, perf/collectives.py)
+and the compute calibration's bounds (perf/calibrate.compute_rate), without MPI. The
+measurement of the per-call cost itself runs under MPI: tests/mpi/test_calibrate_mpi.py."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hpctrain.config import load
+from hpctrain.perf import calibrate, published
+from hpctrain.perf.cluster import ClusterError
+from hpctrain.perf.cluster import from_dict as cluster_from_dict
+from hpctrain.perf.cluster import load as load_cluster
+from hpctrain.perf.cost import predict
+from hpctrain.telemetry.flops import forward_flops_per_token
+
+TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
+O = 1e-3  # seconds per call
+
+
+def _with(o: float):
+    return dataclasses.replace(load_cluster("dgx-a100"), call_overhead_s=o)
+
+
+def _delta(overrides, part):
+    cfg = load(TINY, list(overrides))
+    a, b = predict(cfg, _with(0.0)), predict(cfg, _with(O))
+    return a, b, b.parts[part] - a.parts[part], b.step_s - a.step_s
+
+
+@pytest.mark.parametrize("sp,per_layer", [(False, 2), (True, 4)])
+def test_every_tp_call_of_a_step_pays_the_overhead(sp, per_layer):
+    """Per microbatch and pass: per_layer calls per layer (an all-reduce; with sequence
+    parallelism an all-gather and a reduce-scatter) and the vocabulary-parallel ends (4 per
+    microbatch, tests/mpi/test_calibrate_mpi.py counts them): 16 microbatches."""
+    over = ["topology.tp=2", f"topology.sequence_parallel={str(sp).lower()}"]
+    a, b, tp, step = _delta(over, "tp")
+    L, M = 8, 16
+    assert tp == pytest.approx(M * (2 * per_layer * L + 4) * O, rel=1e-9)
+    assert step == pytest.approx(tp, rel=1e-9)  # pp=1: the passes are the step
+
+
+def test_the_overhead_reaches_cp_ep_zero3_but_not_dp_or_pp():
+    _, _, cp, _ = _delta(["train.seq_len=32", "topology.cp=2"], "cp")
+    assert cp > 0
+    _, _, ep, _ = _delta(["topology.dp=2", "topology.ep=2", "model.num_experts=2",
+                          "model.moe_every=2"], "ep")
+    assert ep > 0
+    _, _, z3, _ = _delta(["topology.dp=2", "optim.zero=3"], "zero3")
+    assert z3 >= 2 * 8 * O * (1 - 1e-9)  # at least the first unit's gather, both passes
+    for over in (["topology.dp=2"], ["topology.pp=2"], ["topology.dp=2", "optim.zero=2"]):
+        a, b, _, step = _delta(over, "dp")
+        assert step == 0 and a.parts == b.parts, over
+
+
+def test_published_descriptions_have_no_call_overhead():
+    """The published table is the model without it (its descriptions leave it at 0)."""
+    assert {load_cluster(r.cluster).call_overhead_s for r in published.RUNS} == {0.0}
+
+
+def test_a_negative_call_overhead_is_refused():
+    raw = {"name": "x", "ranks_per_node": 2, "memory": "1GB", "call_overhead_s": -1,
+           "peak_flops": {"float32": 1e9},
+           "link": {"intra": {"latency": 0, "bandwidth": 1e9},
+                    "inter": {"latency": 0, "bandwidth": 1e9}}}
+    with pytest.raises(ClusterError, match=r"x.toml: call_overhead_s = -1 must be >= 0"):
+        cluster_from_dict(raw, "x.toml")
+
+
+@pytest.mark.parametrize("t1,t4,want", [
+    (None, None, "true"),  # times of a rate below the peak: that rate, and its overhead
+    (1.0, 0.5, "peak"),  # 4B faster than B (noise): the peak
+    (1.0, 1.0 + 1e-9, "peak"),  # a difference too small: a rate above the peak, capped
+])
+def test_compute_rate_stays_between_its_bounds(monkeypatch, t1, t4, want):
+    cfg = load(TINY, ["model.dtype=\"float32\""])
+    m, T, peak, true, over = cfg.model, cfg.train.seq_len, 1e9, 4e8, 1e-3
+    f1 = T * forward_flops_per_token(m, T)
+    if t1 is None:
+        t1 = 3 * f1 / true + 3 * m.n_layers * over
+        t4 = 3 * 4 * f1 / true + 3 * m.n_layers * over
+    times = iter([t1, t4, 0.01])
+    monkeypatch.setattr(calibrate, "_median_time", lambda fn, repeats, stat=None: next(times))
+    monkeypatch.setattr(calibrate, "measure_peak_flops", lambda dtype: peak)
+    got = calibrate.compute_rate(cfg)
+    assert got["peak"] == peak and got["step_overhead_s"] == 0.01
+    if want == "true":
+        assert got["rate"] == pytest.approx(true) and got["overhead_s"] == pytest.approx(over)
+    else:
+        assert got["rate"] == peak and got["overhead_s"] >= 0
