@@ -134,19 +134,25 @@ def scratch_dir(world):
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def hpctrain_run(cfg, world) -> tuple[list[float], list[float]]:
+def hpctrain_run(cfg, world, extra: dict | None = None) -> tuple[list[float], list[float]]:
     """Train with ``hpctrain.train.train`` (what ``hpctrain train`` runs) in a scratch run
     directory; returns (step seconds, losses) from rank 0's metrics.jsonl, on every rank.
+    ``extra``: its keys are metrics.jsonl fields, filled with their per-step values.
     Collective over ``world``."""
     from hpctrain.train import train
 
-    times = None
+    got = None
     with scratch_dir(world) as scratch:
         res = train(cfg, scratch, world)
         if world.rank == 0:
             lines = (Path(scratch) / "metrics.jsonl").read_text().splitlines()
-            times = [json.loads(line)["step_time_s"] for line in lines]
-    return world.bcast_obj(times), list(res.losses)
+            records = [json.loads(line) for line in lines]
+            got = ([r["step_time_s"] for r in records],
+                   {k: [r.get(k) for r in records] for k in extra or {}})
+    times, fields = world.bcast_obj(got)
+    if extra is not None:
+        extra.update(fields)
+    return times, list(res.losses)
 
 
 # -- PyTorch's side ---------------------------------------------------------------------------
