@@ -237,8 +237,9 @@ def run(world, size: str, repeats: int) -> dict:
         out["notes"].append("1f1b bubble per run, measured / simulated: " + ", ".join(
             f"{b:.3f}/{s:.3f}" for b, s in zip(bubble["pp_bubble"], bubble["pp_bubble_sim"])
             if b is not None and s))
-    if pp >= 4:  # what the zero-bubble ratios above pay for their split backward
-        out["ratios"] += world.bcast_obj(_alone(world, lambda: split_cost(cfg, rounds)))
+    if pp >= 4:  # what the zero-bubble ratios above pay for their split backward (pairs of
+        # a few ms each: 4x the rounds)
+        out["ratios"] += world.bcast_obj(_alone(world, lambda: split_cost(cfg, 4 * rounds)))
         load1 = loadavg()
     out["load"] = {"before": load0, "after": load1}
     out["notes"].append(f"load average before {load0}, after {load1}")
