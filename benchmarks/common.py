@@ -134,11 +134,14 @@ def scratch_dir(world):
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def hpctrain_run(cfg, world) -> tuple[list[float], list[float]]:
+def hpctrain_run(cfg, world, extra: dict | None = None) -> tuple[list[float], list[float]]:
     """Train with ``hpctrain.train.train`` (what ``hpctrain train`` runs) in a scratch run
     directory; returns (step seconds, losses) from rank 0's metrics.jsonl, on every rank.
+    ``extra``: its keys are metrics.jsonl fields, filled with their per-step values.
     Collective over ``world``."""
     rows, losses = hpctrain_steps(cfg, world)
+    if extra is not None:
+        extra.update({k: [r.get(k) for r in rows] for k in extra})
     return [r["step_time_s"] for r in rows], losses
 
 

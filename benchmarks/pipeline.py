@@ -1,7 +1,10 @@
 """Pipeline training throughput at pp=2 and pp=4: ``hpctrain train`` with
 ``schedule.kind=1f1b`` against ``torch.distributed.pipelining.Schedule1F1B`` (gloo), same
 split of layers (``parallel.pipeline.partition``), init, data and microbatches; same losses
-required. At pp=4 also hpctrain's zb-h1 and zbv against its 1f1b in the same rounds."""
+required. At pp=4 also hpctrain's zb-h1 and zbv against its 1f1b in the same rounds, beside
+the cost of their split backward (B and W of one stage against one backward, rank 0 alone).
+At both sizes the measured 1f1b bubble against the simulator's (``pp_bubble`` /
+``pp_bubble_sim`` of metrics.jsonl)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.data import Sampler, load_tokens
-from hpctrain.model import GPTStage, init_parameters
+from hpctrain.model import GPTStage, init_parameters, weight_grad
+from hpctrain.model.gpt import DTYPES
 from hpctrain.optim import lr_at
 from hpctrain.parallel.pipeline import partition
+from hpctrain.schedule import zero_bubble
 
 from .abtest import interleave, loadavg, paired
 from .common import (
@@ -101,12 +106,85 @@ def torch_pipeline(cfg, world) -> tuple[list[float], list[float]]:
     return times, losses
 
 
+def split_cost(cfg, rounds: int) -> list[dict]:
+    """B/backward and W/backward of a split backward on one pp=``cfg.topology.pp`` middle
+    stage of ``cfg`` (one process, one microbatch): one plain backward and one B + W in turns,
+    ``rounds`` pairs after a warm-up; per-pair ratios (``paired``)."""
+    ranges = partition(cfg.model.n_layers, cfg.topology.pp)
+    stage = GPTStage(cfg.model, ranges[1], first=False, last=False)
+    init_parameters([stage], cfg.train.seed)
+    dtype = DTYPES[cfg.model.dtype]
+    shape = (cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.d_model)
+    g = torch.Generator().manual_seed(0)
+    x0, dy = (torch.randn(shape, generator=g, dtype=dtype) for _ in range(2))
+    back, b_pass, w_pass = [], [], []
+    for _ in range(rounds + 1):
+        for split in (False, True):
+            with weight_grad.armed(split):
+                x = x0.clone().requires_grad_(True)
+                out = stage(x)
+                t0 = time.perf_counter()
+                if not split:
+                    torch.autograd.backward(out, dy)
+                    back.append(time.perf_counter() - t0)
+                    continue
+                _, pending = zero_bubble.input_grad(out, dy, x)
+                t1 = time.perf_counter()
+                zero_bubble.weight_grad(pending)
+                b_pass.append(t1 - t0)
+                w_pass.append(time.perf_counter() - t1)
+    back, b_pass, w_pass = back[1:], b_pass[1:], w_pass[1:]  # without the warm-up
+    both = [b + w for b, w in zip(b_pass, w_pass)]
+    return [paired("split backward B / one backward", b_pass, back, "<= 0.75"),
+            paired("split backward W / one backward", w_pass, back, "<= 0.5"),
+            paired("split backward (B + W) / one backward", both, back, "<= 1.1")]
+
+
+def _alone(world, fn):
+    """``fn()`` on rank 0 while the other ranks wait without spinning; its result on rank
+    0 (None elsewhere). Collective over ``world``."""
+    flag = torch.zeros(1)
+    if world.rank == 0:
+        out = fn()
+        for r in range(1, world.size):
+            world.isend(flag, r, 7).wait()
+        return out
+    world.irecv(flag, 0, 7).wait_yielding(max_sleep_s=0.01)
+    return None
+
+
+def bubble_ratio(bubbles: list, sims: list) -> dict | None:
+    """The measured 1f1b bubble against the simulator's with the measured costs: median
+    over the runs of measured / simulated; met when within 15 % (issue 19, item 2). None
+    without a simulated bubble."""
+    ratios = [b / s for b, s in zip(bubbles, sims) if b is not None and s]
+    if not ratios:
+        return None
+    value = median(ratios)
+    return {"name": "1f1b bubble measured / simulated (measured costs)", "value": value,
+            "target": "<= 1.15", "met": bool(0.85 <= value <= 1.15),
+            "spread": [min(ratios, default=value), max(ratios, default=value)],
+            "pairs": len(ratios), "noise": False, "ratios": ratios}
+
+
 def bench_config(size: str, pp: int, kind: str = "1f1b", *more: str):
     """pp=2: the size preset as it is; pp=4: 8 layers (two per rank for zbv's V) and
     micro_batch_size halved (twice the microbatches: zbv's steady state needs 2pp-1)."""
     extra = [] if pp == 2 else ["model.n_layers=8", "train.micro_batch_size=" + (
         "1" if size == "tiny" else "2")]
     return train_config(size, f"topology.pp={pp}", f'schedule.kind="{kind}"', *extra, *more)
+
+
+def _ratios(samples: dict) -> list[dict]:
+    ours, theirs = samples["hpctrain 1f1b"], samples["torch Schedule1F1B"]
+    out = [paired("throughput hpctrain 1f1b / torch Schedule1F1B", theirs, ours, ">= 1.15"),
+           paired("step spinning MPI_Wait / yielding wait",
+                  samples["hpctrain 1f1b, spinning MPI_Wait"], ours, ">= 1.0")]
+    for kind in ("zb-h1", "zbv"):
+        if f"hpctrain {kind}" in samples:
+            out.append(paired(f"step 1f1b / {kind}", ours, samples[f"hpctrain {kind}"],
+                              ">= 1.0"))
+    return out
 
 
 def run(world, size: str, repeats: int) -> dict:
@@ -123,6 +201,7 @@ def run(world, size: str, repeats: int) -> dict:
                  f"of {cfg.train.micro_batch_size}x{cfg.train.seq_len}; A/B interleaved, "
                  f"{rounds} rounds")
     losses: dict = {}
+    bubble: dict = {"pp_bubble": [], "pp_bubble_sim": []}  # per 1f1b run, median of steps
 
     def side(name, fn):
         def sample():
@@ -131,8 +210,16 @@ def run(world, size: str, repeats: int) -> dict:
             return median(steady(times))
         return sample
 
+    def ours_1f1b():
+        extra = {k: None for k in bubble}
+        times, loss = hpctrain_run(cfg, world, extra)
+        for k, v in extra.items():
+            v = [x for x in steady(v) if x is not None]
+            bubble[k].append(median(v) if v else None)
+        return times, loss
+
     spin = bench_config(size, pp, "1f1b", 'schedule.p2p_wait="spin"')
-    sides = {"hpctrain 1f1b": side("hpctrain 1f1b", lambda: hpctrain_run(cfg, world)),
+    sides = {"hpctrain 1f1b": side("hpctrain 1f1b", ours_1f1b),
              "torch Schedule1F1B": side("torch", lambda: torch_pipeline(cfg, world)),
              "hpctrain 1f1b, spinning MPI_Wait": side("spin", lambda: hpctrain_run(spin, world))}
     if pp >= 4:  # the zero-bubble schedules against hpctrain's own 1F1B, same run
@@ -143,15 +230,17 @@ def run(world, size: str, repeats: int) -> dict:
     samples = interleave(sides, rounds)
     load1 = loadavg()
     out["rows"] = [row(n, v, "s/step") for n, v in samples.items()]
-    ours, theirs = samples["hpctrain 1f1b"], samples["torch Schedule1F1B"]
-    out["ratios"] = [paired("throughput hpctrain 1f1b / torch Schedule1F1B", theirs, ours,
-                            ">= 1.15")]
-    out["ratios"].append(paired("step spinning MPI_Wait / yielding wait",
-                                samples["hpctrain 1f1b, spinning MPI_Wait"], ours, ">= 1.0"))
-    for kind in ("zb-h1", "zbv"):
-        if f"hpctrain {kind}" in samples:
-            out["ratios"].append(paired(f"step 1f1b / {kind}", ours,
-                                        samples[f"hpctrain {kind}"], ">= 1.0"))
+    out["ratios"] = _ratios(samples)
+    measured = bubble_ratio(bubble["pp_bubble"], bubble["pp_bubble_sim"])
+    if measured is not None:
+        out["ratios"].append(measured)
+        out["notes"].append("1f1b bubble per run, measured / simulated: " + ", ".join(
+            f"{b:.3f}/{s:.3f}" for b, s in zip(bubble["pp_bubble"], bubble["pp_bubble_sim"])
+            if b is not None and s))
+    if pp >= 4:  # what the zero-bubble ratios above pay for their split backward (pairs of
+        # a few ms each: 4x the rounds)
+        out["ratios"] += world.bcast_obj(_alone(world, lambda: split_cost(cfg, 4 * rounds)))
+        load1 = loadavg()
     out["load"] = {"before": load0, "after": load1}
     out["notes"].append(f"load average before {load0}, after {load1}")
     out["check"] = same_losses(losses)

@@ -9,6 +9,8 @@
 - ``moe.py``: the mixture-of-experts feed-forward; the token exchange is injected.
 - ``steps.py``: the forward as a generator that pauses at the expert all-to-alls, and
   :func:`drive`, which runs it with blocking exchanges (the plain forward).
+- ``weight_grad.py``: :func:`linear`, every weight matmul; armed for a zero-bubble step, its
+  weight gradients wait in a :class:`Pending` store for ``W``.
 """
 
 from .gpt import DTYPES, GPTStage, LocalOps, init_parameters

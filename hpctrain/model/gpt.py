@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from .layers import MLP, Attention, KVCache, ParamMeta, RMSNorm, Rotary, _param, shard_range
 from .steps import RunBlock, RunExperts, drive
+from .weight_grad import linear
 
 __all__ = ["DTYPES", "Block", "GPTStage", "KVCache", "LocalOps", "ParamMeta", "init_parameters",
            "local_slice", "param_seed", "shard_range"]
@@ -144,9 +145,9 @@ class GPTStage(nn.Module):
         return self.ops.exit_tp(h)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        w = self.embed if self.cfg.tie_embeddings else self.head
         h = self.ops.enter_tp(self.norm_f(x))  # (B, T, C)
-        logits = F.linear(h, w)  # (B, T, V_local)
+        # a tied head's weight also gets the embedding's gradient (in B): not deferred
+        logits = F.linear(h, self.embed) if self.cfg.tie_embeddings else linear(h, self.head)
         return self.ops.cross_entropy_sum(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
             self.vocab_start, self.cfg.vocab_size)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ARCHS, ModelConfig
+from .weight_grad import linear
 
 __all__ = ["ARCHS", "KVCache", "MLP", "Attention", "ParamMeta", "RMSNorm", "Rotary",
            "shard_range"]
@@ -165,11 +166,11 @@ class Attention(nn.Module):
         """x: (B, T, C), the full sequence (or, with ``cache``, the new tokens only),
         replicated over tp. Returns this rank's partial sum of the output (B, T, C)."""
         B, T, _ = x.shape
-        q = F.linear(x, self.wq).view(B, T, self.heads, self.hd).transpose(1, 2)
-        k = F.linear(x, self.wk).view(B, T, self.kv, self.hd).transpose(1, 2)
-        v = F.linear(x, self.wv).view(B, T, self.kv, self.hd).transpose(1, 2)
+        q = linear(x, self.wq).view(B, T, self.heads, self.hd).transpose(1, 2)
+        k = linear(x, self.wk).view(B, T, self.kv, self.hd).transpose(1, 2)
+        v = linear(x, self.wv).view(B, T, self.kv, self.hd).transpose(1, 2)
         if self.context is not None and cache is None:  # this rank's chunks of the sequence
-            return F.linear(self._context_attention(q, k, v), self.wo)
+            return linear(self._context_attention(q, k, v), self.wo)
         start = cache.length if cache is not None else 0
         if self.rotary is not None:
             q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
@@ -185,7 +186,7 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
-        return F.linear(y, self.wo)  # partial sum over tp: (B, T, C)
+        return linear(y, self.wo)  # partial sum over tp: (B, T, C)
 
     def _context_attention(self, q, k, v):
         """Context parallelism: q (B, H_local, T/cp, hd), k/v (B, kv_local, T/cp, hd) at the
@@ -218,5 +219,5 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.swiglu:
-            return F.linear(F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
-        return F.linear(F.gelu(F.linear(x, self.w1)), self.w2)
+            return linear(F.silu(linear(x, self.w1)) * linear(x, self.w3), self.w2)
+        return linear(F.gelu(linear(x, self.w1)), self.w2)

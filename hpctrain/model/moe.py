@@ -49,6 +49,7 @@ from torch import nn
 from ..config import ModelConfig
 from .layers import ParamMeta, _param
 from .steps import Exchange, drive
+from .weight_grad import linear
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -246,10 +247,10 @@ class MoE(nn.Module):
         outs = []
         for e, part in enumerate(torch.split(h, [int(s) for s in sizes])):
             if self.mixtral:
-                hidden = F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e])
+                hidden = F.silu(linear(part, self.w1[e])) * linear(part, self.w3[e])
             else:
-                hidden = F.gelu(F.linear(part, self.w1[e]))
-            outs.append(F.linear(hidden, self.w2[e]))
+                hidden = F.gelu(linear(part, self.w1[e]))
+            outs.append(linear(hidden, self.w2[e]))
         return torch.cat(outs) if outs else h
 
     def record(self, glob: torch.Tensor, tokens: int, aux, z) -> None:

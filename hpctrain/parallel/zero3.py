@@ -31,27 +31,21 @@ Pipeline parallelism gathers per microbatch: each forward and each backward acti
 the blocks it runs and frees them after (two all-gathers of the stage per microbatch, the
 memory of one unit at a time); see docs/parallelism.md for the choice.
 
-Zero-bubble schedules split a stage's backward into ``B`` (input gradient) and ``W`` (weight
-gradients, later; ``schedule/zero_bubble.py``), and B delivers no weight gradient, which is
-what frees a unit above. The runner therefore wraps them (three gathers of the stage per
-microbatch, still one or two units at a time):
-
-- :meth:`ShardedParams.input_pass` around B: the output hooks gather each unit as before and
-  free the unit the input gradient has just left (its input gradient is complete, so its part
-  of B is done); nothing of the chunk stays gathered after B;
-- :meth:`ShardedParams.weight_pass` runs W's weight groups unit by unit, in the chunk's
-  backward order: it gathers each unit (prefetching the next), runs the groups whose
-  parameters are then all gathered and frees each unit after the last group that needs it.
-  The output hooks stand aside. A unit is gathered exactly once per W whatever the groups,
-  so the gathers match across the group.
-
-A stage without a differentiable input (the first) has no split: its W is a whole backward,
-driven by the hooks as above.
+Zero-bubble schedules split a stage's backward into ``B`` (everything but the weight
+matmuls) and ``W`` (those matmuls' weight gradients, later; ``schedule/zero_bubble.py``). B
+delivers no gradient to the matmul weights, so the "all gradients arrived" rule above never
+frees a unit during B; the runner therefore wraps B in :meth:`ShardedParams.input_pass`: the
+output hooks gather each unit as before and free the unit the input gradient has just left
+(its part of B is done); nothing of the chunk stays gathered after B. W computes
+``grad_out^T @ input`` from what B kept and reads no weight: it gathers nothing (two gathers
+of the stage per microbatch, as 1F1B); its gradients reach the staging buckets through the
+same post-accumulate hooks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -110,8 +104,8 @@ class ShardedParams:
         self._unit_of = {i: u for u in self.units for i in u.ids}
         self.live = self.peak = 0  # gathered bytes now, and the peak since take_peak
         self.storages: set[int] = set()  # data pointers of gathered full buffers
-        self.mode = "full"  # or "inputs" / "weights" during B / W of a split backward
-        self._prev: Unit | None = None  # inputs: the unit B passed through last
+        self.mode = "full"  # or "inputs" during B of a split backward
+        self._prev: tuple | None = None  # inputs: (unit B passed through last, its tensor)
         self._chunk_units: dict[int, list[Unit]] = {}  # id(chunk) -> units, backward order
         for chunk in chunks:
             self._attach(chunk)
@@ -204,17 +198,20 @@ class ShardedParams:
             if unit is not None:
                 self.free(unit)
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(backward)
+                out.register_hook(functools.partial(backward, key=id(out)))
 
-        def backward(grad):
-            if self.mode == "weights":  # W of a split backward: weight_pass gathers
-                return grad
+        def backward(grad, key):
             if unit is not None:
                 self.gather(unit)
                 if self.mode == "inputs":  # B: the unit it left is done (no weight grads)
-                    if self._prev is not None and self._prev is not unit:
-                        self.free(self._prev)
-                    self._prev = unit
+                    # (a first stage's output is also its last block's: both hooks fire on
+                    # one tensor, before that block's backward, which must keep its unit)
+                    if self._prev is not None and self._prev[1] != key:
+                        if self._prev[0] is not unit:
+                            self.free(self._prev[0])
+                        self._prev = None
+                    if self._prev is None:
+                        self._prev = (unit, key)
                 else:
                     unit.waiting = set(unit.ids)
             self.prefetch(behind)
@@ -244,32 +241,6 @@ class ShardedParams:
             for unit in self._chunk_units[id(chunk)]:
                 self.free(unit)
                 unit.waiting = set()
-
-    def weight_pass(self, chunk, passes) -> None:
-        """``W`` of ``chunk``: ``passes`` = [(weights, run)], one per weight group of the
-        split backward; each ``run()`` accumulates its weights' gradients and needs their
-        units gathered. Gathers every unit of the chunk once, in backward order."""
-        units = self._chunk_units[id(chunk)]
-        pos = {id(u): k for k, u in enumerate(units)}
-        due: list[list] = [[] for _ in units]  # passes runnable once unit k is gathered
-        last = list(range(len(units)))  # the step after which each unit is freed
-        for weights, run in passes:
-            ks = {pos[id(self._unit_of[id(p)])] for p in weights}
-            due[max(ks)].append(run)
-            for k in ks:
-                last[k] = max(last[k], max(ks))
-        self.mode = "weights"
-        try:
-            for k, unit in enumerate(units):
-                self.gather(unit)
-                self.prefetch(units[k + 1] if k + 1 < len(units) else None)
-                for run in due[k]:
-                    run()
-                for j in range(k + 1):
-                    if last[j] == k:
-                        self.free(units[j])
-        finally:
-            self.mode = "full"
 
 
 def shard_parameters(chunks, grads) -> ShardedParams:

@@ -19,8 +19,8 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 - **zero3** (``optim.zero = 3``): the per-unit parameter all-gathers (forward and again
   backward) and gradient reduce-scatters over dp x cp, exposed beyond the pass's compute
   (``collectives.zero3_exposed``); in the passes, hence in the pipeline;
-- **split backward** (zb-h1, zbv): B + W cost ``SPLIT_B + SPLIT_W`` = 1.5 backwards, as
-  measured for hpctrain's B/W (a B that also computes the weight branches' partners).
+- **split backward** (zb-h1, zbv): B + W cost ``SPLIT_B + SPLIT_W`` = 1.12 backwards, as
+  measured for hpctrain's B/W (B all but the weight matmuls, W those matmuls).
 
 The pipeline's makespan comes from ``schedule/simulate.py`` fed with these per-rank costs
 (bubble included), or the closed form ``(m + (p-1)/v)(F+B)`` above ``SIMULATED_MAX``
@@ -57,11 +57,11 @@ from .cluster import Cluster, Link
 from .collectives import allreduce, ring_exposed, scatter, tp_ep_costs, zero3_exposed
 
 SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
-# zb-h1/zbv split each backward into B (input gradients) and W (weight gradients). hpctrain's
-# B (PyTorch's stage_backward_input) also computes the weight branches' partners, so it is
-# nearly a whole backward and W comes on top: measured B 0.93-0.97x and W 0.51-0.62x one
-# backward (docs/benchmarks.md, pipeline section, 2026-11-30 20:04 UTC, load 11).
-SPLIT_B, SPLIT_W = 0.95, 0.55
+# zb-h1/zbv split each backward into B (all but the weight matmuls) and W (their weight
+# gradients; model/weight_grad.py): measured on one pp=4 stage of the small benchmark model,
+# medians B 0.74-0.78x and W 0.36-0.38x one backward (B + W 1.13-1.15x: the Python of the
+# deferred matmuls; docs/benchmarks.md, pipeline section, 2026-12-01 03:50-04:00 UTC).
+SPLIT_B, SPLIT_W = 0.74, 0.38
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
         tp = c["tp"]
         cp_f, cp_b = ring_f * w["layers"], (ring_b + redo * ring_f) * w["layers"]
         z_f, z_b = zero3_exposed(cfg, cluster, w, links["dp"], f + over, 2 * (f + over))
-        back = (2 * (1 + split) + redo) * (f + over)  # split: B + W cost 1.5 backwards
+        back = (2 * (1 + split) + redo) * (f + over)  # split: B + W = SPLIT_B + SPLIT_W
         fwd = f + over + tp + c["ep_f"] + cp_f + z_f
         bwd = back + tp * (1 + redo) + c["ep_b"] + redo * c["ep_f"] + cp_b + z_b
         out.append((fwd, bwd, {"compute": f + over + back,

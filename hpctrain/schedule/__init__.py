@@ -5,7 +5,8 @@
 - ``simulate.py``: all ranks' lists in one process: matching, order, deadlock, bubble.
 - ``runner.py``: one rank's list executed with nonblocking p2p over ``pp_comm``; a receive
   is waited for by polling, then sleeping (``schedule.p2p_wait``).
-- ``zero_bubble.py``: the backward split into input (B) and weight (W) gradients.
+- ``zero_bubble.py``: the backward split into B (all but the weight matmuls) and W (their
+  weight gradients, from ``model.weight_grad``'s store).
 - ``moe_overlap.py``: the pure planner that adds expert all-to-all actions (D/E/C/G...).
 - ``moe_executor.py``: the runner's handlers for those actions.
 """

@@ -26,6 +26,7 @@ from collections import Counter
 import torch
 
 from ..config import microbatches as microbatch_count
+from ..model import weight_grad
 from ..model.gpt import DTYPES
 from ..parallel.pipeline import virtual_stages
 from . import moe_executor, moe_overlap, zero_bubble
@@ -115,10 +116,10 @@ def _backward(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     grad = None if st.is_last(a) else st.take("RB", a)
     out, x = st.outputs[key], st.inputs.get(key)
-    if st.split:  # B: input gradient only (schedule/zero_bubble.py); W follows later
+    if st.split:  # B: all but the weight matmuls (schedule/zero_bubble.py); W follows later
         chunk = st.chunks[a.c]
         with (st.sharded.input_pass(chunk) if st.sharded else contextlib.nullcontext()):
-            gx, st.grad_out[key] = zero_bubble.input_grad(out, grad, x, _params(chunk))
+            gx, st.grad_out[key] = zero_bubble.input_grad(out, grad, x)
         if gx is not None:
             st.grad_in[key] = gx
         return
@@ -129,15 +130,11 @@ def _backward(st: StepState, a: Action) -> None:
 
 
 def _weight(st: StepState, a: Action) -> None:
-    """Weight gradient of a split backward: accumulates into the chunk's ``.grad``."""
-    key, chunk = (a.microbatch, a.c), st.chunks[a.c]
-    hold = functools.partial(st.sharded.weight_pass, chunk) if st.sharded else None
-    zero_bubble.weight_grad(st.grad_out[key], _params(chunk), hold)
+    """Weight gradient of a split backward: the matmuls ``B`` kept, into the chunk's
+    ``.grad`` (no weight is read: nothing to gather under ZeRO-3)."""
+    key = (a.microbatch, a.c)
+    zero_bubble.weight_grad(st.grad_out[key])
     st.drop(key)
-
-
-def _params(chunk) -> list:
-    return [p for p in chunk.parameters() if p.requires_grad]
 
 
 def _post_recv(st: StepState, a: Action) -> None:
@@ -204,13 +201,14 @@ def run_step(chunks, microbatches, topo, cfg, loss_scale: float,
     only on the last stage; this rank's timing of the step, see :func:`execute`).
     ``loss_scale`` = 1 / tokens in the global batch. Point-to-point over ``topo.pp_comm`` only
     (no collective of its own; tp/ep ops inside the model are, and so are ZeRO-3's gathers:
-    ``sharded``, the ``ShardedParams`` the split backward's B and W gather around)."""
+    ``sharded``, the ``ShardedParams`` whose hooks a split backward's B steers)."""
     sched = schedule_for(cfg, len(microbatches))
     expanded = moe_overlap.overlapped(cfg, sched)  # MoE: D/E/C/G actions
     st = StepState(chunks, microbatches, topo, cfg, loss_scale, expanded, sharded)
     if expanded is not sched:
         st.handlers = {**HANDLERS, **moe_executor.handlers_for(expanded)}
-    timing = execute(st, timers)
+    with weight_grad.armed(st.split):  # the model's weight matmuls can defer to W
+        timing = execute(st, timers)
     return st.loss_sum, timing
 
 

@@ -183,14 +183,6 @@ def gathered(cfg: Config) -> tuple[int, int]:
     return max(block, root), root + 2 * block
 
 
-def zero3_gathers(cfg: Config) -> int:
-    """All-gathers of a stage's parameters per microbatch with ``optim.zero = 3``: forward
-    and backward, plus one for ``W`` where a split backward (zb-h1, zbv) has a stage with a
-    differentiable input (any zbv rank; a zb-h1 rank after the first), the most loaded."""
-    kind, pp = cfg.schedule.kind, cfg.topology.pp
-    return 3 if kind == "zbv" or (kind == "zb-h1" and pp > 1) else 2
-
-
 def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
     """Bytes each rank sends per step per axis (ring algorithms: an all-reduce of N bytes
     sends 2N(d-1)/d, a reduce-scatter or all-gather N(d-1)/d)."""
@@ -200,7 +192,9 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
     if d > 1:
         frac = (d - 1) / d
         rs = M if cfg.optim.zero >= 2 else 1  # zero 2/3 reduce every microbatch
-        gathers = zero3_gathers(cfg) * M if cfg.optim.zero == 3 else 1  # per microbatch
+        # zero 3: forward and backward gather the stage per microbatch (a split backward's W
+        # reads no weight: model/weight_grad.py)
+        gathers = 2 * M if cfg.optim.zero == 3 else 1
         out["dp"] = int(2 * P * ps * frac) if cfg.optim.zero == 0 else int(
             (rs + gathers) * P * ps * frac)
     act = t.micro_batch_size * local_tokens(cfg) * m.d_model * ps  # one (B, T/cp, C)

@@ -2,16 +2,16 @@
 
 A stage of 4 blocks and a root (the head), its parameters sharded over a fake one-rank group
 that counts the all-gathers: B (``input_pass``) holds at most the root and two blocks and
-leaves nothing gathered; W (``weight_pass``) gathers every unit once and holds at most two;
-the weight gradients equal one plain backward's (float64, 1e-12).
+leaves nothing gathered; W reads no weight and gathers nothing; the weight gradients equal
+one plain backward's (float64, 1e-12).
 """
 
-import functools
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
+from hpctrain.model import weight_grad
 from hpctrain.model.layers import ParamMeta
 from hpctrain.parallel.data import GradBuffers
 from hpctrain.parallel.zero3 import shard_parameters, units_of
@@ -64,19 +64,19 @@ class Block(nn.Module):
         self.w = _param(D, D)
 
     def forward(self, x):
-        return x + torch.tanh(x @ self.w)
+        return x + torch.tanh(weight_grad.linear(x, self.w))
 
 
 class Stage(nn.Module):
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleDict({str(i): Block() for i in range(4)})
-        self.head = _param(D, 3)
+        self.head = _param(3, D)
 
     def forward(self, x):
         for block in self.blocks.values():
             x = block(x)
-        return (x @ self.head).square().sum()
+        return weight_grad.linear(x, self.head).square().sum()
 
 
 def test_split_backward_gathers_unit_by_unit_and_matches_one_backward():
@@ -94,16 +94,15 @@ def test_split_backward_gathers_unit_by_unit_and_matches_one_backward():
     block, root = (sharded.units[0].nbytes, sharded.units[-1].nbytes)
     assert block == D * D * 8 and root == D * 3 * 8
 
-    out = stage(x)  # F: the root, then each block: 5 gathers
-    params = [p for _, p in named]
-    with sharded.input_pass(stage):
-        gx, state = zero_bubble.input_grad(out, None, x, params)
-    assert gx is not None and state[0] == "groups"
+    with weight_grad.armed():
+        out = stage(x)  # F: the root, then each block: 5 gathers
+        with sharded.input_pass(stage):
+            gx, pending = zero_bubble.input_grad(out, None, x)
+    assert gx is not None and len(pending.items) == 5
     assert sharded.live == 0 and sharded.take_peak() <= root + 2 * block
     assert group.gathers == 10  # B: the root and each block again
-    zero_bubble.weight_grad(state, params, functools.partial(sharded.weight_pass, stage))
-    assert group.gathers == 15 and sharded.live == 0  # W: each unit once
-    assert sharded.take_peak() <= 2 * max(block, root)
+    zero_bubble.weight_grad(pending)
+    assert group.gathers == 10 and sharded.live == 0  # W: no gather
     grads.reduce()
     for b in grads.buckets:
         for p, off in zip(b.params, b.offsets):
