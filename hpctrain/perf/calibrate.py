@@ -71,7 +71,7 @@ def compute_rate(cfg: Config, repeats: int = 5) -> dict:
     rate = min(peak, max(3 * f4 / t4, rate))
     overhead = max(0.0, (t1 - 3 * f1 / rate) / (3 * m.n_layers))
     opt = torch.optim.AdamW(stage.parameters(), foreach=False)
-    return {"peak": peak, "rate": rate, "overhead_s": overhead,
+    return {"peak": peak, "rate": rate, "overhead_s": overhead, "t4": t4,
             "step_overhead_s": _median_time(opt.step, repeats)}
 
 
@@ -144,20 +144,24 @@ def call_overhead(cfg: Config, group, link: Link, repeats: int = 10) -> dict | N
             "overhead": max(0.0, per_call - allreduce(nbytes, d, link))}
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return comm.processor_name()
+def compute_share(cfg: Config, world, alone_s: float) -> float:
+    """The fraction of its one-rank speed a rank keeps when every rank of the world computes
+    at once (collective): rank 0's time for the larger batch alone (``alone_s``) over the
+    mean time of the same work on all ranks together. Below 1 where ranks share cores
+    (simulated nodes on one machine), memory bandwidth or hyperthreads; 1 for one rank.
+    The cost model applies it to layouts of more than one rank."""
+    if world.size == 1:
+        return 1.0
+    together = world.allreduce(compute_rate(cfg, repeats=3)["t4"]) / world.size
+    return min(1.0, alone_s / together)
 
 
 def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     """Collective over the world: measure, and (rank 0) return the description."""
     world = comm.world()
-    # rank 0 alone (the others wait): the rate of one rank with a core to itself; ranks
-    # that share cores get compute_share of it
-    # (the others sleep, not spin in MPI, so that rank 0 has a core to itself)
+    # rank 0 alone (the others sleep, not spin in MPI, so that it has a core to itself):
+    # the rate of one rank; then all ranks at once for what a rank keeps of it
+    # (compute_share)
     flag = torch.zeros(1)
     if world.rank == 0:
         mine = compute_rate(cfg)
@@ -174,13 +178,11 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     calls = call_overhead(cfg, node, intra) if node.size > 1 else None
     overhead = world.allreduce(calls["overhead"] if calls else -1.0, "max")
     overhead = base.call_overhead_s if overhead < 0 else overhead
-    # One machine (simulated nodes share the kernel, hence its boot id): ranks share cores.
-    hosts = set(world.allgather_obj(_boot_id()))
-    cores = os.cpu_count() or 1
-    share = min(1.0, cores / world.size) if len(hosts) == 1 else 1.0
+    share = compute_share(cfg, world, pick["t4"])
     if world.rank:
         return None
     load = os.getloadavg()
+    cores = os.cpu_count() or 1
     rpn = node.size if node.size > 1 else cores  # one process: one rank per core
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rpn
     return dataclasses.replace(

@@ -3,8 +3,9 @@
 Per pp rank and microbatch (the most loaded rank sets the pace):
 
 - **compute**: the rank's model FLOPs (``telemetry/flops.py`` per layer: its layers, the head
-  on the last stage, split over tp) at ``peak x efficiency x compute_share``; backward 2x
-  forward, +1 forward with ``model.recompute``; plus ``overhead_s`` per layer and pass;
+  on the last stage, split over tp) at ``peak x efficiency x compute_share`` (the share is 1
+  for a one-rank run); backward 2x forward, +1 forward with ``model.recompute``; plus
+  ``overhead_s`` per layer and pass;
 - **tp**: 2 all-reduces (with sequence parallelism 2 all-gathers + 2 reduce-scatters, the
   same ring volume in twice the calls) of one ``(B, T, C)`` activation per layer forward, as
   many backward (again to recompute), plus the small ones of the vocabulary-parallel
@@ -191,7 +192,8 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
     """Per pp rank: (forward s, whole backward s, {part: s} per microbatch); the
     communication inside the passes from ``perf/collectives.py``."""
     m, t, tr = cfg.model, cfg.topology, cfg.train
-    rate = cluster.peak(m.dtype) * cluster.efficiency * cluster.compute_share
+    share = cluster.compute_share if t.pp * t.dp * t.cp * t.tp > 1 else 1.0  # 1 rank: alone
+    rate = cluster.peak(m.dtype) * cluster.efficiency * share
     tokens = tr.micro_batch_size * tr.seq_len // t.cp  # context parallelism: T/cp each
     ring_f, ring_b = ring_exposed(cfg, cluster, links["cp"], rate)
     split = SPLIT_B + SPLIT_W - 1 if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0
