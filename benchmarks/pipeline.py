@@ -8,6 +8,7 @@ At both sizes the measured 1f1b bubble against the simulator's (``pp_bubble`` /
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -109,7 +110,8 @@ def torch_pipeline(cfg, world) -> tuple[list[float], list[float]]:
 def split_cost(cfg, rounds: int) -> list[dict]:
     """B/backward and W/backward of a split backward on one pp=``cfg.topology.pp`` middle
     stage of ``cfg`` (one process, one microbatch): one plain backward and one B + W in turns,
-    ``rounds`` pairs after a warm-up; per-pair ratios (``paired``)."""
+    ``rounds`` pairs after a warm-up; medians of the per-pair ratios, and ``extra_s``: the
+    seconds B + W takes beyond one backward (median)."""
     ranges = partition(cfg.model.n_layers, cfg.topology.pp)
     stage = GPTStage(cfg.model, ranges[1], first=False, last=False)
     init_parameters([stage], cfg.train.seed)
@@ -135,9 +137,10 @@ def split_cost(cfg, rounds: int) -> list[dict]:
                 w_pass.append(time.perf_counter() - t1)
     back, b_pass, w_pass = back[1:], b_pass[1:], w_pass[1:]  # without the warm-up
     both = [b + w for b, w in zip(b_pass, w_pass)]
-    return [paired("split backward B / one backward", b_pass, back, "<= 0.75"),
-            paired("split backward W / one backward", w_pass, back, "<= 0.5"),
-            paired("split backward (B + W) / one backward", both, back, "<= 1.1")]
+    return {"B": median([b / a for b, a in zip(b_pass, back)]),
+            "W": median([w / a for w, a in zip(w_pass, back)]),
+            "B+W": median([b / a for b, a in zip(both, back)]),
+            "extra_s": median(both) - median(back), "pairs": rounds}
 
 
 def _alone(world, fn):
@@ -153,6 +156,29 @@ def _alone(world, fn):
     return None
 
 
+def run_1f1b(cfg, world, bubble: dict):
+    """hpctrain's 1f1b side: (step times, losses) of one run; appends the run's median
+    bubble, simulated bubble and waits (busiest rank, mean over ranks) to ``bubble``."""
+    extra = {k: None for k in ("pp_bubble", "pp_bubble_sim", "pp_idle_s")}
+    times, loss = hpctrain_run(cfg, world, extra)
+    idle = [x for x in extra.pop("pp_idle_s") if x]
+    extra["pp_idle_s"] = [min(x) for x in idle]
+    extra["idle_mean"] = [sum(x) / len(x) for x in idle]
+    for k, v in extra.items():
+        v = [x for x in steady(v) if x is not None]
+        bubble[k].append(median(v) if v else None)
+    return times, loss
+
+
+def split_measured(world, cfg, rounds: int, notes: list) -> dict:
+    """What the zero-bubble ratios pay for their split backward (:func:`split_cost` on rank
+    0 alone, pairs of a few ms each: 4x the rounds), on every rank, noted. Collective."""
+    split = world.bcast_obj(_alone(world, lambda: split_cost(cfg, 4 * rounds)))
+    notes.append(f"split backward of one stage, {split['pairs']} pairs: B {split['B']:.3g}, "
+                 f"W {split['W']:.3g}, B + W {split['B+W']:.3g} of one backward")
+    return split
+
+
 def bubble_ratio(bubbles: list, sims: list) -> dict | None:
     """The measured 1f1b bubble against the simulator's with the measured costs: median
     over the runs of measured / simulated; met when within 15 % (issue 19, item 2). None
@@ -165,6 +191,47 @@ def bubble_ratio(bubbles: list, sims: list) -> dict | None:
             "target": "<= 1.15", "met": bool(0.85 <= value <= 1.15),
             "spread": [min(ratios, default=value), max(ratios, default=value)],
             "pairs": len(ratios), "noise": False, "ratios": ratios}
+
+
+def explain(ratios: list[dict], samples: dict, bubble: dict, split: dict | None, m: int,
+            pp: int) -> None:
+    """Each comparison's measured reason (``why``, shown where it misses): what 1F1B waits
+    for per step (``pp_idle_s`` of its runs), the bound that sets on beating Schedule1F1B,
+    and what the split backward adds against the wait the zero-bubble schedules remove."""
+    ours = samples["hpctrain 1f1b"]
+    waits = [(o, i) for o, i in zip(ours, bubble["pp_idle_s"]) if i is not None]
+    if not waits:
+        return
+    step, idle = median([o for o, _ in waits]), median([i for _, i in waits])
+    mean_idle = median([i for i in bubble["idle_mean"] if i is not None])
+    cores = os.cpu_count() or 1
+    share = (f"; {pp} ranks share {cores} cores, so one rank's wait is partly another's "
+             "compute" if pp > cores else "")
+    for q in ratios:
+        if q["name"].startswith("throughput hpctrain 1f1b"):
+            bound = median([t / (o - i) for t, (o, i) in
+                            zip(samples["torch Schedule1F1B"], waits)])
+            head = (f"hpctrain's busiest pp rank waits {idle * 1e3:.0f} ms of a "
+                    f"{step * 1e3:.0f} ms step (bubble and transfers); with no wait at all "
+                    f"it would be {bound:.3g}x Schedule1F1B")
+            limit = float(q["target"].split()[1])
+            q["why"] = (f"compute-bound: {head}, below {limit:g}" if bound < limit else
+                        f"{head}: the waits are what keep it from {limit:g}") + share
+        elif q["name"].startswith("step 1f1b / z") and split is not None:
+            q["why"] = (f"the split backward costs {split['B+W']:.3g} backwards: "
+                        f"{split['extra_s'] * m * 1e3:.0f} ms more compute per step and rank "
+                        f"({m} microbatches), against {mean_idle * 1e3:.0f} ms a 1F1B rank "
+                        "waits, which is all a zero-bubble schedule can remove" + share)
+        elif q["name"].startswith("step spinning"):
+            q["why"] = (f"the two ways of waiting differ only while a rank waits: "
+                        f"{idle * 1e3:.0f} ms of a {step * 1e3:.0f} ms step on the busiest "
+                        "rank" + share)
+        elif q["name"].startswith("1f1b bubble"):
+            meas = median([b for b in bubble["pp_bubble"] if b is not None])
+            sim = median([b for b in bubble["pp_bubble_sim"] if b])
+            q["why"] = (f"measured bubble {meas:.3f} of the step against the simulator's "
+                        f"{sim:.3f} with the measured F/B costs: the rest is waiting on "
+                        "transfers and on peers" + share)
 
 
 def bench_config(size: str, pp: int, kind: str = "1f1b", *more: str):
@@ -201,7 +268,9 @@ def run(world, size: str, repeats: int) -> dict:
                  f"of {cfg.train.micro_batch_size}x{cfg.train.seq_len}; A/B interleaved, "
                  f"{rounds} rounds")
     losses: dict = {}
-    bubble: dict = {"pp_bubble": [], "pp_bubble_sim": []}  # per 1f1b run, median of steps
+    # per 1f1b run, median of steps; pp_idle_s: each pp rank's wait, kept as the busiest
+    # rank's (min) and the mean over ranks
+    bubble: dict = {"pp_bubble": [], "pp_bubble_sim": [], "pp_idle_s": [], "idle_mean": []}
 
     def side(name, fn):
         def sample():
@@ -210,16 +279,8 @@ def run(world, size: str, repeats: int) -> dict:
             return median(steady(times))
         return sample
 
-    def ours_1f1b():
-        extra = {k: None for k in bubble}
-        times, loss = hpctrain_run(cfg, world, extra)
-        for k, v in extra.items():
-            v = [x for x in steady(v) if x is not None]
-            bubble[k].append(median(v) if v else None)
-        return times, loss
-
     spin = bench_config(size, pp, "1f1b", 'schedule.p2p_wait="spin"')
-    sides = {"hpctrain 1f1b": side("hpctrain 1f1b", ours_1f1b),
+    sides = {"hpctrain 1f1b": side("hpctrain 1f1b", lambda: run_1f1b(cfg, world, bubble)),
              "torch Schedule1F1B": side("torch", lambda: torch_pipeline(cfg, world)),
              "hpctrain 1f1b, spinning MPI_Wait": side("spin", lambda: hpctrain_run(spin, world))}
     if pp >= 4:  # the zero-bubble schedules against hpctrain's own 1F1B, same run
@@ -237,10 +298,9 @@ def run(world, size: str, repeats: int) -> dict:
         out["notes"].append("1f1b bubble per run, measured / simulated: " + ", ".join(
             f"{b:.3f}/{s:.3f}" for b, s in zip(bubble["pp_bubble"], bubble["pp_bubble_sim"])
             if b is not None and s))
-    if pp >= 4:  # what the zero-bubble ratios above pay for their split backward (pairs of
-        # a few ms each: 4x the rounds)
-        out["ratios"] += world.bcast_obj(_alone(world, lambda: split_cost(cfg, 4 * rounds)))
-        load1 = loadavg()
+    split = split_measured(world, cfg, rounds, out["notes"]) if pp >= 4 else None
+    load1 = loadavg() if split else load1
+    explain(out["ratios"], samples, bubble, split, m, pp)
     out["load"] = {"before": load0, "after": load1}
     out["notes"].append(f"load average before {load0}, after {load1}")
     out["check"] = same_losses(losses)

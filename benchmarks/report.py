@@ -71,15 +71,17 @@ def comparisons(results: list[dict]) -> list[dict]:
 
 
 def why_not(q: dict) -> str:
-    """Why a comparison missed its target: the part's own measured reason (``why``), else
-    that its pairs cannot tell the sides apart, else that this run measured no reason."""
-    if q.get("why"):
-        return q["why"]
+    """Why a comparison missed its target: that its pairs cannot tell the sides apart
+    (noise), the part's own measured reason (``why``), both, or that this run measured no
+    reason."""
+    noise = None
     if q.get("noise"):
         lo, hi = q["spread"]
-        return (f"noise: the {q.get('pairs')} pairs span {lo:.3g}-{hi:.3g}, which covers 1.0; "
-                "the two sides cannot be told apart in this run")
-    return "not met in this run; no cause measured by this part (see docs/benchmarks.md)"
+        noise = (f"noise: the {q.get('pairs')} pairs span {lo:.3g}-{hi:.3g}, which covers 1.0; "
+                 "the two sides cannot be told apart in this run")
+    if q.get("why"):
+        return f"{noise}; measured: {q['why']}" if noise else q["why"]
+    return noise or "not met in this run; no cause measured by this part (see docs/benchmarks.md)"
 
 
 def not_met(comps: list[dict], failed: int = 0) -> list[str]:
