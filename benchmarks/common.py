@@ -92,6 +92,22 @@ def pair_ratios(num: list[float], den: list[float], offset: float = 0.0) -> list
     return [a / b + offset for a, b in zip(num, den)]
 
 
+def bound_without(ours: list[float], theirs: list[float], cost: list[float], q: dict,
+                  what: str) -> str:
+    """The measured reason for comparison ``q`` (throughput hpctrain / a peer = theirs /
+    ours, pair by pair): the ratio hpctrain would reach with ``cost`` (seconds of each of its
+    samples: exposed communication, waits) gone. Below ``q``'s target it is compute-bound;
+    above, ``cost`` is what keeps it from the target. ``what`` opens the sentence with the
+    cost's name; the pair's medians follow."""
+    bound = median([t / (o - c) for t, o, c in zip(theirs, ours, cost)])
+    limit = float(q["target"].split()[1])
+    head = (f"{what} {median(cost) * 1e3:.1f} ms of a {median(ours) * 1e3:.0f} ms step; with "
+            f"none at all it would be {bound:.3g}x")
+    if bound < limit:
+        return f"compute-bound: {head}, below {limit:g}"
+    return f"{head}: that is what keeps it from {limit:g}"
+
+
 def interleaved(variants: dict, pairs: int) -> dict[str, list]:
     """Run every variant (name -> callable returning one sample) ``pairs`` times, order
     reversed every other round (ABBA...), so drifts of the machine hit every side alike;

@@ -5,6 +5,7 @@ batch; both must reach the same losses."""
 from __future__ import annotations
 
 from .common import (
+    bound_without,
     exposed_comm_s,
     hpctrain_steps,
     median,
@@ -47,22 +48,9 @@ def run(world, size: str, repeats: int) -> dict:
                    row("torch DDP (gloo)", theirs, "s/step")]
     out["exposed_comm"] = row("hpctrain exposed communication", comm, "s/step")
     q = ratio("throughput hpctrain / DDP", 0.0, ">= 1.15", pair_ratios(theirs, ours))
-    q["why"] = compute_bound(ours, theirs, comm, float(q["target"].split()[1]))
+    q["why"] = bound_without(ours, theirs, comm, q,
+                             "hpctrain waits for communication (against DDP):")
     out["ratios"] = [q]
     out["check"] = same_losses(losses)
     return out
 
-
-def compute_bound(ours: list[float], theirs: list[float], comm: list[float],
-                  target: float) -> str:
-    """What the step is made of, measured: hpctrain's exposed communication per step and the
-    ratio it would reach against DDP with none (median of the pairs). Below the target, the
-    target is out of reach by communication alone; above, communication is what is missing."""
-    bound = median(pair_ratios(theirs, [o - c for o, c in zip(ours, comm)]))
-    step, sync = median(ours), median(comm)
-    head = (f"hpctrain waits {sync * 1e3:.1f} ms for communication in a {step * 1e3:.0f} ms "
-            f"step; with none at all it would be {bound:.3g}x DDP")
-    if bound < target:
-        return (f"compute-bound: {head}, below {target:g}: the rest of the step is forward, "
-                "backward and optimizer work both sides share")
-    return f"{head}: the exposed communication is what keeps it from {target:g}"

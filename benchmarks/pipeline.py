@@ -23,6 +23,7 @@ from hpctrain.schedule import zero_bubble
 
 from .abtest import interleave, loadavg, paired
 from .common import (
+    bound_without,
     hpctrain_run,
     median,
     pairs_of,
@@ -209,14 +210,10 @@ def explain(ratios: list[dict], samples: dict, bubble: dict, split: dict | None,
              "compute" if pp > cores else "")
     for q in ratios:
         if q["name"].startswith("throughput hpctrain 1f1b"):
-            bound = median([t / (o - i) for t, (o, i) in
-                            zip(samples["torch Schedule1F1B"], waits)])
-            head = (f"hpctrain's busiest pp rank waits {idle * 1e3:.0f} ms of a "
-                    f"{step * 1e3:.0f} ms step (bubble and transfers); with no wait at all "
-                    f"it would be {bound:.3g}x Schedule1F1B")
-            limit = float(q["target"].split()[1])
-            q["why"] = (f"compute-bound: {head}, below {limit:g}" if bound < limit else
-                        f"{head}: the waits are what keep it from {limit:g}") + share
+            q["why"] = bound_without(
+                [o for o, _ in waits], samples["torch Schedule1F1B"], [i for _, i in waits], q,
+                "hpctrain's busiest pp rank waits (bubble and transfers; against "
+                "Schedule1F1B):") + share
         elif q["name"].startswith("step 1f1b / z") and split is not None:
             q["why"] = (f"the split backward costs {split['B+W']:.3g} backwards: "
                         f"{split['extra_s'] * m * 1e3:.0f} ms more compute per step and rank "
