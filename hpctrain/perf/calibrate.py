@@ -48,22 +48,30 @@ def _median_time(fn, repeats: int, stat=statistics.median) -> float:
     return stat(out)
 
 
-def compute_rate(cfg: Config, repeats: int = 5) -> dict:
-    """One process: peak FLOP/s, achieved model rate, per-layer overhead, optimizer step."""
+def _whole_model(cfg: Config):
     from ..model import GPTStage, init_parameters
 
-    m, T = cfg.model, cfg.train.seq_len
-    stage = GPTStage(m, range(m.n_layers), first=True, last=True)
+    stage = GPTStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
     init_parameters([stage], seed=1)
-    times = {}
-    for B in (cfg.train.micro_batch_size, 4 * cfg.train.micro_batch_size):
-        x = torch.randint(0, m.vocab_size, (B, T))
+    return stage
 
-        def step(x=x):
-            stage.zero_grad(set_to_none=True)
-            stage(x, x).backward()
-        times[B] = (_median_time(step, repeats), B * T * forward_flops_per_token(m, T))
-    (t1, f1), (t4, f4) = times.values()
+
+def _model_time(stage, cfg: Config, batch: int, repeats: int) -> float:
+    """Median seconds of one forward + backward of the whole model on ``batch`` sequences."""
+    x = torch.randint(0, cfg.model.vocab_size, (batch, cfg.train.seq_len))
+
+    def step():
+        stage.zero_grad(set_to_none=True)
+        stage(x, x).backward()
+    return _median_time(step, repeats)
+
+
+def compute_rate(cfg: Config, repeats: int = 5) -> dict:
+    """One process: peak FLOP/s, achieved model rate, per-layer overhead, optimizer step."""
+    stage = _whole_model(cfg)
+    m, T, B = cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size
+    f1, f4 = (b * T * forward_flops_per_token(m, T) for b in (B, 4 * B))
+    t1, t4 = _model_time(stage, cfg, B, repeats), _model_time(stage, cfg, 4 * B, repeats)
     peak = measure_peak_flops(getattr(torch, m.dtype))
     # two unknowns from two noisy times: the rate lies between what 4B achieves with no
     # overhead at all and the matrix multiplies' peak (t4 - t1 <= 0 under load: the peak)
@@ -152,7 +160,8 @@ def compute_share(cfg: Config, world, alone_s: float) -> float:
     The cost model applies it to layouts of more than one rank."""
     if world.size == 1:
         return 1.0
-    together = world.allreduce(compute_rate(cfg, repeats=3)["t4"]) / world.size
+    mine = _model_time(_whole_model(cfg), cfg, 4 * cfg.train.micro_batch_size, repeats=3)
+    together = world.allreduce(mine) / world.size
     return min(1.0, alone_s / together)
 
 
