@@ -162,6 +162,8 @@ class GradBuffers:
                        for p, off in zip(b.params, b.offsets)}
         self._count = {id(p): 0 for _, p in self.named}  # gradients accumulated this step
         self._pending: list = []  # (handle, bucket, recv or None)
+        self._tested = 0  # _pending[:_tested] are complete (progress: test)
+        self._next = 0  # reductions posted this step: the next is (k, bucket) = divmod
         self.posted_early = 0  # reductions posted from hooks, i.e. during backward
         self.offload = self._offload(groups)
         for _, p in self.named:  # 16-bit: into the float32 main grad after every backward
@@ -235,7 +237,7 @@ class GradBuffers:
             if b.shard is not None:
                 b.shard.zero_()
             b.staging, b.posted = None, 0
-        self.posted_early = 0
+        self.posted_early, self._next = 0, 0
         for k in self._count:
             self._count[k] = 0
         for _, p in self.named:
@@ -258,24 +260,26 @@ class GradBuffers:
         if self.overlap:
             self._count[id(p)] += 1
             self._post_ready()
-            if self.progress == "test":  # drive libnbc: MPI progresses only inside calls
-                for handle, _, _ in self._pending:
-                    handle.test()
+            if self.progress == "test":
+                self._drive()
 
-    def _targets(self) -> list[int]:
-        """The microbatch counts at which buckets are reduced, in posting order."""
-        if self.zero_level >= 2:
-            return list(range(1, self.microbatches + 1))
-        return [self.microbatches]
+    def _drive(self) -> None:
+        """Drive libnbc from a hook (MPI progresses only inside calls): ``MPI_Test`` on the
+        oldest reduction not yet complete; one call progresses every outstanding nonblocking
+        collective of the process. Complete ones are passed once, so a hook costs O(1), not
+        O(reductions posted this step) (which made ZeRO-2's per-microbatch reductions
+        quadratic in the microbatches)."""
+        pending = self._pending
+        while self._tested < len(pending) and pending[self._tested][0].test():
+            self._tested += 1
 
     def _post_ready(self, flush: bool = False) -> None:
-        """Post reductions in the fixed (microbatch, bucket) order while they are ready."""
-        targets, n = self._targets(), len(self.buckets)
-        while True:
-            done = sum(b.posted for b in self.buckets)
-            if done == len(targets) * n:
-                return
-            k, b = targets[done // n], self.buckets[done % n]
+        """Post reductions in the fixed (microbatch, bucket) order while they are ready: a
+        bucket is ready at microbatch count k (1 .. M with zero 2 and 3, else M only)."""
+        per_mb, n = self.zero_level >= 2, len(self.buckets)
+        while self._next < (self.microbatches if per_mb else 1) * n:
+            i, j = divmod(self._next, n)
+            k, b = (i + 1 if per_mb else self.microbatches), self.buckets[j]
             if not flush and min(self._count[id(p)] for p in b.params) < k:
                 return
             self.posted_early += not flush
@@ -283,6 +287,7 @@ class GradBuffers:
 
     def _post(self, b: Bucket) -> None:
         b.posted += 1
+        self._next += 1
         thread = self.offload if b.group.size > 1 else None
         if self.zero_level == 0:
             if b.group.size > 1:
@@ -304,7 +309,7 @@ class GradBuffers:
             handle.wait()
             if recv is not None:
                 b.shard.add_(recv)
-        self._pending = []
+        self._pending, self._tested = [], 0
 
     def reduce(self) -> None:
         """Finish the step's reduction: post what the hooks have not, wait for everything,
@@ -326,6 +331,7 @@ class GradBuffers:
             for b in self.buckets:
                 if self.zero_level == 0:
                     b.posted += 1
+                    self._next += 1
                     b.group.allreduce_(b.flat)
                 else:
                     self._post(b)
