@@ -72,6 +72,7 @@ class Bucket:
     shard: torch.Tensor | None = None  # (numel / group.size,) reduced gradient, zero 1/2
     staging: torch.Tensor | None = None  # zero 2: (numel,) this microbatch's gradients
     posted: int = 0  # reductions posted this step
+    arrived: int = 0  # gradients its parameters' hooks delivered this step (overlap)
     unit: int = 0  # zero 3: the unit (block or stage root) this bucket belongs to
     pshard: torch.Tensor | None = None  # zero 3: this rank's shard of the parameters
     full: torch.Tensor | None = None  # zero 3: the gathered parameters (storage freed)
@@ -236,7 +237,7 @@ class GradBuffers:
         for b in self.buckets:
             if b.shard is not None:
                 b.shard.zero_()
-            b.staging, b.posted = None, 0
+            b.staging, b.posted, b.arrived = None, 0, 0
         self.posted_early, self._next = 0, 0
         for k in self._count:
             self._count[k] = 0
@@ -259,6 +260,7 @@ class GradBuffers:
             p.grad = None
         if self.overlap:
             self._count[id(p)] += 1
+            self._where[id(p)][0].arrived += 1
             self._post_ready()
             if self.progress == "test":
                 self._drive()
@@ -280,7 +282,10 @@ class GradBuffers:
         while self._next < (self.microbatches if per_mb else 1) * n:
             i, j = divmod(self._next, n)
             k, b = (i + 1 if per_mb else self.microbatches), self.buckets[j]
-            if not flush and min(self._count[id(p)] for p in b.params) < k:
+            # every parameter has k gradients: the sum first (one comparison), the minimum
+            # only once the sum allows it (O(1) per hook, not O(parameters per bucket))
+            if not flush and (b.arrived < k * len(b.params)
+                              or min(self._count[id(p)] for p in b.params) < k):
                 return
             self.posted_early += not flush
             self._post(b)
