@@ -248,3 +248,4 @@ def _check_run(cfg: Config, world_size: int, need) -> None:
     _at_least(cfg, need, 0, "checkpoint.every", "checkpoint.keep", "checkpoint.alignment",
               "train.log_every", "train.max_wall_s", "train.slurm_margin_s")
     _one_of(cfg, need, ("rollback", "stop"), "telemetry.on_skips")
+    _at_least(cfg, need, 1, "telemetry.activations_every")

@@ -183,6 +183,9 @@ class TelemetryConfig:
     watchdog_s: float = 600.0  # the floor in seconds; 0: the watchdog is off
     watchdog_factor: float = 10.0  # x the slowest step (saves, evaluations included); 0: fixed
     peak_flops: float = 0.0  # per rank; 0 = measure at start
+    # saved-tensor hooks count activation bytes (mem_activations) at the run's first step and
+    # every N-th step after; they cost ~6 us per saved tensor (16 % of a small model's step)
+    activations_every: int = 20
     max_skips: int = 3  # consecutive non-finite/spiking steps before on_skips; 0: never
     on_skips: str = "rollback"  # "rollback" to the last checkpoint, or "stop"
     loss_spike: float = 0.0  # a loss > this x the recent mean is a bad step; 0: off

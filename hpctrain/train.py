@@ -123,7 +123,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
              f"data: {tokens.lineage.get('source')} ({len(tokens.tokens):,} tokens)")
     if cfg.model.device == "cuda":
         log.info(f"device {device}; {gpu.describe()}")
-    meter = Meter(params, grads, optimizer)
+    meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)
     saver = Checkpointer(cfg.checkpoint, topo, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
                          warn=log.warn)
     start, ckpt_attrs = restore(cfg, topo, log, saver, params, optimizer, tokens.lineage,
@@ -174,7 +174,7 @@ def train_step(tr: Trainer, step: int) -> dict:
     tr.grads.zero()
     scale = optimizer.loss_scale / tr.global_tokens
     set_loss_scale(tr.chunks, scale)
-    with timers("compute"), tr.meter.activations():
+    with timers("compute"), tr.meter.step(step + 1):
         loss_sum, tr.pipeline_timing = run_step(tr.chunks, microbatches, topo, cfg, scale,
                                                 timers, tr.grads.sharded)
     tr.faults.inject(step + 1, tr.params, timers)  # tests only: kill, stall, poison, slow

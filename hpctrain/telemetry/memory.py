@@ -318,13 +318,27 @@ class ActivationMeter:
 
 
 class Meter(ActivationMeter):
-    """Measured memory of one rank (see the module docstring). Not collective."""
+    """Measured memory of one rank (see the module docstring). Not collective.
 
-    def __init__(self, named_params, grads, optimizer):
+    The saved-tensor hooks run at the first step metered and every ``every``-th step
+    (``telemetry.activations_every``): ``mem_activations`` is the latest such step's peak,
+    ``mem_activations_step`` that step."""
+
+    def __init__(self, named_params, grads, optimizer, every: int = 1):
         self.params, self.grads, self.optimizer = list(named_params), grads, optimizer
         super().__init__([p for _, p in self.params])
         if getattr(grads, "sharded", None) is not None:
             self.gathered = grads.sharded.storages  # updated by every gather and free
+        self.every = every
+        self.metered: int | None = None  # the step (1-based) counted now, if any
+        self.last: tuple[int, int] = (0, 0)  # (step, activation peak) of the latest count
+
+    def step(self, step: int):
+        """Wrap step ``step``'s (1-based) forward and backward: counted when it is the first
+        step here or a multiple of ``every``, else nothing runs."""
+        first = self.last[0] == 0
+        self.metered = step if first or step % self.every == 0 else None
+        return self.activations() if self.metered else contextlib.nullcontext()
 
     def take(self) -> dict:
         """This step's measured bytes (metrics keys ``mem_*``); resets the activation peak."""
@@ -334,10 +348,16 @@ class Meter(ActivationMeter):
                else _nbytes(self.params),
                "mem_grads": self.grads.grad_bytes(),
                "mem_optimizer": self.optimizer.state_bytes(),
-               "mem_activations": self.take_peak()}
+               "mem_activations": self._activations()}
         out["mem_peak"] = sum(out.values())
+        out["mem_activations_step"] = self.last[0]
         # Evidence of overlap: bucket reductions posted while backward was still running.
         out["grad_buckets_posted_in_backward"] = getattr(self.grads, "posted_early", 0)
         if sharded:  # the part of mem_params that is all-gathered blocks, at its peak
             out["mem_params_gathered"] = gathered
         return out
+
+    def _activations(self) -> int:
+        if self.metered:
+            self.last, self.metered = (self.metered, self.take_peak()), None
+        return self.last[1]

@@ -60,3 +60,23 @@ def test_meter_counts_each_storage_once():
     assert meter.peak == x.nbytes + h.nbytes
     out.backward()
     assert meter.current == 0
+
+
+def test_meter_counts_the_first_step_and_every_nth():
+    """``telemetry.activations_every``: the hooks run at the first step and every N-th;
+    between them the latest count (and its step) is reported, never 0."""
+    w = torch.randn(4, 4, requires_grad=True)
+    grads = type("G", (), {"grad_bytes": lambda self: 0, "sharded": None})()
+    optim = type("O", (), {"state_bytes": lambda self: 0})()
+    meter = memory.Meter([("w", w)], grads, optim, every=3)
+    seen = []
+    for step in range(2, 9):  # a resumed run: its first step is 2
+        x = torch.randn(8 * step, 4)  # a different activation size each step
+        with meter.step(step):
+            (x @ w).sum().backward()
+        got = meter.take()
+        seen.append((step, got["mem_activations_step"], got["mem_activations"]))
+    counted = {s: 8 * s * 4 * 4 for s in (2, 3, 6)}  # x's bytes at the counted steps
+    assert [(s, k) for s, k, _ in seen] == [(2, 2), (3, 3), (4, 3), (5, 3), (6, 6), (7, 6),
+                                            (8, 6)]
+    assert all(a == counted[k] for _, k, a in seen)
