@@ -12,7 +12,7 @@
    (``--markdown``: also as the table of docs/performance-model.md; ``--predict-only``:
    the stored runs with this model's predictions, no runs).
 
-The whole run: ``python -m benchmarks.perf_model --repeats 2 --two-node --markdown``
+The whole run: ``python -m benchmarks.perf_model --repeats 3 --two-node --markdown``
 (about 10 minutes on this machine when it is quiet).
 """
 
@@ -33,7 +33,7 @@ from .mpi_env import ROOT, cluster_program, command, detect, nested_env
 PY = sys.executable  # the venv running this (its mpi4py picks the launcher)
 CFG = "share/configs/tiny.toml"
 MODEL = ('model.dtype="float32"', "model.d_model=64", "model.n_heads=8", "model.d_ff=256",
-         "train.seq_len=64", "train.global_batch_size=16", "train.steps=10",
+         "train.seq_len=64", "train.global_batch_size=16", "train.steps=14",
          "checkpoint.save_final=false", "telemetry.watchdog_s=0")
 LAYOUTS = {  # name -> (ranks, overrides): at most 2 ranks, one per core
     "1 rank": (1, ()),
@@ -99,6 +99,9 @@ def median_cluster(paths: list[Path], out: Path) -> None:
     merged = first.__class__(**{
         **first.__dict__, "efficiency": med(lambda c: c.efficiency),
         "overhead_s": med(lambda c: c.overhead_s),
+        "pass_overhead_s": med(lambda c: c.pass_overhead_s),
+        "hook_overhead_s": med(lambda c: c.hook_overhead_s),
+        "ring_overhead_s": med(lambda c: c.ring_overhead_s),
         "step_overhead_s": med(lambda c: c.step_overhead_s),
         "call_overhead_s": med(lambda c: c.call_overhead_s),
         "peak_flops": {dtype: med(lambda c: c.peak_flops[dtype])}, "name": out.stem,

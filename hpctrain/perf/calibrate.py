@@ -48,10 +48,11 @@ def _median_time(fn, repeats: int, stat=statistics.median) -> float:
     return stat(out)
 
 
-def _whole_model(cfg: Config):
+def _whole_model(cfg: Config, layers: int = 0):
+    """The config's model (its first ``layers`` blocks only, if given) as one stage."""
     from ..model import GPTStage, init_parameters
 
-    stage = GPTStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
+    stage = GPTStage(cfg.model, range(layers or cfg.model.n_layers), first=True, last=True)
     init_parameters([stage], seed=1)
     return stage
 
@@ -66,8 +67,9 @@ def _model_time(stage, cfg: Config, batch: int, repeats: int) -> float:
     return _median_time(step, repeats)
 
 
-def compute_rate(cfg: Config, repeats: int = 5) -> dict:
-    """One process: peak FLOP/s, achieved model rate, per-layer overhead, optimizer step."""
+def compute_rate(cfg: Config, alone=None, repeats: int = 5) -> dict:
+    """One process: peak FLOP/s, achieved model rate, per-layer and per-stage-pass
+    overheads, the gradient hooks' cost (over ``alone``, a one-rank group), optimizer step."""
     stage = _whole_model(cfg)
     m, T, B = cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size
     f1, f4 = (b * T * forward_flops_per_token(m, T) for b in (B, 4 * B))
@@ -77,10 +79,59 @@ def compute_rate(cfg: Config, repeats: int = 5) -> dict:
     # overhead at all and the matrix multiplies' peak (t4 - t1 <= 0 under load: the peak)
     rate = 3 * (f4 - f1) / (t4 - t1) if t4 > t1 else peak
     rate = min(peak, max(3 * f4 / t4, rate))
-    overhead = max(0.0, (t1 - 3 * f1 / rate) / (3 * m.n_layers))
+    layer, per_pass = _overheads(cfg, t1, f1, rate, repeats)
     opt = torch.optim.AdamW(stage.parameters(), foreach=False)
-    return {"peak": peak, "rate": rate, "overhead_s": overhead, "t4": t4,
-            "step_overhead_s": _median_time(opt.step, repeats)}
+    return {"peak": peak, "rate": rate, "overhead_s": layer, "pass_overhead_s": per_pass,
+            "hook_overhead_s": hook_cost(cfg, alone, repeats) if alone is not None else 0.0,
+            "ring_overhead_s": ring_cost(cfg, alone, repeats) if alone is not None else 0.0,
+            "t4": t4, "step_overhead_s": _median_time(opt.step, repeats)}
+
+
+def _overheads(cfg: Config, t1: float, f1: float, rate: float,
+               repeats: int) -> tuple[float, float]:
+    """(per layer, per stage) seconds of one forward or backward pass beyond the FLOPs at
+    ``rate``: the whole model (``t1`` s, ``f1`` FLOPs at microbatch B) against its first
+    half of the blocks with the same ends (embedding, head, loss, the autograd call: what a
+    pipeline stage pays whatever its layers). One block: all per layer."""
+    m, T, B = cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size
+    L, half = m.n_layers, m.n_layers // 2
+    if half < 1:
+        return max(0.0, (t1 - 3 * f1 / rate) / (3 * L)), 0.0
+    fh = f1 - B * T * sum(layer_flops(cfg, i) for i in range(half, L))
+    th = _model_time(_whole_model(cfg, half), cfg, B, repeats)
+    layer = max(0.0, ((t1 - th) - 3 * (f1 - fh) / rate) / (3 * (L - half)))
+    per_pass = max(0.0, (t1 - 3 * f1 / rate) / 3 - L * layer)
+    return layer, per_pass
+
+
+def hook_cost(cfg: Config, alone, repeats: int = 5, microbatches: int = 4) -> float:
+    """Seconds per parameter tensor and microbatch that the gradient hooks add: the whole
+    model's backward over ``microbatches`` with ZeRO-2's hooks (``parallel/data.py`` over the
+    one-rank group ``alone``: the staging copy, the counts, the posting; nothing travels)
+    against the same model without, interleaved, medians."""
+    from types import SimpleNamespace
+
+    from ..parallel.data import GradBuffers
+
+    plain, hooked = _whole_model(cfg), _whole_model(cfg)
+    named = list(hooked.named_parameters())
+    topo = SimpleNamespace(dpcp_comm=alone, edpcp_comm=alone, tp_comm=alone, tp_size=1)
+    grads = GradBuffers(named, topo, cfg.optim.bucket_mb, zero=2,
+                        microbatches=microbatches, progress="test")
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
+
+    def run(stage, g=None):
+        g.zero() if g is not None else stage.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        for _ in range(microbatches):
+            stage(x, x).backward()
+        if g is not None:
+            g.reduce()
+        return time.perf_counter() - t0
+    run(plain), run(hooked, grads)
+    times = [(run(plain), run(hooked, grads)) for _ in range(repeats)]
+    extra = statistics.median(b for _, b in times) - statistics.median(a for a, _ in times)
+    return max(0.0, extra / (microbatches * len(named)))
 
 
 def link_of(group, repeats: int = 40) -> Link:
@@ -152,6 +203,33 @@ def call_overhead(cfg: Config, group, link: Link, repeats: int = 10) -> dict | N
             "overhead": max(0.0, per_call - allreduce(nbytes, d, link))}
 
 
+def ring_cost(cfg: Config, alone, repeats: int = 5) -> float:
+    """Seconds per layer and pass unit (forward 1, backward 2) that context parallelism's
+    ring attention (``parallel/context.py``) adds beyond the attention's FLOPs: one layer's
+    attention of a microbatch over the one-rank ring ``alone`` (its block, the log-sum-exp
+    merge, the gradient hop to itself) against PyTorch's fused causal attention of the same
+    tensors, interleaved, medians, per 3 pass units. Mostly fixed per call (measured: 2.1 ms
+    a layer on 1 rank, 2.2 ms in the cp=2 runs' profile), so the model charges it per layer."""
+    from ..parallel.context import RingContext
+
+    m, B, T = cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len
+    T -= T % 2  # the ring's two chunks
+    dtype = getattr(torch, m.dtype)
+    q, k, v = (torch.randn(B, m.n_heads, T, m.head_dim, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    ring = RingContext(alone)
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def run(attend):
+        t0 = time.perf_counter()
+        attend().sum().backward()
+        return time.perf_counter() - t0
+    ways = (lambda: ring.attention(q, k, v, 1), lambda: fused(q, k, v, is_causal=True))
+    times = [[run(f) for f in ways] for _ in range(repeats + 1)][1:]
+    extra = statistics.median(r for r, _ in times) - statistics.median(f for _, f in times)
+    return max(0.0, extra / 3)
+
+
 def compute_share(cfg: Config, world, alone_s: float) -> float:
     """The fraction of its one-rank speed a rank keeps when every rank of the world computes
     at once (collective): rank 0's time for the larger batch alone (``alone_s``) over the
@@ -172,8 +250,9 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     # the rate of one rank; then all ranks at once for what a rank keeps of it
     # (compute_share)
     flag = torch.zeros(1)
+    alone = comm.split(world, world.rank, 0, "dp")  # a one-rank group: hooks, no transfer
     if world.rank == 0:
-        mine = compute_rate(cfg)
+        mine = compute_rate(cfg, alone)
         world.iallreduce_(flag).wait()
     else:
         mine, handle = None, world.iallreduce_(flag)
@@ -200,6 +279,8 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         peak_flops={cfg.model.dtype: pick["peak"]}, memory=ram,
         efficiency=min(1.0, pick["rate"] / pick["peak"]), overhead_s=pick["overhead_s"],
+        pass_overhead_s=pick["pass_overhead_s"], hook_overhead_s=pick["hook_overhead_s"],
+        ring_overhead_s=pick["ring_overhead_s"],
         step_overhead_s=pick["step_overhead_s"], intra=intra, inter=inter,
         call_overhead_s=overhead,
         compute_share=share,

@@ -12,6 +12,11 @@ or a path)::
     memory_bandwidth = 2.0e12    # bytes/s per rank (the optimizer step is bound by it)
     checkpoint_bandwidth = 5e9   # bytes/s per node to the file system
     overhead_s = 0.0             # per layer per forward or backward pass (launches, Python)
+    pass_overhead_s = 0.0        # per stage per forward or backward pass (embedding, loss,
+                                 # the autograd call: what does not scale with the layers)
+    hook_overhead_s = 0.0        # per parameter tensor and microbatch whose gradient hook
+                                 # moves it (ZeRO 2/3, overlap, 16-bit main grads)
+    ring_overhead_s = 0.0        # per layer and pass unit of ring attention (cp > 1)
     step_overhead_s = 0.0        # per step (norm, clip, bookkeeping)
     call_overhead_s = 0.0        # per collective the passes issue (tp, cp, ep, ZeRO-3): the
                                  # fixed time around each call beyond its link's alpha-beta
@@ -71,6 +76,9 @@ class Cluster:
     memory_bandwidth: float = 1e12
     checkpoint_bandwidth: float = 1e9
     overhead_s: float = 0.0
+    pass_overhead_s: float = 0.0
+    hook_overhead_s: float = 0.0
+    ring_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     # seconds each collective issued inside the passes (tp, cp, ep, ZeRO-3) costs beyond its
     # link's alpha-beta: dispatch, the autograd function around it, on a shared machine the
@@ -158,6 +166,9 @@ def from_dict(raw: dict, where: str = "cluster") -> Cluster:
         memory_bandwidth=num("memory_bandwidth", 1e12),
         checkpoint_bandwidth=num("checkpoint_bandwidth", 1e9),
         overhead_s=num("overhead_s", 0.0, strict_low=False),
+        pass_overhead_s=num("pass_overhead_s", 0.0, strict_low=False),
+        hook_overhead_s=num("hook_overhead_s", 0.0, strict_low=False),
+        ring_overhead_s=num("ring_overhead_s", 0.0, strict_low=False),
         step_overhead_s=num("step_overhead_s", 0.0, strict_low=False),
         call_overhead_s=num("call_overhead_s", 0.0, strict_low=False),
         compute_share=num("compute_share", 1.0, high=1.0),
@@ -191,7 +202,10 @@ def dumps(c: Cluster) -> str:
              f"efficiency = {c.efficiency:.6g}", f'collective = "{c.collective}"',
              f"memory_bandwidth = {c.memory_bandwidth:.6g}",
              f"checkpoint_bandwidth = {c.checkpoint_bandwidth:.6g}",
-             f"overhead_s = {c.overhead_s:.6g}", f"step_overhead_s = {c.step_overhead_s:.6g}",
+             f"overhead_s = {c.overhead_s:.6g}", f"pass_overhead_s = {c.pass_overhead_s:.6g}",
+             f"hook_overhead_s = {c.hook_overhead_s:.6g}",
+             f"ring_overhead_s = {c.ring_overhead_s:.6g}",
+             f"step_overhead_s = {c.step_overhead_s:.6g}",
              f"call_overhead_s = {c.call_overhead_s:.6g}",
              f"compute_share = {c.compute_share:.6g}", "", "[peak_flops]"]
     lines += [f"{k} = {v:.6g}" for k, v in c.peak_flops.items()]

@@ -159,14 +159,39 @@ def layer_flops(cfg: Config, i: int, full: bool = False) -> float:
     m, T = cfg.model, cfg.train.seq_len
     C, F = m.d_model, m.ffn_dim
     attention = 2 * 4 * C * C + 2 * 2 * C * (T if full else (T + 1) / 2)
-    if m.num_experts and (i + 1) % max(1, m.moe_every) == 0:
+    if is_moe(m, i):
         return attention + 2 * C * m.num_experts + m.top_k * 2 * 2 * C * F
     return attention + 2 * 2 * C * F
 
 
+def is_moe(m, i: int) -> bool:
+    return bool(m.num_experts) and (i + 1) % max(1, m.moe_every) == 0
+
+
+@functools.lru_cache(maxsize=64)
+def parameter_tensors(m) -> dict:
+    """Parameter tensors (each has a gradient hook) of a dense block, a MoE block, the first
+    stage's and the last stage's own ends: the model's modules built on the meta device."""
+    import torch
+
+    from ..model import GPTStage
+
+    def count(i: int, first: bool, last: bool) -> int:
+        with torch.device("meta"):
+            return sum(1 for _ in GPTStage(m, [i], first=first, last=last).parameters())
+    dense = next((i for i in range(m.n_layers) if not is_moe(m, i)), None)
+    moe = next((i for i in range(m.n_layers) if is_moe(m, i)), None)
+    i = 0 if dense is None else dense
+    block = count(i, False, False)
+    return {"dense": 0 if dense is None else block,
+            "moe": 0 if moe is None else count(moe, False, False),
+            "first": count(i, True, False) - block, "last": count(i, False, True) - block}
+
+
 def rank_work(cfg: Config, full: bool = False) -> list[dict]:
     """Per pp rank: forward FLOPs per token on this rank (over tp), its layers, MoE layers,
-    parameter elements (unsharded) and ZeRO-3 units (its blocks and its root, if any)."""
+    stages (chunks), parameter elements (unsharded) and tensors, and ZeRO-3 units (its
+    blocks and its root, if any)."""
     from ..parallel.pipeline import chunks_of_rank, layer_ranges, style_of
 
     m, t = cfg.model, cfg.topology
@@ -178,10 +203,14 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
         layers = [i for s in stages for i in ranges[s]]
         flops = sum(layer_flops(cfg, i, full) for i in layers)
         flops += 2 * m.d_model * m.vocab_size if S - 1 in stages else 0
-        moe = sum(1 for i in layers if m.num_experts and (i + 1) % max(1, m.moe_every) == 0)
+        moe = sum(1 for i in layers if is_moe(m, i))
         first, last = 0 in stages, S - 1 in stages
         params = sum(stage_params(cfg, len(ranges[s]), s == 0, s == S - 1) for s in stages)
+        n = parameter_tensors(m)
+        tensors = (moe * n["moe"] + (len(layers) - moe) * n["dense"]
+                   + first * n["first"] + last * n["last"])
         out.append({"flops": flops / t.tp, "layers": len(layers), "moe": moe,
+                    "chunks": len(stages), "tensors": tensors,
                     "first": first, "last": last, "params": params,
                     "units": len(layers) + (1 if first or last else 0)})
     return out
@@ -197,19 +226,26 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
     tokens = tr.micro_batch_size * tr.seq_len // t.cp  # context parallelism: T/cp each
     ring_f, ring_b = ring_exposed(cfg, cluster, links["cp"], rate)
     split = SPLIT_B + SPLIT_W - 1 if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0
+    # gradient hooks (parallel/data.py) move every parameter's gradient per microbatch
+    hooked = (cfg.optim.zero >= 2 or cfg.optim.overlap or m.dtype in ("bfloat16", "float16"))
+    hooks = cluster.hook_overhead_s if hooked else 0.0
     out = []
     for w in rank_work(cfg, full):
         f = w["flops"] * tokens / rate
-        over = cluster.overhead_s * w["layers"]
+        over = cluster.overhead_s * w["layers"] + cluster.pass_overhead_s * w["chunks"]
         redo = 1 if m.recompute else 0
         c = tp_ep_costs(cfg, cluster, links, w)
         tp = c["tp"]
         cp_f, cp_b = ring_f * w["layers"], (ring_b + redo * ring_f) * w["layers"]
+        if t.cp > 1:  # the ring attention's own work beyond its FLOPs: 1 forward, 2 backward
+            ring = cluster.ring_overhead_s * w["layers"]
+            cp_f, cp_b = cp_f + ring, cp_b + (2 + redo) * ring
         z_f, z_b = zero3_exposed(cfg, cluster, w, links["dp"], f + over, 2 * (f + over))
         back = (2 * (1 + split) + redo) * (f + over)  # split: B + W = SPLIT_B + SPLIT_W
+        hk = hooks * w["tensors"]
         fwd = f + over + tp + c["ep_f"] + cp_f + z_f
-        bwd = back + tp * (1 + redo) + c["ep_b"] + redo * c["ep_f"] + cp_b + z_b
-        out.append((fwd, bwd, {"compute": f + over + back,
+        bwd = back + hk + tp * (1 + redo) + c["ep_b"] + redo * c["ep_f"] + cp_b + z_b
+        out.append((fwd, bwd, {"compute": f + over + back, "hooks": hk,
                                "tp": tp * (2 + redo),
                                "ep": c["ep_f"] * (1 + redo) + c["ep_b"],
                                "cp": cp_f + cp_b, "zero3": z_f + z_b}))

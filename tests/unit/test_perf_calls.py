@@ -12,7 +12,7 @@ from hpctrain.perf import calibrate, published
 from hpctrain.perf.cluster import ClusterError
 from hpctrain.perf.cluster import from_dict as cluster_from_dict
 from hpctrain.perf.cluster import load as load_cluster
-from hpctrain.perf.cost import predict
+from hpctrain.perf.cost import layer_flops, predict
 from hpctrain.telemetry.flops import forward_flops_per_token
 
 TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
@@ -69,23 +69,29 @@ def test_a_negative_call_overhead_is_refused():
 
 
 @pytest.mark.parametrize("t1,t4,want", [
-    (None, None, "true"),  # times of a rate below the peak: that rate, and its overhead
+    (None, None, "true"),  # times of a rate below the peak: that rate, and its overheads
     (1.0, 0.5, "peak"),  # 4B faster than B (noise): the peak
     (1.0, 1.0 + 1e-9, "peak"),  # a difference too small: a rate above the peak, capped
 ])
 def test_compute_rate_stays_between_its_bounds(monkeypatch, t1, t4, want):
     cfg = load(TINY, ["model.dtype=\"float32\""])
-    m, T, peak, true, over = cfg.model, cfg.train.seq_len, 1e9, 4e8, 1e-3
+    m, T, peak, true, over, per_pass = cfg.model, cfg.train.seq_len, 1e9, 4e8, 1e-3, 4e-3
     f1 = T * forward_flops_per_token(m, T)
-    if t1 is None:
-        t1 = 3 * f1 / true + 3 * m.n_layers * over
-        t4 = 3 * 4 * f1 / true + 3 * m.n_layers * over
-    times = iter([t1, t4, 0.01])
+    half = m.n_layers // 2
+    fh = f1 - T * sum(layer_flops(cfg, i) for i in range(half, m.n_layers))
+    th = 0.6 * (t1 or 0)
+    if t1 is None:  # B and 4B of the whole model, B of its first half: one stage each
+        t1 = 3 * f1 / true + 3 * m.n_layers * over + 3 * per_pass
+        t4 = 3 * 4 * f1 / true + 3 * m.n_layers * over + 3 * per_pass
+        th = 3 * fh / true + 3 * half * over + 3 * per_pass
+    times = iter([t1, t4, th, 0.01])
     monkeypatch.setattr(calibrate, "_median_time", lambda fn, repeats, stat=None: next(times))
     monkeypatch.setattr(calibrate, "measure_peak_flops", lambda dtype: peak)
     got = calibrate.compute_rate(cfg)
     assert got["peak"] == peak and got["step_overhead_s"] == 0.01
+    assert got["hook_overhead_s"] == 0.0  # no one-rank group given: not measured
     if want == "true":
         assert got["rate"] == pytest.approx(true) and got["overhead_s"] == pytest.approx(over)
+        assert got["pass_overhead_s"] == pytest.approx(per_pass)
     else:
-        assert got["rate"] == peak and got["overhead_s"] >= 0
+        assert got["rate"] == peak and got["overhead_s"] >= 0 and got["pass_overhead_s"] >= 0
