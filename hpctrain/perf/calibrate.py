@@ -84,6 +84,7 @@ def compute_rate(cfg: Config, alone=None, repeats: int = 5) -> dict:
     return {"peak": peak, "rate": rate, "overhead_s": layer, "pass_overhead_s": per_pass,
             "hook_overhead_s": hook_cost(cfg, alone, repeats) if alone is not None else 0.0,
             "ring_overhead_s": ring_cost(cfg, alone, repeats) if alone is not None else 0.0,
+            **(split_cost(cfg, 2 * repeats) if alone is not None else {}),
             "t4": t4, "step_overhead_s": _median_time(opt.step, repeats)}
 
 
@@ -230,6 +231,39 @@ def ring_cost(cfg: Config, alone, repeats: int = 5) -> float:
     return max(0.0, extra / 3)
 
 
+def split_cost(cfg: Config, repeats: int = 5) -> dict:
+    """Zero-bubble's split backward on the whole model (``schedule/zero_bubble.py``): B
+    (input gradients, the weight matmuls kept) and W (their weight gradients) each over one
+    ordinary backward of the same forward, interleaved, medians: ``split_b``, ``split_w``."""
+    from ..model import weight_grad
+    from ..schedule.zero_bubble import input_grad
+    from ..schedule.zero_bubble import weight_grad as apply_w
+
+    stage = _whole_model(cfg)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
+
+    def plain() -> tuple:
+        stage.zero_grad(set_to_none=True)
+        out = stage(x, x)
+        t0 = time.perf_counter()
+        out.backward()
+        return (time.perf_counter() - t0,)
+
+    def split() -> tuple:
+        stage.zero_grad(set_to_none=True)
+        with weight_grad.armed():
+            out = stage(x, x)
+            t0 = time.perf_counter()
+            _, pending = input_grad(out, None, None)
+            t1 = time.perf_counter()
+            apply_w(pending)
+        return time.perf_counter() - t1, t1 - t0
+    rounds = [(plain(), split()) for _ in range(repeats + 1)][1:]
+    back = statistics.median(p[0] for p, _ in rounds)
+    w, b = (statistics.median(s[k] for _, s in rounds) for k in (0, 1))
+    return {"split_b": min(4.0, b / back), "split_w": min(4.0, w / back)}
+
+
 def compute_share(cfg: Config, world, alone_s: float) -> float:
     """The fraction of its one-rank speed a rank keeps when every rank of the world computes
     at once (collective): rank 0's time for the larger batch alone (``alone_s``) over the
@@ -281,6 +315,7 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
         efficiency=min(1.0, pick["rate"] / pick["peak"]), overhead_s=pick["overhead_s"],
         pass_overhead_s=pick["pass_overhead_s"], hook_overhead_s=pick["hook_overhead_s"],
         ring_overhead_s=pick["ring_overhead_s"],
+        **{k: pick[k] for k in ("split_b", "split_w") if k in pick},
         step_overhead_s=pick["step_overhead_s"], intra=intra, inter=inter,
         call_overhead_s=overhead,
         compute_share=share,

@@ -17,6 +17,8 @@ or a path)::
     hook_overhead_s = 0.0        # per parameter tensor and microbatch whose gradient hook
                                  # moves it (ZeRO 2/3, overlap, 16-bit main grads)
     ring_overhead_s = 0.0        # per layer and pass unit of ring attention (cp > 1)
+    split_b = 0.74               # zb-h1/zbv: B (input gradients) in backwards
+    split_w = 0.38               # and W (the weight matmuls' gradients)
     step_overhead_s = 0.0        # per step (norm, clip, bookkeeping)
     call_overhead_s = 0.0        # per collective the passes issue (tp, cp, ep, ZeRO-3): the
                                  # fixed time around each call beyond its link's alpha-beta
@@ -79,6 +81,8 @@ class Cluster:
     pass_overhead_s: float = 0.0
     hook_overhead_s: float = 0.0
     ring_overhead_s: float = 0.0
+    split_b: float = 0.74  # zero-bubble B and W, in backwards (perf/cost.py)
+    split_w: float = 0.38
     step_overhead_s: float = 0.0
     # seconds each collective issued inside the passes (tp, cp, ep, ZeRO-3) costs beyond its
     # link's alpha-beta: dispatch, the autograd function around it, on a shared machine the
@@ -169,6 +173,7 @@ def from_dict(raw: dict, where: str = "cluster") -> Cluster:
         pass_overhead_s=num("pass_overhead_s", 0.0, strict_low=False),
         hook_overhead_s=num("hook_overhead_s", 0.0, strict_low=False),
         ring_overhead_s=num("ring_overhead_s", 0.0, strict_low=False),
+        split_b=num("split_b", 0.74, high=4.0), split_w=num("split_w", 0.38, high=4.0),
         step_overhead_s=num("step_overhead_s", 0.0, strict_low=False),
         call_overhead_s=num("call_overhead_s", 0.0, strict_low=False),
         compute_share=num("compute_share", 1.0, high=1.0),
@@ -205,6 +210,7 @@ def dumps(c: Cluster) -> str:
              f"overhead_s = {c.overhead_s:.6g}", f"pass_overhead_s = {c.pass_overhead_s:.6g}",
              f"hook_overhead_s = {c.hook_overhead_s:.6g}",
              f"ring_overhead_s = {c.ring_overhead_s:.6g}",
+             f"split_b = {c.split_b:.6g}", f"split_w = {c.split_w:.6g}",
              f"step_overhead_s = {c.step_overhead_s:.6g}",
              f"call_overhead_s = {c.call_overhead_s:.6g}",
              f"compute_share = {c.compute_share:.6g}", "", "[peak_flops]"]

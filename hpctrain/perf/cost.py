@@ -5,7 +5,9 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 - **compute**: the rank's model FLOPs (``telemetry/flops.py`` per layer: its layers, the head
   on the last stage, split over tp) at ``peak x efficiency x compute_share`` (the share is 1
   for a one-rank run); backward 2x forward, +1 forward with ``model.recompute``; plus
-  ``overhead_s`` per layer and pass;
+  ``overhead_s`` per layer and pass and ``pass_overhead_s`` per stage (chunk) and pass;
+- **hooks** (ZeRO 2/3, ``optim.overlap``, 16-bit models): ``hook_overhead_s`` per
+  parameter tensor and microbatch, in the backward (``parallel/data.py``'s gradient hooks);
 - **tp**: 2 all-reduces (with sequence parallelism 2 all-gathers + 2 reduce-scatters, the
   same ring volume in twice the calls) of one ``(B, T, C)`` activation per layer forward, as
   many backward (again to recompute), plus the small ones of the vocabulary-parallel
@@ -16,12 +18,13 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 - **pp**: one activation per microbatch per stage boundary, as the simulator's latency;
 - **cp**: every rank computes ``seq_len / cp`` tokens (activations, tp/ep/pp messages are
   per ``T/cp`` too); the ring attention's K/V transfers over the cp link, exposed beyond
-  the attention compute they overlap with (``collectives.ring_exposed``);
+  the attention compute they overlap with (``collectives.ring_exposed``), plus
+  ``ring_overhead_s`` per layer and pass (the ring attention's own work beyond its FLOPs);
 - **zero3** (``optim.zero = 3``): the per-unit parameter all-gathers (forward and again
   backward) and gradient reduce-scatters over dp x cp, exposed beyond the pass's compute
   (``collectives.zero3_exposed``); in the passes, hence in the pipeline;
-- **split backward** (zb-h1, zbv): B + W cost ``SPLIT_B + SPLIT_W`` = 1.12 backwards, as
-  measured for hpctrain's B/W (B all but the weight matmuls, W those matmuls).
+- **split backward** (zb-h1, zbv): B + W cost ``split_b + split_w`` backwards (the
+  description's; hpctrain's B is all but the weight matmuls, W those matmuls).
 
 The pipeline's makespan comes from ``schedule/simulate.py`` fed with these per-rank costs
 (bubble included), or the closed form ``(m + (p-1)/v)(F+B)`` above ``SIMULATED_MAX``
@@ -59,9 +62,10 @@ from .collectives import allreduce, ring_exposed, scatter, tp_ep_costs, zero3_ex
 
 SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
 # zb-h1/zbv split each backward into B (all but the weight matmuls) and W (their weight
-# gradients; model/weight_grad.py): measured on one pp=4 stage of the small benchmark model,
-# medians B 0.74-0.78x and W 0.36-0.38x one backward (B + W 1.13-1.15x: the Python of the
-# deferred matmuls; docs/benchmarks.md, pipeline section, 2026-12-01 03:50-04:00 UTC).
+# gradients; model/weight_grad.py): the description's split_b / split_w (``plan
+# --calibrate`` measures them); these defaults were measured on one pp=4 stage of the small
+# benchmark model, medians B 0.74-0.78x and W 0.36-0.38x one backward (B + W 1.13-1.15x: the
+# Python of the deferred matmuls; docs/benchmarks.md, 2026-12-01 03:50-04:00 UTC).
 SPLIT_B, SPLIT_W = 0.74, 0.38
 
 
@@ -170,22 +174,52 @@ def is_moe(m, i: int) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def parameter_tensors(m) -> dict:
-    """Parameter tensors (each has a gradient hook) of a dense block, a MoE block, the first
-    stage's and the last stage's own ends: the model's modules built on the meta device."""
+    """Element counts of the parameter tensors (each has a gradient hook), in the model's
+    order: ``dense`` / ``moe`` a block's, ``(first, last)`` a stage's own tensors before
+    and after its blocks (the model's modules built on the meta device)."""
     import torch
 
     from ..model import GPTStage
 
-    def count(i: int, first: bool, last: bool) -> int:
+    def sizes(i: int, first: bool, last: bool) -> tuple:
         with torch.device("meta"):
-            return sum(1 for _ in GPTStage(m, [i], first=first, last=last).parameters())
+            named = list(GPTStage(m, [i], first=first, last=last).named_parameters())
+        k = next(j for j, (n, _) in enumerate(named) if n.startswith("blocks."))
+        ends = [(j < k, p.numel()) for j, (n, p) in enumerate(named)
+                if not n.startswith("blocks.")]
+        return (tuple(p.numel() for n, p in named if n.startswith("blocks.")),
+                tuple(e for pre, e in ends if pre), tuple(e for pre, e in ends if not pre))
     dense = next((i for i in range(m.n_layers) if not is_moe(m, i)), None)
     moe = next((i for i in range(m.n_layers) if is_moe(m, i)), None)
     i = 0 if dense is None else dense
-    block = count(i, False, False)
-    return {"dense": 0 if dense is None else block,
-            "moe": 0 if moe is None else count(moe, False, False),
-            "first": count(i, True, False) - block, "last": count(i, False, True) - block}
+    out = {"dense": () if dense is None else sizes(i, False, False)[0],
+           "moe": () if moe is None else sizes(moe, False, False)[0]}
+    out.update({(f, la): sizes(i, f, la)[1:] for f in (False, True) for la in (False, True)})
+    return out
+
+
+def _rank_sizes(cfg: Config, stages: list, ranges: list) -> list[int]:
+    """Element counts of a pp rank's parameter tensors in the order its chunks hold them
+    (a matrix's split over tp)."""
+    m, t = cfg.model, cfg.topology
+    n = parameter_tensors(m)
+    out = []
+    for s in stages:
+        pre, post = n[(s == 0, s == len(ranges) - 1)]
+        out += [*pre, *(e for i in ranges[s] for e in n["moe" if is_moe(m, i) else "dense"]),
+                *post]
+    return [e // t.tp if e > m.d_model else e for e in out]
+
+
+def buckets(sizes: list, limit: float) -> int:
+    """How many reduction buckets ``parallel/data.py`` cuts from tensors of ``sizes`` bytes
+    (in the model's order; cut in reverse, a bucket closes once it reaches ``limit``)."""
+    n, acc = 0, 0
+    for b in reversed(sizes):
+        acc += b
+        if acc >= limit:
+            n, acc = n + 1, 0
+    return n + (acc > 0)
 
 
 def rank_work(cfg: Config, full: bool = False) -> list[dict]:
@@ -206,11 +240,9 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
         moe = sum(1 for i in layers if is_moe(m, i))
         first, last = 0 in stages, S - 1 in stages
         params = sum(stage_params(cfg, len(ranges[s]), s == 0, s == S - 1) for s in stages)
-        n = parameter_tensors(m)
-        tensors = (moe * n["moe"] + (len(layers) - moe) * n["dense"]
-                   + first * n["first"] + last * n["last"])
+        sizes = _rank_sizes(cfg, stages, ranges)
         out.append({"flops": flops / t.tp, "layers": len(layers), "moe": moe,
-                    "chunks": len(stages), "tensors": tensors,
+                    "chunks": len(stages), "tensors": len(sizes), "sizes": sizes,
                     "first": first, "last": last, "params": params,
                     "units": len(layers) + (1 if first or last else 0)})
     return out
@@ -225,7 +257,8 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
     rate = cluster.peak(m.dtype) * cluster.efficiency * share
     tokens = tr.micro_batch_size * tr.seq_len // t.cp  # context parallelism: T/cp each
     ring_f, ring_b = ring_exposed(cfg, cluster, links["cp"], rate)
-    split = SPLIT_B + SPLIT_W - 1 if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0
+    split = (cluster.split_b + cluster.split_w - 1
+             if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0)
     # gradient hooks (parallel/data.py) move every parameter's gradient per microbatch
     hooked = (cfg.optim.zero >= 2 or cfg.optim.overlap or m.dtype in ("bfloat16", "float16"))
     hooks = cluster.hook_overhead_s if hooked else 0.0
@@ -241,7 +274,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
             ring = cluster.ring_overhead_s * w["layers"]
             cp_f, cp_b = cp_f + ring, cp_b + (2 + redo) * ring
         z_f, z_b = zero3_exposed(cfg, cluster, w, links["dp"], f + over, 2 * (f + over))
-        back = (2 * (1 + split) + redo) * (f + over)  # split: B + W = SPLIT_B + SPLIT_W
+        back = (2 * (1 + split) + redo) * (f + over)  # split: B + W = split_b + split_w
         hk = hooks * w["tensors"]
         fwd = f + over + tp + c["ep_f"] + cp_f + z_f
         bwd = back + hk + tp * (1 + redo) + c["ep_b"] + redo * c["ep_f"] + cp_b + z_b
@@ -253,7 +286,8 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
 
 
 # -- the step ----------------------------------------------------------------------------
-def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True) -> tuple[float, float]:
+def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True,
+             shares: tuple = (SPLIT_B, SPLIT_W)) -> tuple[float, float]:
     """(makespan s, bubble fraction) of one step's pipeline with per-rank pass costs: the
     simulator's, or (``simulated=False``, or too many microbatches) the closed form."""
     from ..parallel.pipeline import virtual_stages
@@ -279,15 +313,18 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True) -> tuple[fl
         if a.kind == "F":
             return f / v
         if a.kind in ("B", "W") and split:  # the measured shares of the split backward
-            return b * (SPLIT_B if a.kind == "B" else SPLIT_W) / (SPLIT_B + SPLIT_W) / v
+            return b * shares[a.kind == "W"] / sum(shares) / v
         return b / v if a.kind == "B" else 0.0
 
     res = simulate(sched, cost, latency=p2p)
     return res.makespan, res.bubble
 
 
-def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras) -> float:
-    """Seconds of one step's gradient (and ZeRO parameter) traffic over dp, not overlapped."""
+def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras,
+            nb: int = 0) -> float:
+    """Seconds of one step's gradient (and ZeRO parameter) traffic over dp, not overlapped
+    (``nb``: the buckets the busiest rank reduces, :func:`buckets`; 0: its bytes over
+    ``optim.bucket_mb``)."""
     t, o = cfg.topology, cfg.optim
     d = t.dp * t.cp  # the replicas of a parameter (gradients are summed over dp x cp)
     if d <= 1 or (o.zero == 3 and not ex.fsdp):  # zero 3: in the passes (zero3_exposed)
@@ -299,7 +336,8 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras) -> f
     k = max(1, min(d, cluster.ranks_per_node // t.tp))
     M = microbatches(cfg)
     # hpctrain reduces in buckets of optim.bucket_mb: one collective's latency per bucket
-    extra = (max(1, math.ceil(P * gs / (o.bucket_mb * 2**20))) - 1) * (d - 1) * link.latency
+    nb = nb or max(1, math.ceil(P * ps / (o.bucket_mb * 2**20)))
+    extra = (nb - 1) * (d - 1) * link.latency
     if ex.fsdp:  # a gather forward, one backward, a reduce-scatter
         return M * (2 * scatter(P * ps, d, link) + scatter(P * gs, d, link))
     if o.zero == 0:
@@ -320,7 +358,7 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     ps = DTYPE_BYTES[m.dtype]
     act = tr.micro_batch_size * tr.seq_len // t.cp * m.d_model * ps
     p2p = links["pp"].p2p(act) if t.pp > 1 else 0
-    span, bubble = pipeline(c, costs, p2p, simulated)
+    span, bubble = pipeline(c, costs, p2p, simulated, (cluster.split_b, cluster.split_w))
     mem = estimate(c)
     P = (mem if c.optim.zero != 3 else estimate(dataclasses.replace(
         c, optim=dataclasses.replace(c.optim, zero=0)))).params // ps  # unsharded
@@ -328,9 +366,15 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     busiest = max(range(t.pp), key=lambda r: costs[r][0] + costs[r][1])
     parts = {k: M * v for k, v in costs[busiest][2].items()}
     parts["pp"] = span - sum(parts.values())  # bubble and transfers: what compute leaves
-    dp = dp_time(c, cluster, links, P, ex)
+    sizes = rank_work(c)[busiest]["sizes"]
+    nb = buckets([e * ps for e in sizes], c.optim.bucket_mb * 2**20)
+    dp = dp_time(c, cluster, links, P, ex, nb)
     window = span if ex.fsdp else (costs[busiest][1] if c.optim.overlap else 0.0)
-    parts["dp"] = max(0.0, dp - window)
+    # reductions posted from the gradient hooks (ZeRO-2: every bucket every microbatch;
+    # overlap: every bucket once) are calls the backward issues: call_overhead_s each
+    hooked = c.optim.zero == 2 or (c.optim.overlap and c.optim.zero < 3)
+    calls = nb * (M if c.optim.zero == 2 else 1) if hooked and t.dp * t.cp > 1 else 0
+    parts["dp"] = max(0.0, dp - window) + calls * cluster.call_overhead_s
     parts.update(_update_and_save(c, cluster, mem, P, ex))
     step = sum(parts.values())
     tokens = tr.global_batch_size * tr.seq_len

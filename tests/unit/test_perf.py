@@ -206,13 +206,16 @@ def test_rejection_reasons_name_the_rule():
 
 def test_search_recommends_what_megatron_used():
     """GPT 145.6B on 192 DGX A100 nodes: Narayanan et al. used tp=8 (one node), pp=8, dp=24.
-    The search keeps tp=8 and ranks the authors' split among the first three, within 2 %
-    of the best (pp=12, dp=16: fewer gradient bytes per rank to reduce over dp). Layouts are
-    ranked by their best schedule (one layout appears once per schedule and ZeRO stage)."""
+    The search keeps a node's 8 GPUs in one model-parallel group (tp, or tp x cp, a split
+    the 2021 code did not have) and ranks the authors' split among the first three, within
+    2 % of the best (pp=12, dp=16: fewer gradient bytes per rank to reduce over dp). Layouts
+    are ranked by their best schedule (one layout appears once per schedule and ZeRO
+    stage)."""
     run = published.RUNS[6]
     cands = search.search(published.config_of(run), load_cluster(run.cluster), 192,
                           max_tp=8)
-    assert cands[0].cfg.topology.tp == run.layout["tp"]
+    top = cands[0].cfg.topology
+    assert top.tp * top.cp == run.layout["tp"]
     best: dict = {}  # (tp, pp, dp) -> its best candidate, in rank order
     for c in cands:
         t = c.cfg.topology
@@ -223,17 +226,19 @@ def test_search_recommends_what_megatron_used():
 
 def test_search_explains_a_faster_layout_than_megatrons():
     """GPT 39.1B on 64 nodes: the authors' tp=8 pp=2 is predicted within 10 % of the best,
-    tp=4 pp=8 interleaved: half the tp all-reduce bytes and a quarter of the parameters
-    (gradient bytes over dp) per rank, the longer pipeline's bubble hidden by v=4."""
+    tp=4 with a longer pipeline (pp 4 or 8, interleaved): half the tp all-reduce bytes and
+    fewer parameters (gradient bytes over dp) per rank, the longer pipeline's bubble hidden
+    by its virtual stages."""
     run = published.RUNS[4]
     cands = search.search(published.config_of(run), load_cluster(run.cluster), 64,
                           max_tp=8)
     theirs = next(c for c in cands if c.prediction and
                   (c.cfg.topology.tp, c.cfg.topology.pp) == (8, 2))
     best = cands[0].prediction
-    assert (cands[0].cfg.topology.tp, cands[0].cfg.topology.pp) == (4, 8)
+    assert cands[0].cfg.topology.tp == 4 and cands[0].cfg.topology.pp in (4, 8)
+    assert cands[0].cfg.schedule.kind == "interleaved"
     assert best.parts["tp"] < theirs.prediction.parts["tp"]
-    assert best.parts["dp"] < theirs.prediction.parts["dp"]
+    assert best.parts["dp"] <= theirs.prediction.parts["dp"]
     assert theirs.prediction.step_s < 1.10 * best.step_s
 
 

@@ -12,7 +12,7 @@ from hpctrain.perf import calibrate, published
 from hpctrain.perf.cluster import ClusterError
 from hpctrain.perf.cluster import from_dict as cluster_from_dict
 from hpctrain.perf.cluster import load as load_cluster
-from hpctrain.perf.cost import layer_flops, predict
+from hpctrain.perf.cost import buckets, layer_flops, predict, rank_work
 from hpctrain.telemetry.flops import forward_flops_per_token
 
 TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
@@ -41,7 +41,7 @@ def test_every_tp_call_of_a_step_pays_the_overhead(sp, per_layer):
     assert step == pytest.approx(tp, rel=1e-9)  # pp=1: the passes are the step
 
 
-def test_the_overhead_reaches_cp_ep_zero3_but_not_dp_or_pp():
+def test_the_overhead_reaches_cp_ep_zero3_and_hooked_dp_but_not_blocking_dp_or_pp():
     _, _, cp, _ = _delta(["train.seq_len=32", "topology.cp=2"], "cp")
     assert cp > 0
     _, _, ep, _ = _delta(["topology.dp=2", "topology.ep=2", "model.num_experts=2",
@@ -49,9 +49,15 @@ def test_the_overhead_reaches_cp_ep_zero3_but_not_dp_or_pp():
     assert ep > 0
     _, _, z3, _ = _delta(["topology.dp=2", "optim.zero=3"], "zero3")
     assert z3 >= 2 * 8 * O * (1 - 1e-9)  # at least the first unit's gather, both passes
-    for over in (["topology.dp=2"], ["topology.pp=2"], ["topology.dp=2", "optim.zero=2"]):
+    for over in (["topology.dp=2"], ["topology.pp=2"]):
         a, b, _, step = _delta(over, "dp")
         assert step == 0 and a.parts == b.parts, over
+    # reductions posted from the gradient hooks: ZeRO-2 every bucket of every microbatch
+    # (8 per dp rank), overlap every bucket once
+    nb = buckets([8 * e for e in rank_work(load(TINY, []))[0]["sizes"]], 0.01 * 2**20)
+    for over, calls in ((["optim.zero=2"], 8 * nb), (["optim.overlap=true"], nb)):
+        _, _, dp, step = _delta(["topology.dp=2", *over], "dp")
+        assert dp == pytest.approx(calls * O, rel=1e-9) and step == pytest.approx(dp), over
 
 
 def test_published_descriptions_have_no_call_overhead():
@@ -95,3 +101,31 @@ def test_compute_rate_stays_between_its_bounds(monkeypatch, t1, t4, want):
         assert got["pass_overhead_s"] == pytest.approx(per_pass)
     else:
         assert got["rate"] == peak and got["overhead_s"] >= 0 and got["pass_overhead_s"] >= 0
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.d_model=64", "model.d_ff=256", "optim.bucket_mb=0.01"],  # the calibration model
+    ["model.arch=\"llama\"", "optim.bucket_mb=0.004", "topology.pp=2"],
+    ["optim.bucket_mb=25"],  # one bucket
+])
+def test_bucket_count_is_the_reduction_buckets_cut(overrides):
+    """``cost.buckets`` over ``rank_work``'s tensor sizes: as many buckets as
+    ``parallel/data.py`` cuts from the same stage's parameters."""
+    from types import SimpleNamespace
+
+    from hpctrain.model import GPTStage
+    from hpctrain.parallel.data import GradBuffers
+    from hpctrain.parallel.pipeline import layer_ranges
+    cfg = load(TINY, overrides)
+    ranges = layer_ranges(cfg)
+    group = SimpleNamespace(size=1, rank=0, axis="dp")
+    topo = SimpleNamespace(dpcp_comm=group, edpcp_comm=group, tp_size=1)
+    for r, w in enumerate(rank_work(cfg)):
+        stage = GPTStage(cfg.model, ranges[r], first=r == 0, last=r == len(ranges) - 1)
+        named = list(stage.named_parameters())
+        real = GradBuffers(named, topo, cfg.optim.bucket_mb)
+        assert w["tensors"] == len(named)
+        assert sorted(w["sizes"]) == sorted(p.numel() for _, p in named)
+        ps = named[0][1].element_size()
+        assert buckets([e * ps for e in w["sizes"]], cfg.optim.bucket_mb * 2**20) == \
+            len(real.buckets)
