@@ -16,10 +16,15 @@ all-reduces and is 0 in the published descriptions. Calls counted per layer and 
   and the dispatch and combine all-to-alls of ``top_k`` activations; backward the two
   all-to-alls;
 - **cp**: :func:`ring_exposed`; **ZeRO-3**: :func:`zero3_exposed`.
+
+And what the gradient hooks and the dp reduction see: a rank's parameter tensors in the
+model's order (:func:`rank_sizes`, from the modules built on the meta device) and the
+buckets ``parallel/data.py`` cuts from them (:func:`buckets`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ..config import Config
@@ -117,3 +122,58 @@ def zero3_exposed(cfg: Config, cluster: Cluster, w: dict, link: Link, fwd: float
     reduce = lat + (d - 1) / d * w["params"] * gs / link.bandwidth
     first, rest = gather / u, gather * (u - 1) / u
     return first + max(0.0, rest - fwd), first + max(0.0, rest + reduce - bwd)
+
+
+# -- parameter tensors: gradient hooks and reduction buckets ------------------------------
+def is_moe(m, i: int) -> bool:
+    return bool(m.num_experts) and (i + 1) % max(1, m.moe_every) == 0
+
+
+@functools.lru_cache(maxsize=64)
+def parameter_tensors(m) -> dict:
+    """Element counts of the parameter tensors (each has a gradient hook), in the model's
+    order: ``dense`` / ``moe`` a block's, ``(first, last)`` a stage's own tensors before
+    and after its blocks (the model's modules built on the meta device)."""
+    import torch
+
+    from ..model import GPTStage
+
+    def sizes(i: int, first: bool, last: bool) -> tuple:
+        with torch.device("meta"):
+            named = list(GPTStage(m, [i], first=first, last=last).named_parameters())
+        k = next(j for j, (n, _) in enumerate(named) if n.startswith("blocks."))
+        ends = [(j < k, p.numel()) for j, (n, p) in enumerate(named)
+                if not n.startswith("blocks.")]
+        return (tuple(p.numel() for n, p in named if n.startswith("blocks.")),
+                tuple(e for pre, e in ends if pre), tuple(e for pre, e in ends if not pre))
+    dense = next((i for i in range(m.n_layers) if not is_moe(m, i)), None)
+    moe = next((i for i in range(m.n_layers) if is_moe(m, i)), None)
+    i = 0 if dense is None else dense
+    out = {"dense": () if dense is None else sizes(i, False, False)[0],
+           "moe": () if moe is None else sizes(moe, False, False)[0]}
+    out.update({(f, la): sizes(i, f, la)[1:] for f in (False, True) for la in (False, True)})
+    return out
+
+
+def rank_sizes(cfg: Config, stages: list, ranges: list) -> list[int]:
+    """Element counts of a pp rank's parameter tensors in the order its chunks hold them
+    (a matrix's split over tp)."""
+    m, t = cfg.model, cfg.topology
+    n = parameter_tensors(m)
+    out = []
+    for s in stages:
+        pre, post = n[(s == 0, s == len(ranges) - 1)]
+        out += [*pre, *(e for i in ranges[s] for e in n["moe" if is_moe(m, i) else "dense"]),
+                *post]
+    return [e // t.tp if e > m.d_model else e for e in out]
+
+
+def buckets(sizes: list, limit: float) -> int:
+    """How many reduction buckets ``parallel/data.py`` cuts from tensors of ``sizes`` bytes
+    (in the model's order; cut in reverse, a bucket closes once it reaches ``limit``)."""
+    n, acc = 0, 0
+    for b in reversed(sizes):
+        acc += b
+        if acc >= limit:
+            n, acc = n + 1, 0
+    return n + (acc > 0)

@@ -58,7 +58,16 @@ from ..config import Config, microbatches
 from ..telemetry.flops import train_flops_per_token
 from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate, stage_params
 from .cluster import Cluster, Link
-from .collectives import allreduce, ring_exposed, scatter, tp_ep_costs, zero3_exposed
+from .collectives import (
+    allreduce,
+    buckets,
+    is_moe,
+    rank_sizes,
+    ring_exposed,
+    scatter,
+    tp_ep_costs,
+    zero3_exposed,
+)
 
 SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
 # zb-h1/zbv split each backward into B (all but the weight matmuls) and W (their weight
@@ -168,60 +177,6 @@ def layer_flops(cfg: Config, i: int, full: bool = False) -> float:
     return attention + 2 * 2 * C * F
 
 
-def is_moe(m, i: int) -> bool:
-    return bool(m.num_experts) and (i + 1) % max(1, m.moe_every) == 0
-
-
-@functools.lru_cache(maxsize=64)
-def parameter_tensors(m) -> dict:
-    """Element counts of the parameter tensors (each has a gradient hook), in the model's
-    order: ``dense`` / ``moe`` a block's, ``(first, last)`` a stage's own tensors before
-    and after its blocks (the model's modules built on the meta device)."""
-    import torch
-
-    from ..model import GPTStage
-
-    def sizes(i: int, first: bool, last: bool) -> tuple:
-        with torch.device("meta"):
-            named = list(GPTStage(m, [i], first=first, last=last).named_parameters())
-        k = next(j for j, (n, _) in enumerate(named) if n.startswith("blocks."))
-        ends = [(j < k, p.numel()) for j, (n, p) in enumerate(named)
-                if not n.startswith("blocks.")]
-        return (tuple(p.numel() for n, p in named if n.startswith("blocks.")),
-                tuple(e for pre, e in ends if pre), tuple(e for pre, e in ends if not pre))
-    dense = next((i for i in range(m.n_layers) if not is_moe(m, i)), None)
-    moe = next((i for i in range(m.n_layers) if is_moe(m, i)), None)
-    i = 0 if dense is None else dense
-    out = {"dense": () if dense is None else sizes(i, False, False)[0],
-           "moe": () if moe is None else sizes(moe, False, False)[0]}
-    out.update({(f, la): sizes(i, f, la)[1:] for f in (False, True) for la in (False, True)})
-    return out
-
-
-def _rank_sizes(cfg: Config, stages: list, ranges: list) -> list[int]:
-    """Element counts of a pp rank's parameter tensors in the order its chunks hold them
-    (a matrix's split over tp)."""
-    m, t = cfg.model, cfg.topology
-    n = parameter_tensors(m)
-    out = []
-    for s in stages:
-        pre, post = n[(s == 0, s == len(ranges) - 1)]
-        out += [*pre, *(e for i in ranges[s] for e in n["moe" if is_moe(m, i) else "dense"]),
-                *post]
-    return [e // t.tp if e > m.d_model else e for e in out]
-
-
-def buckets(sizes: list, limit: float) -> int:
-    """How many reduction buckets ``parallel/data.py`` cuts from tensors of ``sizes`` bytes
-    (in the model's order; cut in reverse, a bucket closes once it reaches ``limit``)."""
-    n, acc = 0, 0
-    for b in reversed(sizes):
-        acc += b
-        if acc >= limit:
-            n, acc = n + 1, 0
-    return n + (acc > 0)
-
-
 def rank_work(cfg: Config, full: bool = False) -> list[dict]:
     """Per pp rank: forward FLOPs per token on this rank (over tp), its layers, MoE layers,
     stages (chunks), parameter elements (unsharded) and tensors, and ZeRO-3 units (its
@@ -240,7 +195,7 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
         moe = sum(1 for i in layers if is_moe(m, i))
         first, last = 0 in stages, S - 1 in stages
         params = sum(stage_params(cfg, len(ranges[s]), s == 0, s == S - 1) for s in stages)
-        sizes = _rank_sizes(cfg, stages, ranges)
+        sizes = rank_sizes(cfg, stages, ranges)
         out.append({"flops": flops / t.tp, "layers": len(layers), "moe": moe,
                     "chunks": len(stages), "tensors": len(sizes), "sizes": sizes,
                     "first": first, "last": last, "params": params,

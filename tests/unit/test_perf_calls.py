@@ -12,7 +12,8 @@ from hpctrain.perf import calibrate, published
 from hpctrain.perf.cluster import ClusterError
 from hpctrain.perf.cluster import from_dict as cluster_from_dict
 from hpctrain.perf.cluster import load as load_cluster
-from hpctrain.perf.cost import buckets, layer_flops, predict, rank_work
+from hpctrain.perf.collectives import buckets
+from hpctrain.perf.cost import layer_flops, predict, rank_work
 from hpctrain.telemetry.flops import forward_flops_per_token
 
 TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
@@ -109,7 +110,7 @@ def test_compute_rate_stays_between_its_bounds(monkeypatch, t1, t4, want):
     ["optim.bucket_mb=25"],  # one bucket
 ])
 def test_bucket_count_is_the_reduction_buckets_cut(overrides):
-    """``cost.buckets`` over ``rank_work``'s tensor sizes: as many buckets as
+    """``collectives.buckets`` over ``rank_work``'s tensor sizes: as many buckets as
     ``parallel/data.py`` cuts from the same stage's parameters."""
     from types import SimpleNamespace
 
