@@ -16,7 +16,7 @@ from hpctrain.cli.train import check_inputs
 
 pytestmark = pytest.mark.e2e
 
-EXAMPLES = 6  # each a process (torch and MPI start-up); the in-process fuzz draws hundreds
+EXAMPLES = 10  # each a process (torch and MPI start-up); the in-process fuzz draws hundreds
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
