@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 from dataclasses import dataclass, field
 
 from ..config import Config, microbatches
@@ -203,10 +202,10 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
     return out
 
 
-def pass_costs(cfg: Config, cluster: Cluster, links: dict,
-               full: bool = False) -> list[tuple[float, float, dict]]:
-    """Per pp rank: (forward s, whole backward s, {part: s} per microbatch); the
-    communication inside the passes from ``perf/collectives.py``."""
+def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
+               ) -> list[tuple[float, float, dict]]:
+    """Per pp rank of ``work`` (:func:`rank_work`): (forward s, whole backward s, {part: s}
+    per microbatch); the communication inside the passes from ``perf/collectives.py``."""
     m, t, tr = cfg.model, cfg.topology, cfg.train
     share = cluster.compute_share if t.pp * t.dp * t.cp * t.tp > 1 else 1.0  # 1 rank: alone
     rate = cluster.peak(m.dtype) * cluster.efficiency * share
@@ -218,7 +217,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict,
     hooked = (cfg.optim.zero >= 2 or cfg.optim.overlap or m.dtype in ("bfloat16", "float16"))
     hooks = cluster.hook_overhead_s if hooked else 0.0
     out = []
-    for w in rank_work(cfg, full):
+    for w in work:
         f = w["flops"] * tokens / rate
         over = cluster.overhead_s * w["layers"] + cluster.pass_overhead_s * w["chunks"]
         redo = 1 if m.recompute else 0
@@ -276,10 +275,9 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True,
 
 
 def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras,
-            nb: int = 0) -> float:
+            nb: int) -> float:
     """Seconds of one step's gradient (and ZeRO parameter) traffic over dp, not overlapped
-    (``nb``: the buckets the busiest rank reduces, :func:`buckets`; 0: its bytes over
-    ``optim.bucket_mb``)."""
+    (``nb``: the buckets the busiest rank reduces, :func:`buckets`)."""
     t, o = cfg.topology, cfg.optim
     d = t.dp * t.cp  # the replicas of a parameter (gradients are summed over dp x cp)
     if d <= 1 or (o.zero == 3 and not ex.fsdp):  # zero 3: in the passes (zero3_exposed)
@@ -291,7 +289,6 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras,
     k = max(1, min(d, cluster.ranks_per_node // t.tp))
     M = microbatches(cfg)
     # hpctrain reduces in buckets of optim.bucket_mb: one collective's latency per bucket
-    nb = nb or max(1, math.ceil(P * ps / (o.bucket_mb * 2**20)))
     extra = (nb - 1) * (d - 1) * link.latency
     if ex.fsdp:  # a gather forward, one backward, a reduce-scatter
         return M * (2 * scatter(P * ps, d, link) + scatter(P * gs, d, link))
@@ -309,7 +306,8 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     t, m, tr = c.topology, c.model, c.train
     world = t.dp * t.tp * t.pp * t.cp
     links = axis_links(c, cluster)
-    costs = pass_costs(c, cluster, links, ex.attention_full)
+    work = rank_work(c, ex.attention_full)
+    costs = pass_costs(c, cluster, links, work)
     ps = DTYPE_BYTES[m.dtype]
     act = tr.micro_batch_size * tr.seq_len // t.cp * m.d_model * ps
     p2p = links["pp"].p2p(act) if t.pp > 1 else 0
@@ -321,14 +319,13 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     busiest = max(range(t.pp), key=lambda r: costs[r][0] + costs[r][1])
     parts = {k: M * v for k, v in costs[busiest][2].items()}
     parts["pp"] = span - sum(parts.values())  # bubble and transfers: what compute leaves
-    sizes = rank_work(c)[busiest]["sizes"]
-    nb = buckets([e * ps for e in sizes], c.optim.bucket_mb * 2**20)
+    nb = buckets([e * ps for e in work[busiest]["sizes"]], c.optim.bucket_mb * 2**20)
     dp = dp_time(c, cluster, links, P, ex, nb)
     window = span if ex.fsdp else (costs[busiest][1] if c.optim.overlap else 0.0)
     # reductions posted from the gradient hooks (ZeRO-2: every bucket every microbatch;
     # overlap: every bucket once) are calls the backward issues: call_overhead_s each
-    hooked = c.optim.zero == 2 or (c.optim.overlap and c.optim.zero < 3)
-    calls = nb * (M if c.optim.zero == 2 else 1) if hooked and t.dp * t.cp > 1 else 0
+    posted = c.optim.zero == 2 or (c.optim.overlap and c.optim.zero < 3)
+    calls = nb * (M if c.optim.zero == 2 else 1) if posted and t.dp * t.cp > 1 else 0
     parts["dp"] = max(0.0, dp - window) + calls * cluster.call_overhead_s
     parts.update(_update_and_save(c, cluster, mem, P, ex))
     step = sum(parts.values())
