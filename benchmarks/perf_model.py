@@ -5,15 +5,16 @@
    ranks of ``scripts/cluster.sh`` at ``RATE``, ``this-machine-2node.toml``);
 2. every layout of :data:`LAYOUTS` (:data:`TWO_NODE` on the simulated nodes) trains
    :data:`MODEL` for a few steps through the real CLI, repeated and interleaved; the
-   measured step time is the best round's median ``step_time_s`` (first steps dropped;
-   the description is the best of the rounds' calibrations: see :func:`run_table`);
+   measured step time is the median over the rounds of each run's median ``step_time_s``
+   (first steps dropped; the description is the median of the rounds' calibrations: see
+   :func:`run_table`);
 3. the table (measured, predicted, error, load average) is printed and written to
    ``share/perf/calibration-runs.json``, which ``tests/unit/test_perf.py`` holds to 25 %
    (``--markdown``: also as the table of docs/performance-model.md; ``--predict-only``:
    the stored runs with this model's predictions, no runs).
 
-The whole run: ``python -m benchmarks.perf_model --repeats 3 --two-node --markdown``
-(about 10 minutes on this machine when it is quiet).
+The whole run: ``python -m benchmarks.perf_model --repeats 5 --two-node --markdown``
+(about 20 minutes on this machine when it is quiet).
 """
 
 from __future__ import annotations
@@ -86,29 +87,29 @@ def measure(n: int, layout: tuple, cluster: str | None) -> float:
     return statistics.median(times)
 
 
-def best_cluster(paths: list[Path], out: Path) -> None:
-    """One description from several calibrations: the best of every measured number (the
-    highest rates, bandwidths and shares, the lowest latencies and overheads), as the runs
-    are compared at their best round: the machine uncontended by the host's other tenants."""
+def median_cluster(paths: list[Path], out: Path) -> None:
+    """One description from several calibrations: the median of every measured number (a
+    rate, a latency, an overhead), as the runs are compared at their median round. The
+    machine is shared and its speed changes within minutes; the median of a number over
+    the rounds, like that of a layout's step, is what a typical round sees."""
     from hpctrain.perf.cluster import dumps, load
 
     cs = [load(str(p)) for p in paths]
-    lo = lambda get: min(get(c) for c in cs)  # noqa: E731
-    hi = lambda get: max(get(c) for c in cs)  # noqa: E731
+    med = lambda get: statistics.median(get(c) for c in cs)  # noqa: E731
     first = cs[-1]
     link = lambda level: type(first.intra)(  # noqa: E731
-        lo(lambda c: getattr(c, level).latency), hi(lambda c: getattr(c, level).bandwidth))
+        med(lambda c: getattr(c, level).latency), med(lambda c: getattr(c, level).bandwidth))
     dtype = next(iter(first.peak_flops))
     merged = first.__class__(**{
-        **first.__dict__, "efficiency": hi(lambda c: c.efficiency),
-        **{k: lo(lambda c, k=k: getattr(c, k)) for k in (
-            "overhead_s", "pass_overhead_s", "hook_overhead_s", "ring_overhead_s",
-            "step_overhead_s", "call_overhead_s")},
-        "compute_share": hi(lambda c: c.compute_share),
-        "split_b": lo(lambda c: c.split_b), "split_w": lo(lambda c: c.split_w),
-        "peak_flops": {dtype: hi(lambda c: c.peak_flops[dtype])}, "name": out.stem,
+        **first.__dict__,
+        **{k: med(lambda c, k=k: getattr(c, k)) for k in (
+            "efficiency", "overhead_s", "pass_overhead_s", "hook_overhead_s",
+            "ring_overhead_s", "step_overhead_s", "call_overhead_s", "post_overhead_s",
+            "compute_share",
+            "split_b", "split_w")},
+        "peak_flops": {dtype: med(lambda c: c.peak_flops[dtype])}, "name": out.stem,
         "intra": link("intra"), "inter": link("inter"),
-        "source": first.source + f"; best of {len(cs)} calibrations, one before each "
+        "source": first.source + f"; median of {len(cs)} calibrations, one before each "
                                  "round of runs",
         "extra": {**first.extra, "load_average": "; ".join(c.extra["load_average"]
                                                            for c in cs)}})
@@ -117,9 +118,10 @@ def best_cluster(paths: list[Path], out: Path) -> None:
 
 def run_table(layouts: dict, repeats: int, cluster: str | None, description: str) -> list:
     """Rounds of (calibrate, every layout once): calibration and runs under the same load.
-    Measured is each layout's best round and the description the best of the calibrations:
-    this host's other tenants slow whole runs at random (measured 2026-12-01: one rank's
-    step 174-283 ms in six back-to-back runs, two modes), a median of 3 mixes the modes."""
+    Measured is each layout's median round and the description the median of the
+    calibrations: this host's other tenants slow whole runs at random (measured
+    2026-12-01: one rank's step 174-283 ms in six back-to-back runs; a 1F1B run at 464 ms
+    between runs at 141-220 ms), and one round's outlier must not decide a row."""
     samples: dict[str, list[float]] = {k: [] for k in layouts}
     loads, cals = [], []
     n_cal = max(n for n, _ in layouts.values())
@@ -130,10 +132,10 @@ def run_table(layouts: dict, repeats: int, cluster: str | None, description: str
             for name, (n, layout) in layouts.items():
                 loads.append(os.getloadavg()[0])
                 samples[name].append(measure(n, layout, cluster))
-        best_cluster(cals, ROOT / "share" / "clusters" / description)
+        median_cluster(cals, ROOT / "share" / "clusters" / description)
     return [{"layout": name, "ranks": n, "overrides": list(layout),
-             "cluster": description, "measured_s": min(samples[name]),
-             "median_s": statistics.median(samples[name]),
+             "cluster": description, "measured_s": statistics.median(samples[name]),
+             "samples_s": samples[name],
              "spread_s": [min(samples[name]), max(samples[name])],
              "load_average": [min(loads), max(loads)]}
             for name, (n, layout) in layouts.items()]
@@ -157,15 +159,14 @@ TOLERANCE = 0.25
 
 def markdown(data: dict) -> str:
     """The table of docs/performance-model.md ("Calibration on this machine")."""
-    out = ["| layout | ranks | description | measured s, best of "
-           f"{data.get('repeats', 2)} (median; max) | predicted s | error | load average "
+    out = ["| layout | ranks | description | measured s, median of "
+           f"{data.get('repeats', 2)} rounds (min-max) | predicted s | error | load average "
            "(1 min) during the rounds | held |", "|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        _, hi = r["spread_s"]
+        lo, hi = r["spread_s"]
         la, lb = r["load_average"]
-        med = r.get("median_s", r["measured_s"])
         out.append(f"| {r['layout']} | {r['ranks']} | `{r['cluster']}` | "
-                   f"{r['measured_s']:.3f} ({med:.3f}; {hi:.3f}) | {r['predicted_s']:.3f} | "
+                   f"{r['measured_s']:.3f} ({lo:.3f}-{hi:.3f}) | {r['predicted_s']:.3f} | "
                    f"{100 * r['error']:+.0f}% | {la:.1f}-{lb:.1f} | "
                    f"{'yes' if abs(r['error']) <= TOLERANCE else 'no'} |")
     held = sum(abs(r["error"]) <= TOLERANCE for r in data["rows"])
@@ -177,7 +178,7 @@ def markdown(data: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--two-node", action="store_true", help="also the simulated 2 nodes")
     ap.add_argument("--predict-only", action="store_true",
                     help="recompute the predictions of the stored table (no runs) and rewrite it")

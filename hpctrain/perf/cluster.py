@@ -22,6 +22,8 @@ or a path)::
     step_overhead_s = 0.0        # per step (norm, clip, bookkeeping)
     call_overhead_s = 0.0        # per collective the passes issue (tp, cp, ep, ZeRO-3): the
                                  # fixed time around each call beyond its link's alpha-beta
+    post_overhead_s = 0.0        # per reduction a gradient hook posts (ZeRO-2: every bucket
+                                 # and microbatch; overlap: every bucket) beyond alpha-beta
     compute_share = 1.0          # fraction of its device a rank gets (< 1: oversubscribed)
     [peak_flops]                 # per rank, by model dtype
     bfloat16 = 312e12
@@ -88,6 +90,10 @@ class Cluster:
     # link's alpha-beta: dispatch, the autograd function around it, on a shared machine the
     # wait until the peers run (``plan --calibrate`` measures it; 0 where not measured)
     call_overhead_s: float = 0.0
+    # seconds each reduction posted from a gradient hook (nonblocking: ZeRO-2 per bucket and
+    # microbatch, overlap per bucket) costs beyond its link's alpha-beta: posting the
+    # schedule and the tests that drive it (``plan --calibrate``; 0 where not measured)
+    post_overhead_s: float = 0.0
     compute_share: float = 1.0
     source: str = ""
     extra: dict = field(default_factory=dict)  # measured details kept by --calibrate
@@ -176,6 +182,7 @@ def from_dict(raw: dict, where: str = "cluster") -> Cluster:
         split_b=num("split_b", 0.74, high=4.0), split_w=num("split_w", 0.38, high=4.0),
         step_overhead_s=num("step_overhead_s", 0.0, strict_low=False),
         call_overhead_s=num("call_overhead_s", 0.0, strict_low=False),
+        post_overhead_s=num("post_overhead_s", 0.0, strict_low=False),
         compute_share=num("compute_share", 1.0, high=1.0),
         extra=dict(raw.get("measured", {})))
 
@@ -213,6 +220,7 @@ def dumps(c: Cluster) -> str:
              f"split_b = {c.split_b:.6g}", f"split_w = {c.split_w:.6g}",
              f"step_overhead_s = {c.step_overhead_s:.6g}",
              f"call_overhead_s = {c.call_overhead_s:.6g}",
+             f"post_overhead_s = {c.post_overhead_s:.6g}",
              f"compute_share = {c.compute_share:.6g}", "", "[peak_flops]"]
     lines += [f"{k} = {v:.6g}" for k, v in c.peak_flops.items()]
     for level, link in (("intra", c.intra), ("inter", c.inter)):

@@ -5,7 +5,8 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 - **compute**: the rank's model FLOPs (``telemetry/flops.py`` per layer: its layers, the head
   on the last stage, split over tp) at ``peak x efficiency x compute_share`` (the share is 1
   for a one-rank run); backward 2x forward, +1 forward with ``model.recompute``; plus
-  ``overhead_s`` per layer and pass and ``pass_overhead_s`` per stage (chunk) and pass;
+  ``overhead_s`` per layer and pass and ``pass_overhead_s`` per stage (chunk) and pass,
+  over the share too (host work, slowed alike; so are the hook and ring overheads);
 - **hooks** (ZeRO 2/3, ``optim.overlap``, 16-bit models): ``hook_overhead_s`` per
   parameter tensor and microbatch, in the backward (``parallel/data.py``'s gradient hooks);
 - **tp**: 2 all-reduces (with sequence parallelism 2 all-gathers + 2 reduce-scatters, the
@@ -32,7 +33,8 @@ chunk-microbatches (zbv's V placement and bubble included). Then per step: the g
 reduction over the replicas dp x cp (ZeRO 0: all-reduce of float32 gradients; 1:
 reduce-scatter + all-gather of parameters; 2: reduce-scatter per microbatch; FSDP of the
 published runs (``Extras.fsdp``): two all-gathers of parameters and one reduce-scatter per
-microbatch; one latency per ``optim.bucket_mb`` bucket), exposed beyond
+microbatch; one latency per ``optim.bucket_mb`` bucket; the reductions a gradient hook
+posts, ZeRO-2's and overlap's, ``post_overhead_s`` each), exposed beyond
 the backward it overlaps with
 (``optim.overlap``; FSDP prefetch overlaps with all compute); the optimizer step (bytes of
 parameters, gradients and Adam state over ``memory_bandwidth``); ``step_overhead_s``; a
@@ -215,17 +217,18 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
              if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0)
     # gradient hooks (parallel/data.py) move every parameter's gradient per microbatch
     hooked = (cfg.optim.zero >= 2 or cfg.optim.overlap or m.dtype in ("bfloat16", "float16"))
-    hooks = cluster.hook_overhead_s if hooked else 0.0
+    # the overheads are the rank's own (CPU) work too: slowed by the share like its FLOPs
+    hooks = cluster.hook_overhead_s / share if hooked else 0.0
     out = []
     for w in work:
         f = w["flops"] * tokens / rate
-        over = cluster.overhead_s * w["layers"] + cluster.pass_overhead_s * w["chunks"]
+        over = (cluster.overhead_s * w["layers"] + cluster.pass_overhead_s * w["chunks"]) / share
         redo = 1 if m.recompute else 0
         c = tp_ep_costs(cfg, cluster, links, w)
         tp = c["tp"]
         cp_f, cp_b = ring_f * w["layers"], (ring_b + redo * ring_f) * w["layers"]
         if t.cp > 1:  # the ring attention's own work beyond its FLOPs: 1 forward, 2 backward
-            ring = cluster.ring_overhead_s * w["layers"]
+            ring = cluster.ring_overhead_s * w["layers"] / share
             cp_f, cp_b = cp_f + ring, cp_b + (2 + redo) * ring
         z_f, z_b = zero3_exposed(cfg, cluster, w, links["dp"], f + over, 2 * (f + over))
         back = (2 * (1 + split) + redo) * (f + over)  # split: B + W = split_b + split_w
@@ -323,10 +326,10 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     dp = dp_time(c, cluster, links, P, ex, nb)
     window = span if ex.fsdp else (costs[busiest][1] if c.optim.overlap else 0.0)
     # reductions posted from the gradient hooks (ZeRO-2: every bucket every microbatch;
-    # overlap: every bucket once) are calls the backward issues: call_overhead_s each
+    # overlap: every bucket once): post_overhead_s each, in the backward
     posted = c.optim.zero == 2 or (c.optim.overlap and c.optim.zero < 3)
     calls = nb * (M if c.optim.zero == 2 else 1) if posted and t.dp * t.cp > 1 else 0
-    parts["dp"] = max(0.0, dp - window) + calls * cluster.call_overhead_s
+    parts["dp"] = max(0.0, dp - window) + calls * cluster.post_overhead_s
     parts.update(_update_and_save(c, cluster, mem, P, ex))
     step = sum(parts.values())
     tokens = tr.global_batch_size * tr.seq_len

@@ -1,8 +1,9 @@
-"""``plan --calibrate``'s per-call cost of tp collectives (perf/calibrate.call_overhead),
-inside MPI ranks (all ranks form one tp group): the model split over the group issues, per
-microbatch, exactly the tp calls the cost model counts (2 per layer and pass, the
-vocabulary-parallel ends), and the overhead is the per-call time less the link's
-alpha-beta, the same on every rank."""
+"""``plan --calibrate``'s per-call costs inside MPI ranks: of the tp collectives
+(perf/calibrate.call_overhead; all ranks form one tp group: the model split over the group
+issues, per microbatch, exactly the tp calls the cost model counts, 2 per layer and pass and
+the vocabulary-parallel ends) and of the reductions ZeRO-2's gradient hooks post
+(post_cost: one per bucket and microbatch); each overhead is the per-call time less the
+link's alpha-beta, the same on every rank."""
 
 from pathlib import Path
 
@@ -45,3 +46,26 @@ def test_call_overhead_is_the_calls_less_the_link(group, latency):
     if latency:  # a link slower than any call: nothing left over
         assert got["overhead"] == 0
     assert len(set(group.allgather_obj((got["per_call"], got["overhead"])))) == 1
+
+
+@pytest.mark.parametrize("latency", [0.0, 1.0])
+def test_post_cost_counts_the_buckets_the_hooks_post(latency):
+    """ZeRO-2's hooks over the group post one reduce-scatter per bucket and microbatch (the
+    bucket count perf/collectives.buckets gives the cost model); the overhead is the time
+    per post less the link's alpha-beta, the same on every rank."""
+    from hpctrain.perf.calibrate import post_cost
+    from hpctrain.perf.collectives import buckets, scatter
+    from hpctrain.perf.cost import rank_work
+
+    world = comm.world()
+    if world.size < 2:
+        pytest.skip("a posted reduction needs two ranks")
+    group = comm.Group(world.mpi.Dup(), "dp")
+    alone = comm.split(world, world.rank, 0, "alone")
+    link = Link(latency=latency, bandwidth=1e9)
+    got = post_cost(CFG, group, alone, link, repeats=2, microbatches=3)
+    nb = buckets([4 * e for e in rank_work(CFG)[0]["sizes"]], CFG.optim.bucket_mb * 2**20)
+    assert got["posts"] == 3 * nb
+    want = max(0.0, got["per_post"] - scatter(got["bytes"], group.size, link))
+    assert got["per_post"] >= 0 and got["overhead"] == want
+    assert world.allgather_obj(got["overhead"]) == [got["overhead"]] * world.size
