@@ -136,7 +136,6 @@ def run_table(layouts: dict, repeats: int, cluster: str | None, description: str
     return [{"layout": name, "ranks": n, "overrides": list(layout),
              "cluster": description, "measured_s": statistics.median(samples[name]),
              "samples_s": samples[name],
-             "spread_s": [min(samples[name]), max(samples[name])],
              "load_average": [min(loads), max(loads)]}
             for name, (n, layout) in layouts.items()]
 
@@ -163,7 +162,7 @@ def markdown(data: dict) -> str:
            f"{data.get('repeats', 2)} rounds (min-max) | predicted s | error | load average "
            "(1 min) during the rounds | held |", "|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        lo, hi = r["spread_s"]
+        lo, hi = min(r["samples_s"]), max(r["samples_s"])
         la, lb = r["load_average"]
         out.append(f"| {r['layout']} | {r['ranks']} | `{r['cluster']}` | "
                    f"{r['measured_s']:.3f} ({lo:.3f}-{hi:.3f}) | {r['predicted_s']:.3f} | "

@@ -34,7 +34,7 @@ from .. import comm
 from ..config import Config
 from .cluster import Cluster, Link
 from .collectives import allreduce
-from .compute import compute_rate, trimmed_mean, whole_model
+from .compute import compute_rate, step_seconds, trimmed_mean, whole_model, zero2_backwards
 from .cost import layer_flops
 
 SIZES = (8, 1 << 20)
@@ -49,31 +49,13 @@ def post_cost(cfg: Config, group, alone, link: Link, repeats: int = 20,
     rank's), over the reductions ``group``'s recorder counts (``posts`` per run, ``bytes``
     each on average): ``per_post`` s, and ``overhead``, what ``link``'s alpha-beta does not
     explain of it (``post_overhead_s``). Collective over ``group``."""
-    from types import SimpleNamespace
-
-    from ..parallel.data import GradBuffers
     from .collectives import scatter
 
-    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
-    runs = []
-    for g in (group, alone):
-        stage = whole_model(cfg)
-        topo = SimpleNamespace(dpcp_comm=g, edpcp_comm=g, tp_comm=alone, tp_size=1)
-        runs.append((stage, GradBuffers(list(stage.named_parameters()), topo,
-                                        cfg.optim.bucket_mb, zero=2,
-                                        microbatches=microbatches, progress="test")))
-
-    def run(stage, grads):
-        grads.zero()
-        t0 = time.perf_counter()
-        for _ in range(microbatches):
-            stage(x, x).backward()
-        grads.reduce()
-        return time.perf_counter() - t0
+    runs = [zero2_backwards(cfg, g, alone, microbatches)[0] for g in (group, alone)]
     rec, axis = group.recorder, group.axis
-    run(*runs[0]), run(*runs[1])
+    runs[0](), runs[1]()
     before = rec.calls[axis], rec.bytes[axis]
-    times = [(run(*runs[0]), run(*runs[1])) for _ in range(repeats)]
+    times = [(runs[0](), runs[1]()) for _ in range(repeats)]
     posts = (rec.calls[axis] - before[0]) / repeats
     nbytes = (rec.bytes[axis] - before[1]) / repeats / max(1.0, posts)
     extra = trimmed_mean([a for a, _ in times]) - trimmed_mean([b for _, b in times])
@@ -142,11 +124,9 @@ def call_overhead(cfg: Config, group, link: Link, repeats: int = 30) -> dict | N
     times: list[list[float]] = [[], []]
     for r in range(repeats + 1):
         for k, stage in enumerate(stages):
-            stage.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            stage(x, x).backward()
+            t = step_seconds(stage, x)
             if r:  # the first round warms up
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(t)
     calls = (rec.calls[group.axis] - before[0]) / (repeats + 1)
     nbytes = (rec.bytes[group.axis] - before[1]) / (repeats + 1) / calls
     extra = trimmed_mean(times[0]) - trimmed_mean(times[1])
@@ -171,10 +151,7 @@ def compute_share(cfg: Config, world, rounds: int = 4, repeats: int = 5) -> floa
                                                 cfg.train.seq_len))
 
     def once() -> float:
-        stage.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        stage(x, x).backward()
-        return time.perf_counter() - t0
+        return step_seconds(stage, x)
     once()
     alone, together = [], []
     for _ in range(rounds):
@@ -213,9 +190,11 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     inter = link_of(world) if nodes > 1 else base.inter
     calls = call_overhead(cfg, node, intra) if node.size > 1 else None
     posted = post_cost(cfg, node, alone, intra) if node.size > 1 else None
-    post = world.allreduce(posted["overhead"] if posted else -1.0, "max")
+    # one rank per node measures neither: the base description's values stand
     overhead = world.allreduce(calls["overhead"] if calls else -1.0, "max")
     overhead = base.call_overhead_s if overhead < 0 else overhead
+    post = world.allreduce(posted["overhead"] if posted else -1.0, "max")
+    post = base.post_overhead_s if post < 0 else post
     share = compute_share(cfg, world)
     if world.rank:
         return None
@@ -234,7 +213,7 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
         **{k: pick[k] for k in ("split_b", "split_w") if k in pick},
         step_overhead_s=pick["step_overhead_s"], intra=intra, inter=inter,
         call_overhead_s=overhead,
-        post_overhead_s=post if post >= 0 else base.post_overhead_s,
+        post_overhead_s=post,
         compute_share=share,
         extra={"load_average": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
                "ranks": world.size, "nodes": int(nodes),

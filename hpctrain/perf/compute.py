@@ -43,6 +43,43 @@ def whole_model(cfg: Config, layers: int = 0):
     return stage
 
 
+def step_seconds(stage, x, times: int = 1) -> float:
+    """Seconds of ``times`` forwards + backwards of ``stage`` on the tokens ``x`` (their own
+    targets), its gradients cleared first."""
+    stage.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    for _ in range(times):
+        stage(x, x).backward()
+    return time.perf_counter() - t0
+
+
+def zero2_backwards(cfg: Config, group, alone, microbatches: int):
+    """A timer of ``microbatches`` forwards + backwards of the whole model with ZeRO-2's
+    gradient hooks (``parallel/data.py``: the staging copy, the counts, posting a
+    reduce-scatter per bucket over ``group``, the tests that drive them) and the wait for
+    the reductions at the end: (the timer, the model's parameter tensors). Collective over
+    ``group`` (``alone``, a one-rank group: nothing travels)."""
+    from types import SimpleNamespace
+
+    from ..parallel.data import GradBuffers
+
+    stage = whole_model(cfg)
+    named = list(stage.named_parameters())
+    topo = SimpleNamespace(dpcp_comm=group, edpcp_comm=group, tp_comm=alone, tp_size=1)
+    grads = GradBuffers(named, topo, cfg.optim.bucket_mb, zero=2,
+                        microbatches=microbatches, progress="test")
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
+
+    def run() -> float:
+        grads.zero()
+        t0 = time.perf_counter()
+        for _ in range(microbatches):
+            stage(x, x).backward()
+        grads.reduce()
+        return time.perf_counter() - t0
+    return run, len(named)
+
+
 def compute_rate(cfg: Config, alone=None, repeats: int = 5) -> dict:
     """One process: peak FLOP/s, achieved model rate, per-layer and per-stage-pass
     overheads (:func:`fit_compute` over :func:`grid_times`), the gradient hooks' cost (over
@@ -79,10 +116,7 @@ def grid_times(cfg: Config, repeats: int) -> dict[tuple[int, int], float]:
     xs = {b: torch.randint(0, cfg.model.vocab_size, (b, cfg.train.seq_len)) for _, b in points}
 
     def once(n, b):
-        stages[n].zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        stages[n](xs[b], xs[b]).backward()
-        return time.perf_counter() - t0
+        return step_seconds(stages[n], xs[b])
     for p in points:
         once(*p)  # warm up
     runs = [[once(*p) for p in points] for _ in range(repeats)]
@@ -129,32 +163,16 @@ def _nonnegative_lstsq(cols: list, y: list, usable: list) -> list[float]:
 
 def hook_cost(cfg: Config, alone, repeats: int = 5, microbatches: int = 4) -> float:
     """Seconds per parameter tensor and microbatch that the gradient hooks add: the whole
-    model's backward over ``microbatches`` with ZeRO-2's hooks (``parallel/data.py`` over the
-    one-rank group ``alone``: the staging copy, the counts, the posting; nothing travels)
-    against the same model without, interleaved, medians."""
-    from types import SimpleNamespace
-
-    from ..parallel.data import GradBuffers
-
-    plain, hooked = whole_model(cfg), whole_model(cfg)
-    named = list(hooked.named_parameters())
-    topo = SimpleNamespace(dpcp_comm=alone, edpcp_comm=alone, tp_comm=alone, tp_size=1)
-    grads = GradBuffers(named, topo, cfg.optim.bucket_mb, zero=2,
-                        microbatches=microbatches, progress="test")
+    model's backward over ``microbatches`` with ZeRO-2's hooks over the one-rank group
+    ``alone`` (:func:`zero2_backwards`: nothing travels) against the same model without,
+    interleaved, medians."""
+    plain = whole_model(cfg)
+    hooked, tensors = zero2_backwards(cfg, alone, alone, microbatches)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
-
-    def run(stage, g=None):
-        g.zero() if g is not None else stage.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        for _ in range(microbatches):
-            stage(x, x).backward()
-        if g is not None:
-            g.reduce()
-        return time.perf_counter() - t0
-    run(plain), run(hooked, grads)
-    times = [(run(plain), run(hooked, grads)) for _ in range(repeats)]
+    step_seconds(plain, x, microbatches), hooked()
+    times = [(step_seconds(plain, x, microbatches), hooked()) for _ in range(repeats)]
     extra = statistics.median(b for _, b in times) - statistics.median(a for a, _ in times)
-    return max(0.0, extra / (microbatches * len(named)))
+    return max(0.0, extra / (microbatches * tensors))
 
 
 def trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
