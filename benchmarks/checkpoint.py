@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint import Checkpointer, store
+from hpctrain.checkpoint import Checkpointer
+from hpctrain.checkpoint import checkpointer as store
 from hpctrain.config import CheckpointConfig, TopologyConfig
 from hpctrain.model import ParamMeta, shard_range
 from hpctrain.topology import Topology

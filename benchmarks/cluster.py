@@ -28,9 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hpctrain.launch import ROOT, cluster_program, command, detect, nested_env
+
 from .cluster_worker import MODEL
 from .common import median, ratio, result, row, same_losses
-from .mpi_env import ROOT, cluster_program, command, detect, nested_env
 
 RANKS = (1,)
 # The link: this machine computes ~10 GFLOP/s, so 200 Mbit/s gives about the FLOP-per-bit

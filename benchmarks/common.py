@@ -193,10 +193,10 @@ def torch_optimizer(params, ocfg) -> torch.optim.AdamW:
 
 
 def local_model(cfg):
-    """The whole model as one GPTStage with LocalOps (plain PyTorch), hpctrain's init."""
-    from hpctrain.model import GPTStage, init_parameters
+    """The whole model as one DecoderStage with LocalOps (plain PyTorch), hpctrain's init."""
+    from hpctrain.model import DecoderStage, init_parameters
 
-    stage = GPTStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
+    stage = DecoderStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
     init_parameters([stage], cfg.train.seed)
     return stage
 
@@ -208,7 +208,7 @@ def torch_loop(cfg, world=None) -> tuple[list[float], list[float]]:
     and each rank takes its dp slice of the same global batch. Returns (step s, losses)."""
     import torch.distributed as dist
 
-    from hpctrain.data import Sampler, load_tokens
+    from hpctrain.data.dataset import Sampler, load_tokens
     from hpctrain.optim import lr_at
 
     t, o = cfg.train, cfg.optim

@@ -18,8 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hpctrain.launch import command, launch_env, with_checkout
+
 from .common import median, scratch_dir, train_config
-from .mpi_env import command, launch_env, with_checkout
 
 LLAMA = ['model.arch="llama"', "model.n_kv_heads=2"]
 

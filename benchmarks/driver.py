@@ -18,8 +18,9 @@ import sys
 from importlib.util import find_spec
 from pathlib import Path
 
+from hpctrain.launch import command, launch_env, with_checkout
+
 from . import BENCHES, SIZES
-from .mpi_env import command, launch_env, with_checkout
 
 PROG = "python -m benchmarks"
 

@@ -11,7 +11,7 @@ import torch
 
 from hpctrain.config import load
 from hpctrain.parallel import build_model, named_parameters
-from hpctrain.parallel.data import GradBuffers
+from hpctrain.parallel.grad_sync.buffers import GradBuffers
 from hpctrain.topology import Topology
 
 from .common import max_over_ranks, median, pair_ratios, pairs_of, ratio, result, row

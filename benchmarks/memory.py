@@ -19,8 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hpctrain.launch import command, launch_env, with_checkout
+
 from .common import median, result, row, same_losses, scratch_dir, train_config
-from .mpi_env import command, launch_env, with_checkout
 
 LEVELS = (0, 1, 2, 3)
 

@@ -12,7 +12,7 @@ Every variant is its own copy of the same model (same init) with its own
 - overlap, progress ``test``: the same, plus ``MPI_Test`` on every outstanding request from
   each gradient hook;
 - overlap, progress ``thread``: the offload thread runs each bucket's blocking all-reduce on
-  a duplicate communicator while backward goes on (``comm/offload.py``);
+  a duplicate communicator while backward goes on (``comm/progress.py``);
 - per-parameter: one blocking all-reduce per parameter after backward (the naive baseline).
 
 Exposed sync = a variant's step - compute only (medians). Run on the shaped 2-node cluster
@@ -27,7 +27,7 @@ import time
 import torch
 
 from hpctrain.parallel import build_model, named_parameters
-from hpctrain.parallel.data import GradBuffers
+from hpctrain.parallel.grad_sync.buffers import GradBuffers
 from hpctrain.topology import Topology
 
 from .common import (

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .mpi_env import ROOT, cluster_program, command, detect, nested_env
+from hpctrain.launch import ROOT, cluster_program, command, detect, nested_env
 
 PY = sys.executable  # the venv running this (its mpi4py picks the launcher)
 CFG = "share/configs/tiny.toml"
@@ -92,7 +92,7 @@ def median_cluster(paths: list[Path], out: Path) -> None:
     rate, a latency, an overhead), as the runs are compared at their median round. The
     machine is shared and its speed changes within minutes; the median of a number over
     the rounds, like that of a layout's step, is what a typical round sees."""
-    from hpctrain.perf.cluster import dumps, load
+    from hpctrain.planner.cluster import dumps, load
 
     cs = [load(str(p)) for p in paths]
     med = lambda get: statistics.median(get(c) for c in cs)  # noqa: E731
@@ -142,8 +142,8 @@ def run_table(layouts: dict, repeats: int, cluster: str | None, description: str
 
 def predict_rows(rows: list) -> list:
     from hpctrain.config import load
-    from hpctrain.perf.cluster import load as load_cluster
-    from hpctrain.perf.cost import predict
+    from hpctrain.planner.cluster import load as load_cluster
+    from hpctrain.planner.cost import predict
 
     for r in rows:
         cfg = load(ROOT / CFG, [*MODEL, *r["overrides"]])

@@ -14,12 +14,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hpctrain.data import Sampler, load_tokens
-from hpctrain.model import GPTStage, init_parameters, weight_grad
-from hpctrain.model.gpt import DTYPES
+from hpctrain.data.dataset import Sampler, load_tokens
+from hpctrain.model import DecoderStage, init_parameters, weight_grad
+from hpctrain.model.stage import DTYPES
 from hpctrain.optim import lr_at
 from hpctrain.parallel.pipeline import partition
-from hpctrain.schedule import zero_bubble
+from hpctrain.pipeline import zero_bubble
 
 from .abtest import interleave, loadavg, paired
 from .common import (
@@ -43,7 +43,7 @@ class _Logits(torch.nn.Module):
     """The last stage for torch pipelining: blocks, final norm and head -> logits
     (B, T, V); the loss is the schedule's ``loss_fn`` (torch keeps them apart)."""
 
-    def __init__(self, stage: GPTStage):
+    def __init__(self, stage: DecoderStage):
         super().__init__()
         self.stage = stage
 
@@ -62,7 +62,7 @@ def torch_pipeline(cfg, world) -> tuple[list[float], list[float]]:
     t, o = cfg.train, cfg.optim
     rank, pp = world.rank, world.size
     ranges = partition(cfg.model.n_layers, pp)
-    stage = GPTStage(cfg.model, ranges[rank], first=rank == 0, last=rank == pp - 1)
+    stage = DecoderStage(cfg.model, ranges[rank], first=rank == 0, last=rank == pp - 1)
     init_parameters([stage], t.seed)  # same names, same per-name seeds as hpctrain
     params = list(stage.parameters())
     module = _Logits(stage) if stage.last else stage
@@ -114,7 +114,7 @@ def split_cost(cfg, rounds: int) -> list[dict]:
     ``rounds`` pairs after a warm-up; medians of the per-pair ratios, and ``extra_s``: the
     seconds B + W takes beyond one backward (median)."""
     ranges = partition(cfg.model.n_layers, cfg.topology.pp)
-    stage = GPTStage(cfg.model, ranges[1], first=False, last=False)
+    stage = DecoderStage(cfg.model, ranges[1], first=False, last=False)
     init_parameters([stage], cfg.train.seed)
     dtype = DTYPES[cfg.model.dtype]
     shape = (cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.d_model)

@@ -13,6 +13,7 @@ import importlib
 import sys
 
 COMMANDS = {
+    "launch": "start a command on N ranks with this machine's launcher (mpirun, mpiexec, srun)",
     "train": "train a model (run under mpirun/srun, one process per rank)",
     "prepare": "turn text files (or a nanoGPT/Megatron corpus) into a token dataset (HDF5) "
                "with a held-out split; in parallel under mpirun",

@@ -3,8 +3,8 @@
 A run is described by a TOML file (see ``share/configs/``) plus ``--set section.key=value``
 overrides. Unknown keys, wrong types and non-finite numbers are rejected here, with the list
 of valid keys; values and layouts that cannot work (``dp*tp*pp != world size``, a negative
-learning rate) are listed by :func:`hpctrain.checks.problems` and rejected by
-:func:`hpctrain.validate.validate` before any collective is called, with the key, the value
+learning rate) are listed by :func:`hpctrain.checks.rules.problems` and rejected by
+:func:`hpctrain.checks.validate.validate` before any collective is called, with the key, the value
 and the rule (or the arithmetic) in the message. Imports nothing of hpctrain: plain data.
 """
 

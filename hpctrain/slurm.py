@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL: "try again later"
@@ -166,3 +167,16 @@ def attach(world, info) -> Job:
     job.install_handlers()
     info(job.describe())
     return job
+
+
+def parse_end_time(value) -> float | None:
+    """SLURM end time as epoch seconds ('1764460800' or '2026-11-30T01:00:00')."""
+    if not value:
+        return None
+    text = str(value).strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None

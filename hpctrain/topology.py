@@ -239,14 +239,6 @@ class Topology:
     def local_rank(self) -> int:
         return self.node_comm.rank
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
     def describe(self) -> str:
         """One line naming this rank, its grid coordinates and its node."""
         return f"rank {self.rank} {self.coords} on {self.hostname}"

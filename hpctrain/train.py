@@ -23,21 +23,23 @@ import torch
 
 from . import comm, slurm
 from .checkpoint import Checkpointer, lineage
+from .checks.validate import validate
 from .comm import gpu
 from .config import Config, dumps_toml
 from .config import microbatches as microbatches_per_rank
-from .data import Sampler, load_tokens
-from .evaluate import Evaluator, StopRules
+from .data.dataset import Sampler, load_tokens
+from .evaluate import Evaluator
 from .interchange import init_from
 from .optim import NumericGuard, build_optimizer, lr_at
-from .parallel import build_model, hierarchical, named_parameters
-from .parallel.data import GradBuffers, overlap_on, progress_for
+from .parallel import build_model, named_parameters
+from .parallel.grad_sync import hierarchical
+from .parallel.grad_sync.buffers import GradBuffers, overlap_on, progress_for
+from .parallel.grad_sync.zero3 import shard_parameters, units_of
 from .parallel.moe_exchange import set_loss_scale, step_metrics
-from .parallel.zero3 import shard_parameters, units_of
-from .schedule.runner import pipeline_metrics, run_step
+from .pipeline.runner import pipeline_metrics, run_step
+from .stopping import StopRules
 from .telemetry import Faults, Meter, RunLog, Telemetry
 from .topology import Topology
-from .validate import validate
 
 
 @dataclass
@@ -106,7 +108,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
                         units=units_of(chunks) if cfg.optim.zero == 3 else None)
     if grads.overlap:
         log.info(f"gradient reduction overlapped with backward (progress: {progress})")
-    if cfg.optim.zero == 3:  # parameters sharded too, gathered per block (parallel/zero3.py)
+    if cfg.optim.zero == 3:  # parameters sharded too, gathered per block
         shard_parameters(chunks, grads)
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)
     d = cfg.data

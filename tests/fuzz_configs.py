@@ -146,7 +146,7 @@ def config_path(tmp_dir: Path, toml: str | None) -> str:
 def expected(path: str, sets: list[str], world: int, inputs) -> str | None:
     """The configuration error the CLI must report (None: none). ``inputs(cfg)`` checks what
     the config points at (data, directories) and raises ConfigError."""
-    from hpctrain.validate import validate
+    from hpctrain.checks.validate import validate
 
     try:
         cfg = load(path, sets)

@@ -5,7 +5,7 @@ on the tiny preset (``TINY``: tiny-llama.toml; ``config=TINY_GPT`` for the gpt f
 returns a :class:`Run` with per-step losses and grad norms from
 ``metrics.jsonl`` and the final parameters from the final checkpoint (global shapes).
 ``baseline(*overrides)`` is the same on one rank, cached per session (keyed by overrides).
-Ranks are started by the launcher of :mod:`benchmarks.mpi_env` (Open MPI ``mpirun``, Hydra
+Ranks are started by the launcher of :mod:`hpctrain.launch` (Open MPI ``mpirun``, Hydra
 ``mpiexec`` for an MPICH-built mpi4py, or ``HPCTRAIN_LAUNCHER``), with its local settings
 (root, more ranks than cores) and the run defaults.
 """
@@ -26,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is a top-level package of the checkout
     sys.path.insert(0, str(ROOT))
-from benchmarks.mpi_env import command, detect, launch_env  # noqa: E402
+from hpctrain.launch import command, detect, launch_env  # noqa: E402
 
 PY = str(Path(sys.executable))
 # The tests' model: the llama form (every preset's architecture); the layout tests run it.

@@ -1,6 +1,6 @@
 """Stage 5: collective checkpoints in parallel HDF5, whole or absent, any layout back.
 
-- ``store.py``: :class:`Checkpointer` (save: snapshot, then write now or in the background;
+- ``checkpointer.py``: :class:`Checkpointer` (save: snapshot, then write now or in the background;
   restore: newest sound one, fallback on damage) and :func:`latest`.
 - ``write.py``: the snapshot of this rank's bytes and the :class:`Writer` (create, fill,
   checksums from memory, fsync, verify if asked, rename, point ``latest``, prune).
@@ -12,6 +12,6 @@
 - ``lineage.py``: what a run was made from (data hash, config, resumed-from chain).
 """
 
-from .store import Checkpointer, CorruptCheckpoint, latest
+from .checkpointer import Checkpointer, CorruptCheckpoint, latest
 
 __all__ = ["Checkpointer", "CorruptCheckpoint", "latest"]

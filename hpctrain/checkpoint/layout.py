@@ -5,7 +5,7 @@ list of *boxes* ``(start, count)`` it covers in the dataset's global shape, in t
 the global array. Two kinds exist:
 
 * a **shard** of a parameter (tp rows/columns, ep experts, or the whole tensor): one box,
-  :func:`hpctrain.model.gpt.local_slice`; padding rows past the global extent are skipped.
+  :func:`hpctrain.model.stage.local_slice`; padding rows past the global extent are skipped.
 * a **flat shard** (ZeRO): the optimizer holds elements ``[a, b)`` of the *flattened local*
   parameter (padded local shape). ``[a, b)`` is cut into at most ``2*ndim - 1`` boxes that
   are each contiguous in flat order (:func:`flat_boxes`), then clipped to the valid extent.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..model.gpt import local_slice
+from ..model.stage import local_slice
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, count) in global coordinates
 

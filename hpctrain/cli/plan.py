@@ -3,7 +3,7 @@
 Prints, without MPI and without building the model: the layout, the pipeline partition,
 every pp rank's schedule (actions as in docs/design.md), the simulated makespan and bubble
 fraction, and the peak number of in-flight microbatches per rank. With ``--cluster``: the
-predicted step time, its parts, tokens/s, MFU and fit (``hpctrain.perf``); ``--search``: the
+predicted step time, its parts, tokens/s, MFU and fit (``hpctrain.planner``); ``--search``: the
 best layouts on ``--nodes`` nodes of that cluster and why the others were rejected;
 ``--calibrate OUT.toml`` (under mpirun): measure this machine and write a description;
 ``--published``: the published runs against the model (docs/performance-model.md).
@@ -79,8 +79,8 @@ def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
     ``SIMULATED_MAX`` chunk-microbatches per rank: the partition and the 1F1B reference)."""
     from ..config import microbatches
     from ..parallel.pipeline import layer_ranges, style_of, virtual_stages
-    from ..schedule.actions import from_config
-    from ..schedule.simulate import simulate
+    from ..pipeline.actions import from_config
+    from ..pipeline.simulate import simulate
 
     top, s = cfg.topology, cfg.schedule
     m, p = microbatches(cfg), top.pp
@@ -155,7 +155,7 @@ def plan_section(cfg, nodes: int, ranks_per_node: int) -> list[str]:
 
 def performance_section(cfg, cluster) -> list[str]:
     """``--cluster``: the cost model's step time and parts, tokens/s, MFU, memory fit."""
-    from ..perf.cost import predict
+    from ..planner.cost import predict
     from ..telemetry.memory import fmt_bytes
 
     p = predict(cfg, cluster)
@@ -174,15 +174,15 @@ def performance_section(cfg, cluster) -> list[str]:
 def special(args) -> int | None:
     """--published, --search and --calibrate; None when none of them was asked for."""
     from ..config import load
-    from ..perf import published, search
-    from ..perf.cluster import load as load_cluster
+    from ..planner import published, search
+    from ..planner.cluster import load as load_cluster
 
     if args.published:
         print(published.markdown(published.table()))
         return 0
     if args.calibrate:
-        from ..perf.calibrate import calibrate
-        from ..perf.cluster import dumps
+        from ..planner.calibrate import calibrate
+        from ..planner.cluster import dumps
 
         base = load_cluster(args.cluster or "cpu-epyc-7763")
         out = calibrate(load(args.config, args.overrides), base, args.calibrate)
@@ -214,16 +214,16 @@ def special(args) -> int | None:
 
 
 def _cluster(name):
-    from ..perf.cluster import load
+    from ..planner.cluster import load
 
     return load(name)
 
 
 def run(args) -> int:
+    from ..checks.validate import validate
     from ..config import ConfigError, InputError, load
-    from ..perf.cluster import ClusterError
+    from ..planner.cluster import ClusterError
     from ..telemetry.memory import parse_bytes
-    from ..validate import validate
     from .train import data_problems
 
     try:  # the command line's own values; the modes that do not plan one layout

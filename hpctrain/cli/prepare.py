@@ -41,9 +41,9 @@ def problems(args) -> str | None:
 
 def run(args) -> int:
     from .. import comm
-    from ..data import DataError
-    from ..prepare import embedded_source, prepare, text_source, token_source
-    from ..tokenizer import TokenizerError, byte_level, load
+    from ..data.dataset import DataError
+    from ..data.prepare import embedded_source, prepare, text_source, token_source
+    from ..data.tokenizer import TokenizerError, byte_level, load
 
     world = comm.world()
     bad = problems(args)

@@ -25,9 +25,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from ..data import DataError
-    from ..prepare import embedded_source, text_source
-    from ..tokenizer import train_bpe
+    from ..data.dataset import DataError
+    from ..data.prepare import embedded_source, text_source
+    from ..data.tokenizer import train_bpe
 
     bad = problems(args)
     if bad:
@@ -51,7 +51,7 @@ def run(args) -> int:
             tmp.unlink()
         print(f"hpctrain tokenizer: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    from ..tokenizer import from_json
+    from ..data.tokenizer import from_json
 
     tok = from_json(text, args.out)
     short = (f" (asked {args.vocab_size}: the documents hold no more merges)"

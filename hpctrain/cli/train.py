@@ -16,8 +16,8 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from .. import comm, slurm
+    from ..checks.validate import validate
     from ..config import ConfigError, load
-    from ..validate import validate
 
     world = comm.world()
     if (wrong_launch := slurm.launch_error(world.size, comm.library())) is not None:
@@ -88,7 +88,7 @@ def data_problems(cfg, missing_ok: bool = False) -> list[str]:
     hpctrain's, a token id has no row in ``model.vocab_size``, a split is too short. Reads
     the file's attributes (the embedded corpus: its tokens, once). ``missing_ok``: a data
     file that is not here is no problem (``hpctrain plan`` on another machine)."""
-    from ..data import DataError, fit_problems, summarize
+    from ..data.dataset import DataError, fit_problems, summarize
 
     d, t = cfg.data, cfg.train
     if missing_ok and any(p and not Path(p).exists() for p in (d.path, d.tokenizer)):

@@ -8,12 +8,12 @@
   splits) and process-level calls (abort, finalize, MPI-IO hints requested and
   applied, the thread level, the library's name and version).
 - ``gpu.py``: the GPU buffer seam (CUDA-aware MPI or host staging).
-- ``offload.py``: :class:`Offload`, a thread owning duplicate communicators that runs
+- ``progress.py``: :class:`ProgressThread`, a thread owning duplicate communicators that runs
   blocking collectives while the caller computes (overlapped gradient reduction).
 """
 
 from .group import PROC_NULL, Group, Handle, wait_all
-from .offload import Offload
+from .progress import ProgressThread
 from .records import OpRecord, Recorder
 from .setup import (
     abort,
@@ -33,7 +33,7 @@ from .setup import (
     wtime,
 )
 
-__all__ = ["PROC_NULL", "Group", "Handle", "Offload", "OpRecord", "Recorder", "abort",
+__all__ = ["PROC_NULL", "Group", "Handle", "ProgressThread", "OpRecord", "Recorder", "abort",
            "applied_hints", "cartesian", "finalize", "library", "mpi_info", "node_local",
            "processor_name", "shift", "split", "sub", "thread_multiple", "wait_all",
            "with_recorder", "world", "wtime"]

@@ -180,10 +180,6 @@ def cuda_aware() -> bool:
     return awareness().aware
 
 
-def is_device_tensor(t: torch.Tensor) -> bool:
-    return BACKEND.is_device(t)
-
-
 def mpi_buffer(t: torch.Tensor, write: bool):
     """(buffer for MPI, finish) for a device tensor. ``finish`` (or None) copies a staged
     host buffer back into ``t``; call it when MPI has completed writing (``write=True``)."""

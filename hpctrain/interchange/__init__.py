@@ -5,6 +5,5 @@ Imports ``checkpoint``, ``config`` and ``model``; no MPI of its own.
 - ``hf_export.py``: a checkpoint as a Hugging Face directory (``hpctrain export --format hf``).
 - ``hf_import.py``: a Hugging Face directory as a checkpoint (``hpctrain import``).
 - ``init_from.py``: ``checkpoint.init_from``: a new run's parameters from either.
-- ``tokenizer.py``: tokenizer.json from the user or the lineage; the byte-level tokenizer.
 - ``generation.py``: sampling with a key/value cache (``hpctrain generate``), its benchmark.
 """

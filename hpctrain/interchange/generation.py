@@ -24,7 +24,7 @@ else:  # pragma: no cover
 def whole_model(m):
     """The whole model ``m`` (a ModelConfig) on one process, expert layers included (their
     token exchange the single-rank identity)."""
-    from ..model import DTYPES, GPTStage, LocalOps
+    from ..model import DTYPES, DecoderStage, LocalOps
     from ..model.moe import LocalExchange, MoE, is_moe_layer
 
     ops, exchange = LocalOps(), LocalExchange()
@@ -34,7 +34,7 @@ def whole_model(m):
         return MoE(m, ops, exchange, DTYPES[m.dtype], resid_std) \
             if is_moe_layer(m, layer) else None
 
-    return GPTStage(m, range(m.n_layers), first=True, last=True, ops=ops, ffn_factory=ffn)
+    return DecoderStage(m, range(m.n_layers), first=True, last=True, ops=ops, ffn_factory=ffn)
 
 
 def load_model(path):
@@ -69,7 +69,7 @@ class Codec:
 
 def codec_for(tokenizer_arg: str | None, lineage: tuple[str, str]) -> Codec:
     """``--tokenizer``, else what the checkpoint's data used, else byte-level."""
-    from . import tokenizer
+    from ..data import tokenizer_files as tokenizer
 
     source = tokenizer_arg or tokenizer.find(*lineage)[0]
     if source and source != tokenizer.BYTES:

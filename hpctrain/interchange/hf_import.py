@@ -137,7 +137,7 @@ def write_checkpoint(out: Path, cfg: Config, arrays: dict, lineage: dict) -> Pat
     otherwise ``out/step_00000000.h5`` with ``latest`` naming it. Atomic like a run's save."""
     import h5py
 
-    from ..checkpoint.store import LATEST, step_name
+    from ..checkpoint.checkpointer import LATEST, step_name
 
     cv.disable_file_locking()
     final = out if out.suffix == ".h5" else out / step_name(0)

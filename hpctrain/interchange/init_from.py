@@ -17,7 +17,7 @@ import torch
 
 from ..checkpoint import integrity as cv
 from ..config import Config, ModelConfig, from_dict
-from ..model.gpt import local_slice
+from ..model.stage import local_slice
 from . import hf_map
 
 if sys.version_info >= (3, 11):
@@ -101,7 +101,7 @@ def problems(cfg: Config) -> list[str]:
 def load(cfg: Config, topo, params) -> str:
     """Copy this rank's slice of every parameter from ``checkpoint.init_from``; returns the
     source's path. A checkpoint is verified first (datasets dealt over the ranks)."""
-    from ..checkpoint.store import CheckpointMismatch, CorruptCheckpoint
+    from ..checkpoint.checkpointer import CheckpointMismatch, CorruptCheckpoint
 
     kind, path = source_kind(cfg.checkpoint.init_from)
     world = topo.world

@@ -3,7 +3,7 @@
 - ``layers.py``: the layers of a block for ``model.arch`` gpt and llama (RMSNorm, rotary
   embeddings, grouped-query attention, GELU or SwiGLU MLP), parameters with their global
   shapes (:class:`ParamMeta`), the :class:`KVCache` of incremental decoding.
-- ``gpt.py``: :class:`Block` and :class:`GPTStage` (a contiguous run of blocks, plus the
+- ``stage.py``: :class:`Block` and :class:`DecoderStage` (a contiguous run of blocks, plus the
   embedding on the first stage and the head and loss on the last), layout-independent
   initialisation.
 - ``moe.py``: the mixture-of-experts feed-forward; the token exchange is injected.
@@ -13,9 +13,9 @@
   weight gradients wait in a :class:`Pending` store for ``W``.
 """
 
-from .gpt import DTYPES, GPTStage, LocalOps, init_parameters
 from .layers import ARCHS, KVCache, ParamMeta, shard_range
+from .stage import DTYPES, DecoderStage, LocalOps, init_parameters
 from .steps import Exchange, RunBlock, RunExperts, drive
 
-__all__ = ["ARCHS", "DTYPES", "Exchange", "GPTStage", "KVCache", "LocalOps", "ParamMeta",
+__all__ = ["ARCHS", "DTYPES", "Exchange", "DecoderStage", "KVCache", "LocalOps", "ParamMeta",
            "RunBlock", "RunExperts", "drive", "init_parameters", "shard_range"]

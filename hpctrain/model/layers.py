@@ -70,7 +70,7 @@ class KVCache:
     """Keys and values of the tokens seen so far, for incremental decoding (one process).
 
     ``k[layer]``/``v[layer]``: (B, kv heads, length, hd) after rotary embedding; ``length``:
-    tokens cached, the position of the next token. ``GPTStage.logits(idx, cache)`` reads
+    tokens cached, the position of the next token. ``DecoderStage.logits(idx, cache)`` reads
     and extends it: every layer appends its new keys and values, then ``length`` grows."""
 
     k: dict = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """A stage's forward as a generator: the one forward pass, and the points where it can pause.
 
-``GPTStage.steps`` / ``Block.steps`` / ``MoE.steps`` are generators. They *yield requests*
+``DecoderStage.steps`` / ``Block.steps`` / ``MoE.steps`` are generators. They *yield requests*
 to whoever drives them and *return* the result. Three kinds of request:
 
 - :class:`RunBlock` (from a stage, for each block): :func:`drive` answers ``block(x)`` (an

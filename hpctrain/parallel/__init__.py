@@ -3,13 +3,13 @@
 - ``build.py``: :func:`build_model`, this rank's model chunks for any layout.
 - ``tensor.py``: tensor and sequence parallelism (conjugate f/g autograd functions over
   ``tp_comm``, vocab-parallel cross-entropy).
-- ``context.py``: context parallelism, ring attention over ``cp_comm`` (causal load
+- ``ring_attention.py``: context parallelism, ring attention over ``cp_comm`` (causal load
   balancing, log-sum-exp merge, key/value gradients returned around the ring).
 - ``pipeline.py``: which layers live on which (virtual) stage.
 - ``moe_exchange.py``: expert parallelism, the token all-to-all over ``ep_comm``.
-- ``data.py``: :class:`GradBuffers`, gradients in flat buckets summed over ``dpcp_comm`` /
+- ``grad_sync/``: :class:`GradBuffers`, gradients in flat buckets summed over ``dpcp_comm`` /
   ``edpcp_comm`` (dp, and cp when > 1; ZeRO shards, overlap).
-- ``hierarchical.py``: the two-level (within node, across nodes) dp reduction.
+- ``grad_sync/hierarchical.py``: the two-level (within node, across nodes) dp reduction.
 """
 
 from .build import build_model, named_parameters, virtual_stages

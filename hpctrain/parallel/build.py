@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..comm import gpu
 from ..config import Config
-from ..model import GPTStage, LocalOps, init_parameters
+from ..model import DecoderStage, LocalOps, init_parameters
 from .pipeline import chunks_of_rank, layer_ranges, style_of, virtual_stages
 
 
@@ -19,7 +19,7 @@ def tp_ops(cfg: Config, topo):
     return TensorParallelOps(topo.tp_comm, cfg.topology.sequence_parallel)
 
 
-def build_model(cfg: Config, topo) -> list[GPTStage]:
+def build_model(cfg: Config, topo) -> list[DecoderStage]:
     """This rank's model chunks (one per virtual stage it holds), initialised identically
     to the same parameters of a one-rank model."""
     v = virtual_stages(cfg)
@@ -28,7 +28,7 @@ def build_model(cfg: Config, topo) -> list[GPTStage]:
     ops = tp_ops(cfg, topo)
     context = None
     if topo.cp_size > 1:
-        from .context import RingContext
+        from .ring_attention import RingContext
 
         context = RingContext(topo.cp_comm)
     ffn_factory = None
@@ -37,7 +37,7 @@ def build_model(cfg: Config, topo) -> list[GPTStage]:
 
         ffn_factory = make(cfg.model, topo, ops)
     chunks = [
-        GPTStage(cfg.model, ranges[s], first=(s == 0), last=(s == S - 1), ops=ops,
+        DecoderStage(cfg.model, ranges[s], first=(s == 0), last=(s == S - 1), ops=ops,
                  ffn_factory=ffn_factory, context=context)
         for s in chunks_of_rank(topo.pp_rank, topo.pp_size, v, style_of(cfg.schedule.kind))
     ]

@@ -24,8 +24,8 @@ import time
 import numpy as np
 import torch
 
-from ..model.gpt import DTYPES
 from ..model.moe import MoE, is_moe_layer
+from ..model.stage import DTYPES
 
 
 class _AllToAll(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """Tensor parallelism (Megatron-style) with optional sequence parallelism.
 
-The model (``hpctrain.model.gpt``) already sizes its weights by ``tp_size``: attention is split
+The model (``hpctrain.model.stage``) already sizes its weights by ``tp_size``: attention is split
 by heads (wq/wk/wv column-parallel, wo row-parallel), the MLP on its hidden dimension (w1
 column-, w2 row-parallel), embedding and head by vocabulary rows. It calls ``enter_tp`` before
 a column-parallel matmul and ``exit_tp`` after a row-parallel one. This module supplies those

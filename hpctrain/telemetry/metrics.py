@@ -177,7 +177,7 @@ class Telemetry:
     """
 
     def __init__(self, cfg, topo, run_dir: str | Path, log: RunLog):
-        from ..model.gpt import DTYPES
+        from ..model.stage import DTYPES
         from .flops import measure_peak_flops, train_flops_per_token
 
         tc, t, m = cfg.telemetry, cfg.train, cfg.model

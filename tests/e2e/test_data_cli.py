@@ -33,7 +33,7 @@ def _refused(proc, command: str) -> str:
 
 def test_tokenizer_train_is_deterministic(tmp_path):
     """The command's file equals the library's on the same documents in this process."""
-    from hpctrain.tokenizer import train_bpe
+    from hpctrain.data.tokenizer import train_bpe
 
     src = _texts(tmp_path)
     out = hpctrain(["tokenizer", "train", str(src), "--vocab-size", "320", "--out",
@@ -47,7 +47,7 @@ def test_tokenizer_train_is_deterministic(tmp_path):
 def test_parallel_prepare_is_the_same_file_on_1_2_4_ranks(tmp_path):
     """Ranks tokenize disjoint documents and write one file together: its bytes do not
     depend on the number of ranks (nor on mpirun: one process gives the same)."""
-    from hpctrain.tokenizer import train_bpe
+    from hpctrain.data.tokenizer import train_bpe
 
     src = _texts(tmp_path)
     tok = tmp_path / "tok.json"
@@ -99,8 +99,8 @@ def test_prepare_from_nanogpt_and_megatron_keeps_the_documents(tmp_path):
 def test_training_on_the_embedded_corpus_with_a_tokenizer(tmp_path):
     """data.tokenizer: every rank tokenizes the embedded corpus alike; the lineage names the
     tokenizer; a model narrower than it is refused before anything is written."""
-    from hpctrain.data import stdlib_documents
-    from hpctrain.tokenizer import train_bpe
+    from hpctrain.data.dataset import stdlib_documents
+    from hpctrain.data.tokenizer import train_bpe
 
     tok = tmp_path / "tok.json"
     tok.write_text(train_bpe([d for _, d in stdlib_documents(2**19)], 512))

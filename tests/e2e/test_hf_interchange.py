@@ -181,9 +181,9 @@ def test_refusals_are_one_clear_message(hf_llama, tmp_path, cli):
     --format hf; an HF directory with rope scaling; init_from of another model."""
     from hpctrain.config import Config, ModelConfig
     from hpctrain.interchange.hf_import import file_arrays, write_checkpoint
-    from hpctrain.model import GPTStage
+    from hpctrain.model import DecoderStage
 
-    gpt = GPTStage(ModelConfig(n_layers=1, d_model=16, n_heads=2), [0], True, True)
+    gpt = DecoderStage(ModelConfig(n_layers=1, d_model=16, n_heads=2), [0], True, True)
     arrays = {n: p.detach().numpy() for n, p in gpt.named_parameters()}
     ckpt = write_checkpoint(tmp_path / "gpt.h5", Config(model=gpt.cfg),
                             file_arrays(arrays, "float32"), {})

@@ -13,9 +13,9 @@ import torch
 from launch import TINY, assert_same, baseline, train_cli
 
 from hpctrain.config import load
-from hpctrain.data import Sampler, load_tokens
-from hpctrain.model.gpt import DTYPES, GPTStage, LocalOps, init_parameters
+from hpctrain.data.dataset import Sampler, load_tokens
 from hpctrain.model.moe import LocalExchange, MoE, is_moe_layer
+from hpctrain.model.stage import DTYPES, DecoderStage, LocalOps, init_parameters
 
 pytestmark = pytest.mark.e2e
 
@@ -83,7 +83,7 @@ def independent_drop_count(overrides, global_mb: int) -> dict:
     m, t = cfg.model, cfg.train
     resid = m.init_std / math.sqrt(2 * m.n_layers)
     ex = LocalExchange()
-    stage = GPTStage(m, range(m.n_layers), True, True, ffn_factory=lambda i: MoE(
+    stage = DecoderStage(m, range(m.n_layers), True, True, ffn_factory=lambda i: MoE(
         m, LocalOps(), ex, DTYPES[m.dtype], resid) if is_moe_layer(m, i) else None)
     init_parameters([stage], t.seed)
     tokens = load_tokens(cfg.data.path, "train", cfg.data.corpus_mb, cfg.data.val_fraction)

@@ -6,8 +6,8 @@ import pytest
 from launch import TINY, assert_same, baseline, train_cli
 
 from hpctrain.config import load, microbatches
-from hpctrain.schedule.actions import from_config
-from hpctrain.schedule.simulate import simulate
+from hpctrain.pipeline.actions import from_config
+from hpctrain.pipeline.simulate import simulate
 
 pytestmark = pytest.mark.e2e
 

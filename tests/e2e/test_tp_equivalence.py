@@ -62,7 +62,7 @@ def test_vocab_not_divisible_by_tp(tmp_path, session_dir):
     # never count, in the loss, the gradient norm, the update or the checkpoint (global
     # shape (V, C)). Tied embeddings send the head's gradient into the same padded table.
     from hpctrain.config import load
-    from hpctrain.data import summarize
+    from hpctrain.data.dataset import summarize
 
     data = load(TINY).data
     top = summarize(data.path, data.corpus_mb, data.val_fraction).max_id

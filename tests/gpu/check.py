@@ -33,10 +33,10 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from launch import TINY, assert_same, env, read_params, read_run, rel_err  # noqa: E402
 
-from benchmarks.mpi_env import detect  # noqa: E402  (tests/launch.py put ROOT on sys.path)
+from hpctrain.launch import detect  # noqa: E402  (tests/launch.py put ROOT on sys.path)
 
 PY = sys.executable
-# The launcher (benchmarks/mpi_env.py): MPIRUN when given (Open MPI mpirun or Hydra mpiexec,
+# The launcher (hpctrain/launch.py): MPIRUN when given (Open MPI mpirun or Hydra mpiexec,
 # e.g. from the mpich wheel), else the one found for this interpreter; its own flags for
 # more ranks than cores. MPIRUN_ARGS: extra launcher flags (e.g. "--mca btl self,tcp").
 LAUNCHER = detect(tuple(shlex.split(os.environ["MPIRUN"])) if os.environ.get("MPIRUN") else None)

@@ -1,11 +1,11 @@
 """MFU of hpctrain's training step on one GPU vs a plain PyTorch loop on the same model.
 
-The model is hpctrain's GPT (``GPTStage``: RMSNorm, GELU MLP of 4 x d_model, no positional
+The model is hpctrain's GPT (``DecoderStage``: RMSNorm, GELU MLP of 4 x d_model, no positional
 encoding, untied head): GPT-form, not llama-form (no RoPE, SwiGLU or grouped-query attention).
 The size comes from the arguments; the GPU check uses ~1.3B parameters (24 layers, d_model
 2048, 16 heads, seq 2048, vocab 32000, bf16), the dry run a tiny one on CPU.
 
-* **plain PyTorch**: the same ``GPTStage`` in bf16, one forward of the whole batch,
+* **plain PyTorch**: the same ``DecoderStage`` in bf16, one forward of the whole batch,
   ``backward``, ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW`` (fused on CUDA) on the bf16
   parameters (no float32 master weights: less work than hpctrain's step, so a lower bound on
   what a plain loop costs); timed over ``--steps`` steps after ``--warmup``, one sync at the
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from hpctrain.config import load
-from hpctrain.model import GPTStage, init_parameters
+from hpctrain.model import DecoderStage, init_parameters
 from hpctrain.telemetry.flops import train_flops_per_token
 from hpctrain.train import train
 
@@ -82,7 +82,7 @@ def measured_peak() -> float:
 
 def plain_loop() -> tuple[float, int]:
     torch.manual_seed(0)
-    model = GPTStage(cfg.model, range(cfg.model.n_layers), True, True)
+    model = DecoderStage(cfg.model, range(cfg.model.n_layers), True, True)
     init_parameters([model], cfg.train.seed)
     model = model.to(dev)
     n = sum(p.numel() for p in model.parameters())

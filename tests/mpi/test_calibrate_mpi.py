@@ -1,5 +1,5 @@
 """``plan --calibrate``'s per-call costs inside MPI ranks: of the tp collectives
-(perf/calibrate.call_overhead; all ranks form one tp group: the model split over the group
+(planner/calibrate.call_overhead; all ranks form one tp group: the model split over the group
 issues, per microbatch, exactly the tp calls the cost model counts, 2 per layer and pass and
 the vocabulary-parallel ends) and of the reductions ZeRO-2's gradient hooks post
 (post_cost: one per bucket and microbatch); each overhead is the per-call time less the
@@ -11,9 +11,9 @@ import pytest
 
 from hpctrain import comm
 from hpctrain.config import load
-from hpctrain.perf.calibrate import call_overhead
-from hpctrain.perf.cluster import Link
-from hpctrain.perf.collectives import allreduce
+from hpctrain.planner.calibrate import call_overhead
+from hpctrain.planner.cluster import Link
+from hpctrain.planner.collectives import allreduce
 
 pytestmark = pytest.mark.mpi
 
@@ -35,7 +35,7 @@ def test_call_overhead_is_the_calls_less_the_link(group, latency):
     got = call_overhead(CFG, group, link, repeats=2)
     m, tr = CFG.model, CFG.train
     # per layer: exit_tp forward twice, enter_tp backward twice; the embedding's all-reduce,
-    # the head's input gradient, the loss's max and sums: as perf/collectives.py counts
+    # the head's input gradient, the loss's max and sums: as planner/collectives.py counts
     assert got["calls"] == 4 * m.n_layers + 4
     act = tr.micro_batch_size * tr.seq_len * m.d_model * 4
     small = tr.micro_batch_size * tr.seq_len * 4  # the loss's (N,) and (N, 2) statistics
@@ -51,11 +51,11 @@ def test_call_overhead_is_the_calls_less_the_link(group, latency):
 @pytest.mark.parametrize("latency", [0.0, 1.0])
 def test_post_cost_counts_the_buckets_the_hooks_post(latency):
     """ZeRO-2's hooks over the group post one reduce-scatter per bucket and microbatch (the
-    bucket count perf/collectives.buckets gives the cost model); the overhead is the time
+    bucket count planner/collectives.buckets gives the cost model); the overhead is the time
     per post less the link's alpha-beta, the same on every rank."""
-    from hpctrain.perf.calibrate import post_cost
-    from hpctrain.perf.collectives import buckets, scatter
-    from hpctrain.perf.cost import rank_work
+    from hpctrain.planner.calibrate import post_cost
+    from hpctrain.planner.collectives import buckets, scatter
+    from hpctrain.planner.cost import rank_work
 
     world = comm.world()
     if world.size < 2:

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from hpctrain import comm
-from hpctrain.checkpoint import store
+from hpctrain.checkpoint import checkpointer as store
 from hpctrain.checkpoint.integrity import describe
 from hpctrain.cli import inspect
 from hpctrain.config import CheckpointConfig, OptimConfig
-from hpctrain.model.gpt import ParamMeta
+from hpctrain.model.stage import ParamMeta
 from hpctrain.optim import build_optimizer
-from hpctrain.parallel.data import GradBuffers
+from hpctrain.parallel.grad_sync.buffers import GradBuffers
 
 pytestmark = pytest.mark.mpi
 

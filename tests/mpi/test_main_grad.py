@@ -15,9 +15,9 @@ import torch
 
 from hpctrain import comm
 from hpctrain.config import OptimConfig
-from hpctrain.model.gpt import ParamMeta, _param
+from hpctrain.model.stage import ParamMeta, _param
 from hpctrain.optim import build_optimizer
-from hpctrain.parallel.data import GradBuffers
+from hpctrain.parallel.grad_sync.buffers import GradBuffers
 
 pytestmark = pytest.mark.mpi
 

@@ -1,4 +1,4 @@
-"""Ring attention (``parallel/context.py``) inside MPI ranks: all ranks form one cp ring,
+"""Ring attention (``parallel/ring_attention.py``) inside MPI ranks: all ranks form one cp ring,
 each holding chunks r and 2cp-1-r of the sequence. The output and the gradients of queries,
 keys and values (this rank's positions) must equal causal attention over the whole sequence
 in float64, with grouped-query heads; and the llama attention layer with a ring context
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from hpctrain import comm
 from hpctrain.config import ModelConfig
-from hpctrain.data import context_positions
-from hpctrain.model.gpt import LocalOps, init_parameters
+from hpctrain.data.dataset import context_positions
 from hpctrain.model.layers import Attention, Rotary
-from hpctrain.parallel.context import RingContext, segments
+from hpctrain.model.stage import LocalOps, init_parameters
+from hpctrain.parallel.ring_attention import RingContext, segments
 
 pytestmark = pytest.mark.mpi
 

@@ -11,10 +11,10 @@ import torch
 
 from hpctrain import comm
 from hpctrain.config import ModelConfig
-from hpctrain.model.gpt import GPTStage, LocalOps, init_parameters, local_slice
 from hpctrain.model.layers import MLP, Attention, Rotary
+from hpctrain.model.stage import DecoderStage, LocalOps, init_parameters, local_slice
 from hpctrain.optim.adamw import global_grad_norm
-from hpctrain.parallel.data import GradBuffers
+from hpctrain.parallel.grad_sync.buffers import GradBuffers
 from hpctrain.parallel.tensor import TensorParallelOps
 
 pytestmark = pytest.mark.mpi
@@ -125,8 +125,8 @@ def test_vocab_parallel_embedding_head_and_norm(tp, vocab, tie, sp):
     parameter once."""
     fits(tp, sp)
     cfg = ModelConfig(**{**CFG.__dict__, "vocab_size": vocab, "tie_embeddings": tie})
-    full = GPTStage(cfg, [], first=True, last=True)
-    par = GPTStage(cfg, [], first=True, last=True, ops=TensorParallelOps(tp, sp))
+    full = DecoderStage(cfg, [], first=True, last=True)
+    par = DecoderStage(cfg, [], first=True, last=True, ops=TensorParallelOps(tp, sp))
     init_parameters([full], seed=5)
     init_parameters([par], seed=5, tp_size=tp.size, tp_rank=tp.rank)
     g = torch.Generator().manual_seed(6)
@@ -162,8 +162,8 @@ def test_whole_stage(tp, sp, recompute, arch):
     backward re-runs the forward collectives, in the same order on every tp rank."""
     fits(tp, sp, ARCH[arch])
     cfg = replace(ARCH[arch], recompute=recompute)
-    full = GPTStage(cfg, [0, 1], first=True, last=True)
-    par = GPTStage(cfg, [0, 1], first=True, last=True, ops=TensorParallelOps(tp, sp))
+    full = DecoderStage(cfg, [0, 1], first=True, last=True)
+    par = DecoderStage(cfg, [0, 1], first=True, last=True, ops=TensorParallelOps(tp, sp))
     init_parameters([full], seed=8)
     init_parameters([par], seed=8, tp_size=tp.size, tp_rank=tp.rank)
     g = torch.Generator().manual_seed(9)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain.checkpoint import store
+from hpctrain.checkpoint import checkpointer as store
 from hpctrain.checkpoint.integrity import verify
 from hpctrain.config import CheckpointConfig, OptimConfig
-from hpctrain.model.gpt import ParamMeta
+from hpctrain.model.stage import ParamMeta
 from hpctrain.optim.adamw import AdamW
 
 

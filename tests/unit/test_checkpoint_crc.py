@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hpctrain.checkpoint import checkpointer as store
 from hpctrain.checkpoint import integrity as cv
-from hpctrain.checkpoint import store, write
+from hpctrain.checkpoint import write
 from hpctrain.checkpoint.layout import box_runs, flat_boxes
 from hpctrain.config import CheckpointConfig, dumps_toml, load
 

@@ -10,7 +10,7 @@ import torch
 
 from hpctrain.checkpoint import integrity as cv
 from hpctrain.checkpoint.layout import flat_boxes, flat_piece, shard_piece, transfer
-from hpctrain.model.gpt import ParamMeta, local_slice
+from hpctrain.model.stage import ParamMeta, local_slice
 
 
 @pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 4, 5), (2, 1, 3, 2)])
@@ -137,7 +137,7 @@ def test_flipped_bytes_and_truncation_are_detected(tmp_path):
 def test_rng_layout_of_a_checkpoint_from_before_cp_reads_with_cp_1():
     """A 4-dim rng_layout (pp, dp_outer, ep, tp) is the same rank order as cp = 1, so its
     RNG states are restored on that layout (not silently dropped)."""
-    from hpctrain.checkpoint.store import _rng_dims
+    from hpctrain.checkpoint.checkpointer import _rng_dims
 
     assert _rng_dims("(2, 1, 1, 2)") == (2, 1, 1, 1, 2)
     assert _rng_dims(b"(1, 2, 1, 1, 4)") == (1, 2, 1, 1, 4)

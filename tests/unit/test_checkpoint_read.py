@@ -12,7 +12,7 @@ import torch
 
 from hpctrain.checkpoint import read
 from hpctrain.checkpoint.layout import box_runs, flat_piece, shard_piece, transfer
-from hpctrain.model.gpt import ParamMeta
+from hpctrain.model.stage import ParamMeta
 
 
 def _topo(tp, tp_rank):

@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 
+from hpctrain.checks.validate import validate
 from hpctrain.config import (
     Config,
     ConfigError,
@@ -13,7 +14,6 @@ from hpctrain.config import (
     microbatches,
     parse_override,
 )
-from hpctrain.validate import validate
 
 TINY = "share/configs/tiny.toml"
 TINY_LLAMA = "share/configs/tiny-llama.toml"
@@ -242,6 +242,6 @@ def test_edges_that_stay_valid(overrides):
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1", "zbv"])
 def test_zero3_runs_every_pipeline_schedule(kind):
-    """ZeRO-3 steers the split backward's B too (parallel/zero3.py)."""
+    """ZeRO-3 steers the split backward's B too (parallel/grad_sync/zero3.py)."""
     validate(load(TINY, ["topology.dp=2", "topology.pp=2", "optim.zero=3",
                          f'schedule.kind="{kind}"']), 4)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from hpctrain.checks.validate import validate
 from hpctrain.config import ConfigError, load
-from hpctrain.data import Sampler, context_positions
+from hpctrain.data.dataset import Sampler, context_positions
 from hpctrain.telemetry.memory import estimate
 from hpctrain.telemetry.watchdog import peer_coords
 from hpctrain.topology import Coords, crossing
-from hpctrain.validate import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "share/configs/tiny-llama.toml")  # seq_len 16

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain.data import (
+from hpctrain.data.dataset import (
     DataError,
     Sampler,
     fit_problems,
@@ -13,9 +13,9 @@ from hpctrain.data import (
     stdlib_documents,
     summarize,
 )
-from hpctrain.prepare import prepare as prepare_source
-from hpctrain.prepare import text_source
-from hpctrain.tokenizer import byte_level
+from hpctrain.data.prepare import prepare as prepare_source
+from hpctrain.data.prepare import text_source
+from hpctrain.data.tokenizer import byte_level
 
 
 def prepare(paths: list[str], out: str, val_fraction: float = 0.05) -> dict:

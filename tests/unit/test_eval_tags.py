@@ -14,7 +14,7 @@ import torch
 
 from hpctrain.evaluate import forward_only
 from hpctrain.parallel.pipeline import chunks_of_rank, rank_of_stage, style_of
-from hpctrain.schedule.actions import Action, link
+from hpctrain.pipeline.actions import Action, link
 
 MPI_MIN_TAG_UB = 32767  # the least MPI_TAG_UB the standard allows
 

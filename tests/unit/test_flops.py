@@ -5,8 +5,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.config import ModelConfig
-from hpctrain.model.gpt import GPTStage
 from hpctrain.model.moe import is_moe_layer
+from hpctrain.model.stage import DecoderStage
 from hpctrain.telemetry.flops import (
     forward_flops_per_token,
     measure_peak_flops,
@@ -40,7 +40,7 @@ def attention_core_flops(B, H, T, hd) -> int:
 def test_dense_train_flops_match_flop_counter(layers, C, H, F, V, T, arch, kv):
     m = ModelConfig(n_layers=layers, d_model=C, n_heads=H, d_ff=F, vocab_size=V,
                     dtype="float64", arch=arch, n_kv_heads=kv)
-    stage = GPTStage(m, range(layers), True, True)
+    stage = DecoderStage(m, range(layers), True, True)
     for p in stage.parameters():
         torch.nn.init.normal_(p, std=0.02)
     B = 2

@@ -12,9 +12,9 @@ from corpus_files import EOT, write_megatron, write_nanogpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpctrain.data import DataError
-from hpctrain.formats import FormatError, read
-from hpctrain.prepare import blocks, prepare, token_source
+from hpctrain.data.corpora import FormatError, read
+from hpctrain.data.dataset import DataError
+from hpctrain.data.prepare import blocks, prepare, token_source
 
 FAST = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -88,7 +88,7 @@ def test_prepared_file_keeps_document_boundaries_and_splits_by_content(tmp_path,
         write_megatron(tmp_path / "c", [[d[:2], d[2:]] for d in docs])
         src, want = token_source(kind, str(tmp_path / "c"), EOT), docs
     attrs = prepare(src, None, str(tmp_path / "d.h5"), val_fraction=0.25)
-    from hpctrain.data import is_validation
+    from hpctrain.data.dataset import is_validation
 
     got = {"train": [], "val": []}
     with h5py.File(tmp_path / "d.h5", "r") as f:

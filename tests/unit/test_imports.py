@@ -16,30 +16,27 @@ ROOT = Path(__file__).resolve().parents[2] / "hpctrain"
 ALLOWED = {
     "config": set(),
     "comm": set(),
+    "launch": set(),
     "model": {"config"},
     "topology": {"comm", "config"},
     "parallel": {"comm", "config", "model", "topology"},
-    "schedule": {"comm", "config", "model", "parallel"},
+    "pipeline": {"comm", "config", "model", "parallel"},
     "optim": {"comm", "config", "parallel"},
     "checkpoint": {"comm", "config", "model"},
     "telemetry": {"comm", "config", "model", "parallel", "topology"},
-    "data": {"tokenizer"},
-    "tokenizer": set(),
-    "formats": set(),
-    "prepare": {"data", "formats", "tokenizer"},
-    "checks": {"config"},
-    "validate": {"checks", "config", "parallel", "schedule"},
+    "data": set(),
+    "checks": {"config", "parallel", "pipeline"},
     "evaluate": {"data", "parallel"},
-    "interchange": {"checkpoint", "config", "data", "model", "tokenizer"},
+    "interchange": {"checkpoint", "config", "data", "model"},
     "slurm": {"comm"},
-    "train": {"checkpoint", "comm", "config", "data", "evaluate", "interchange", "optim",
-              "parallel", "schedule", "slurm", "telemetry", "topology", "validate"},
-    # the performance model: pure Python except perf/calibrate.py, which measures through comm
-    "perf": {"comm", "config", "model", "parallel", "schedule", "telemetry", "topology",
-             "validate"},
-    "cli": {"checkpoint", "comm", "config", "data", "interchange", "model", "slurm",
-            "telemetry", "topology", "train", "validate", "parallel", "schedule", "prepare",
-            "tokenizer", "perf"},
+    "stopping": {"slurm"},
+    "train": {"checkpoint", "checks", "comm", "config", "data", "evaluate", "interchange",
+              "optim", "parallel", "pipeline", "slurm", "stopping", "telemetry", "topology"},
+    # the performance model: pure Python except planner/calibrate.py, which measures through comm
+    "planner": {"checks", "comm", "config", "model", "parallel", "pipeline", "telemetry",
+                "topology"},
+    "cli": {"checkpoint", "checks", "comm", "config", "data", "interchange", "launch", "model",
+            "slurm", "telemetry", "topology", "train", "parallel", "pipeline", "planner"},
     "__main__": {"cli"},
     "__init__": set(),
 }
@@ -117,7 +114,7 @@ def test_rules_that_define_the_architecture():
     the bottom of the stack."""
     assert ALLOWED["config"] == set()
     assert ALLOWED["model"] == {"config"}
-    assert not ALLOWED["comm"] & {"parallel", "schedule", "model"}
+    assert not ALLOWED["comm"] & {"parallel", "pipeline", "model"}
     for name, path in MODULES.items():
         if unit(name) == "model":
             assert "mpi4py" not in path.read_text(), f"{name} mentions mpi4py"
@@ -147,7 +144,7 @@ def test_no_import_cycles():
 
 def test_the_checker_sees_a_forbidden_import():
     """The rule check can fail: an import of comm added to the model is found and refused."""
-    src = (ROOT / "model" / "gpt.py").read_text() + "\nfrom ..comm import Group\n"
-    found = {resolve(t) for t in imports_in(src, "hpctrain.model.gpt", False)}
+    src = (ROOT / "model" / "stage.py").read_text() + "\nfrom ..comm import Group\n"
+    found = {resolve(t) for t in imports_in(src, "hpctrain.model.stage", False)}
     assert "hpctrain.comm" in found
     assert unit("hpctrain.comm") not in ALLOWED["model"]

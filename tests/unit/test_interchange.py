@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpctrain.config import ModelConfig
-from hpctrain.interchange import generation, hf_export, hf_map, tokenizer
+from hpctrain.data import tokenizer_files as tokenizer
+from hpctrain.interchange import generation, hf_export, hf_map
 
 LLAMA_HF = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -187,7 +188,7 @@ def test_init_from_reads_each_ranks_slice_of_sharded_safetensors(tmp_path, tp, e
 
     from hpctrain.config import Config
     from hpctrain.interchange.hf_import import HFReader
-    from hpctrain.model.gpt import local_slice
+    from hpctrain.model.stage import local_slice
 
     m = ModelConfig(arch="llama", n_layers=2, d_model=24, n_heads=6, n_kv_heads=3, d_ff=30,
                     vocab_size=250, num_experts=4, top_k=2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpctrain.config import load
-from hpctrain.model import GPTStage, KVCache, LocalOps, init_parameters
+from hpctrain.model import DecoderStage, KVCache, LocalOps, init_parameters
 from hpctrain.model.layers import Rotary
 from hpctrain.model.moe import LocalExchange, MoE, is_moe_layer
 
@@ -24,12 +24,12 @@ def model_cfg(arch: str, experts: int = 0, **extra):
     return m
 
 
-def build(m, seed: int = 5) -> GPTStage:
+def build(m, seed: int = 5) -> DecoderStage:
     resid = m.init_std / math.sqrt(2 * m.n_layers)
     ex = LocalExchange()
     factory = (lambda i: MoE(m, LocalOps(), ex, torch.float64, resid)
                if is_moe_layer(m, i) else None) if m.num_experts else None
-    stage = GPTStage(m, range(m.n_layers), True, True, ffn_factory=factory)
+    stage = DecoderStage(m, range(m.n_layers), True, True, ffn_factory=factory)
     init_parameters([stage], seed)
     return stage.eval()
 

@@ -83,12 +83,12 @@ def test_parameter_estimate_counts_the_model(preset, experts):
     """The plan's parameter bytes are the model's (GQA, SwiGLU and Mixtral experts too)."""
     import torch
 
-    from hpctrain.model import GPTStage, LocalOps
+    from hpctrain.model import DecoderStage, LocalOps
     from hpctrain.model.moe import LocalExchange, MoE, is_moe_layer
 
     cfg = load(preset, [experts, "model.moe_every=2"])
     m = cfg.model
-    stage = GPTStage(m, range(m.n_layers), True, True, ffn_factory=lambda i: MoE(
+    stage = DecoderStage(m, range(m.n_layers), True, True, ffn_factory=lambda i: MoE(
         m, LocalOps(), LocalExchange(), torch.float64, 0.01) if is_moe_layer(m, i) else None)
     count = sum(p.numel() for p in stage.parameters())
     assert memory.estimate(cfg).params == count * 8

@@ -3,7 +3,7 @@
 import torch
 
 from hpctrain.config import load
-from hpctrain.model import GPTStage, init_parameters
+from hpctrain.model import DecoderStage, init_parameters
 from hpctrain.parallel.pipeline import partition
 
 
@@ -13,7 +13,7 @@ def cfg():
 
 def test_loss_is_a_sum_and_learns_shape():
     m = cfg()
-    stage = GPTStage(m, range(m.n_layers), first=True, last=True)
+    stage = DecoderStage(m, range(m.n_layers), first=True, last=True)
     init_parameters([stage], seed=1)
     x = torch.randint(0, 256, (2, 16))
     loss = stage(x, x)
@@ -26,10 +26,10 @@ def test_loss_is_a_sum_and_learns_shape():
 
 def test_split_stages_equal_whole_model():
     m = cfg()
-    whole = GPTStage(m, range(m.n_layers), first=True, last=True)
+    whole = DecoderStage(m, range(m.n_layers), first=True, last=True)
     init_parameters([whole], seed=7)
     ranges = partition(m.n_layers, 3)
-    parts = [GPTStage(m, r, first=(i == 0), last=(i == 2)) for i, r in enumerate(ranges)]
+    parts = [DecoderStage(m, r, first=(i == 0), last=(i == 2)) for i, r in enumerate(ranges)]
     init_parameters(parts, seed=7)
     names = {n for p in parts for n, _ in p.named_parameters()}
     assert names == {n for n, _ in whole.named_parameters()}
@@ -47,9 +47,9 @@ def test_partition_balanced_and_explicit():
 
 def test_recompute_same_gradients():
     m = cfg()
-    a = GPTStage(m, range(m.n_layers), True, True)
+    a = DecoderStage(m, range(m.n_layers), True, True)
     from dataclasses import replace
-    b = GPTStage(replace(m, recompute=True), range(m.n_layers), True, True)
+    b = DecoderStage(replace(m, recompute=True), range(m.n_layers), True, True)
     init_parameters([a], 3)
     init_parameters([b], 3)
     x = torch.randint(0, 256, (2, 16))

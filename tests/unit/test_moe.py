@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.config import ModelConfig
-from hpctrain.model.gpt import LocalOps, init_parameters
 from hpctrain.model.moe import LocalExchange, MoE, is_moe_layer, token_range
+from hpctrain.model.stage import LocalOps, init_parameters
 
 
 def make(k=1, capacity=0.0, E=4, aux=0.01, z=0.001, seed=0):

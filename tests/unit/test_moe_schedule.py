@@ -3,14 +3,14 @@
 import pytest
 
 from hpctrain.config import ModelConfig
-from hpctrain.schedule.actions import Action, Schedule, build
-from hpctrain.schedule.moe_overlap import (
+from hpctrain.pipeline.actions import Action, Schedule, build
+from hpctrain.pipeline.moe_overlap import (
     SEGMENTS,
     check_ep_order,
     expand,
     moe_layers_per_stage,
 )
-from hpctrain.schedule.simulate import ScheduleError, simulate
+from hpctrain.pipeline.simulate import ScheduleError, simulate
 
 
 def windows(actions):

@@ -1,4 +1,4 @@
-"""The performance model (hpctrain/perf/, docs/performance-model.md), without MPI: published
+"""The performance model (hpctrain/planner/, docs/performance-model.md), without MPI: published
 runs within 20 %, the stored calibration runs of this machine within 25 %, the search's
 choices and rejection reasons, cluster files, and the pieces (FLOPs, placement, collectives).
 """
@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from hpctrain.__main__ import main
 from hpctrain.config import TopologyConfig, from_dict, load
-from hpctrain.perf import published, search
-from hpctrain.perf.cluster import ClusterError, dumps, shipped
-from hpctrain.perf.cluster import from_dict as cluster_from_dict
-from hpctrain.perf.cluster import load as load_cluster
-from hpctrain.perf.cost import (
+from hpctrain.planner import published, search
+from hpctrain.planner.cluster import ClusterError, dumps, shipped
+from hpctrain.planner.cluster import from_dict as cluster_from_dict
+from hpctrain.planner.cluster import load as load_cluster
+from hpctrain.planner.cost import (
     Extras,
     Link,
     allreduce,

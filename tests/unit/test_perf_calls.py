@@ -1,5 +1,5 @@
-"""The performance model's per-call cost (``Cluster.call_overhead_s``, perf/collectives.py)
-and the compute calibration's fit (perf/compute.fit_compute), without MPI. The
+"""The performance model's per-call cost (``Cluster.call_overhead_s``, planner/collectives.py)
+and the compute calibration's fit (planner/compute.fit_compute), without MPI. The
 measurement of the per-call cost itself runs under MPI: tests/mpi/test_calibrate_mpi.py."""
 
 import dataclasses
@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from hpctrain.config import load
-from hpctrain.perf import compute, published
-from hpctrain.perf.cluster import ClusterError
-from hpctrain.perf.cluster import from_dict as cluster_from_dict
-from hpctrain.perf.cluster import load as load_cluster
-from hpctrain.perf.collectives import buckets
-from hpctrain.perf.cost import layer_flops, predict, rank_work
+from hpctrain.planner import compute, published
+from hpctrain.planner.cluster import ClusterError
+from hpctrain.planner.cluster import from_dict as cluster_from_dict
+from hpctrain.planner.cluster import load as load_cluster
+from hpctrain.planner.collectives import buckets
+from hpctrain.planner.cost import layer_flops, predict, rank_work
 from hpctrain.telemetry.flops import forward_flops_per_token
 
 TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
@@ -158,18 +158,18 @@ def test_trimmed_mean_drops_the_tails():
 ])
 def test_bucket_count_is_the_reduction_buckets_cut(overrides):
     """``collectives.buckets`` over ``rank_work``'s tensor sizes: as many buckets as
-    ``parallel/data.py`` cuts from the same stage's parameters."""
+    ``parallel/grad_sync/buffers.py`` cuts from the same stage's parameters."""
     from types import SimpleNamespace
 
-    from hpctrain.model import GPTStage
-    from hpctrain.parallel.data import GradBuffers
+    from hpctrain.model import DecoderStage
+    from hpctrain.parallel.grad_sync.buffers import GradBuffers
     from hpctrain.parallel.pipeline import layer_ranges
     cfg = load(TINY, overrides)
     ranges = layer_ranges(cfg)
     group = SimpleNamespace(size=1, rank=0, axis="dp")
     topo = SimpleNamespace(dpcp_comm=group, edpcp_comm=group, tp_size=1)
     for r, w in enumerate(rank_work(cfg)):
-        stage = GPTStage(cfg.model, ranges[r], first=r == 0, last=r == len(ranges) - 1)
+        stage = DecoderStage(cfg.model, ranges[r], first=r == 0, last=r == len(ranges) - 1)
         named = list(stage.named_parameters())
         real = GradBuffers(named, topo, cfg.optim.bucket_mb)
         assert w["tensors"] == len(named)

@@ -2,10 +2,10 @@
 
 import pytest
 
+from hpctrain.checks.validate import validate
 from hpctrain.cli.plan import plan_section
 from hpctrain.config import ConfigError, TopologyConfig, load
 from hpctrain.topology import crossing
-from hpctrain.validate import validate
 
 
 def test_auto_keeps_tp_inside_nodes_and_naive_does_not():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hpctrain.config import load
-from hpctrain.model.gpt import GPTStage, init_parameters
+from hpctrain.model.stage import DecoderStage, init_parameters
 from hpctrain.telemetry import memory
 
 TINY = "share/configs/tiny.toml"
@@ -21,7 +21,7 @@ TINY_LLAMA = "share/configs/tiny-llama.toml"
 
 
 def _grads_and_peak(cfg):
-    stage = GPTStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
+    stage = DecoderStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
     init_parameters([stage], cfg.train.seed)
     g = torch.Generator().manual_seed(0)
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.schedule.actions import KINDS, Action, Schedule, build, parse
-from hpctrain.schedule.runner import HANDLERS
-from hpctrain.schedule.simulate import ScheduleError, simulate
+from hpctrain.pipeline.actions import KINDS, Action, Schedule, build, parse
+from hpctrain.pipeline.runner import HANDLERS
+from hpctrain.pipeline.simulate import ScheduleError, simulate
 
 CASES = [(k, pp, v, m)
          for k in KINDS for pp in (2, 4) for v in (1, 2) for m in (pp, 2 * pp, 2 * pp + 1)

@@ -8,9 +8,9 @@ import h5py
 import numpy as np
 import pytest
 
-from hpctrain.data import DataError, fit_problems, load_tokens, summarize, tokenizer_json
-from hpctrain.prepare import Source, prepare, text_source
-from hpctrain.tokenizer import (
+from hpctrain.data.dataset import DataError, fit_problems, load_tokens, summarize, tokenizer_json
+from hpctrain.data.prepare import Source, prepare, text_source
+from hpctrain.data.tokenizer import (
     TokenizerError,
     byte_level,
     from_json,

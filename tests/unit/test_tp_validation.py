@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.checks.validate import validate
 from hpctrain.config import ConfigError, load
-from hpctrain.validate import validate
 
 TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
 

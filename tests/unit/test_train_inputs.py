@@ -78,7 +78,7 @@ def test_a_missing_tokenizer_and_a_tokenizer_with_a_file_are_refused(tmp_path):
     with pytest.raises(InputError, match=f"data.tokenizer: tokenizer {tmp_path}/none.json "
                        "does not exist"):
         cli_train.check_inputs(cfg, str(tmp_path / "run"))
-    from hpctrain.validate import validate
+    from hpctrain.checks.validate import validate
 
     with pytest.raises(ConfigError, match="carries its own tokenizer"):
         validate(load(TINY, ['data.tokenizer="t.json"', 'data.path="d.h5"']), 1)

@@ -1,4 +1,4 @@
-"""The zero-bubble split backward (``model/weight_grad.py``, ``schedule/zero_bubble.py``) on
+"""The zero-bubble split backward (``model/weight_grad.py``, ``pipeline/zero_bubble.py``) on
 one process, float64: B (everything but the weight matmuls) then W (the matmuls), for several
 microbatches interleaved as a zero-bubble schedule runs them, gives the gradients of one plain
 backward per microbatch (1e-12), accumulated in place into existing ``.grad`` tensors; B leaves
@@ -9,9 +9,9 @@ import torch
 
 from hpctrain.config import ModelConfig
 from hpctrain.model import weight_grad
-from hpctrain.model.gpt import GPTStage, LocalOps, init_parameters
 from hpctrain.model.moe import LocalExchange, MoE
-from hpctrain.schedule import zero_bubble
+from hpctrain.model.stage import DecoderStage, LocalOps, init_parameters
+from hpctrain.pipeline import zero_bubble
 
 MATMULS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "head")
 ORDER = ["B0", "B1", "W0", "B2", "W2", "W1"]  # each B before its W, W out of order
@@ -25,7 +25,7 @@ def _stage(arch: str, where: str, moe: bool, recompute: bool = False):
     if moe:
         def ffn(_layer):
             return MoE(cfg, LocalOps(), LocalExchange(), torch.float64, 0.01)
-    stage = GPTStage(cfg, range(2), first=where == "first", last=where == "last",
+    stage = DecoderStage(cfg, range(2), first=where == "first", last=where == "last",
                      ffn_factory=ffn)
     init_parameters([stage], 7)
     for m in stage.modules():

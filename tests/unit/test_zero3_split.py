@@ -13,9 +13,9 @@ from torch import nn
 
 from hpctrain.model import weight_grad
 from hpctrain.model.layers import ParamMeta
-from hpctrain.parallel.data import GradBuffers
-from hpctrain.parallel.zero3 import shard_parameters, units_of
-from hpctrain.schedule import zero_bubble
+from hpctrain.parallel.grad_sync.buffers import GradBuffers
+from hpctrain.parallel.grad_sync.zero3 import shard_parameters, units_of
+from hpctrain.pipeline import zero_bubble
 
 D = 6
 

@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hpctrain.config import OptimConfig
-from hpctrain.model.gpt import ParamMeta
+from hpctrain.model.stage import ParamMeta
 from hpctrain.optim.adamw import LossScaler
 from hpctrain.optim.zero import ZeroAdamW
-from hpctrain.parallel.data import GradBuffers
+from hpctrain.parallel.grad_sync.buffers import GradBuffers
 
 
 class DeviceRecorder(TorchDispatchMode):

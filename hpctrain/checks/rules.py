@@ -2,7 +2,7 @@
 world size, as messages that name the key, its value and the rule (``optim.eps=0.0 must be >
 0``) or show the arithmetic (``dp*tp*pp = 2*1*1 = 2 but the world has 4 ranks``).
 
-Pure, no MPI, imports only ``config``: :func:`hpctrain.validate.validate` calls
+Pure, no MPI, imports only ``config``: :func:`hpctrain.checks.validate.validate` calls
 :func:`problems` first, on every rank, before any collective, and reports everything it finds
 at once. Types and unknown keys are refused earlier, when the config is read
 (:func:`hpctrain.config.load`); what needs the pipeline split or the schedule builder is asked
@@ -11,7 +11,7 @@ by ``validate`` of a config that passes these.
 
 from __future__ import annotations
 
-from .config import ARCHS, OVERLAP_PROGRESS, REDUCTIONS, Config
+from ..config import ARCHS, OVERLAP_PROGRESS, REDUCTIONS, Config
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
@@ -144,7 +144,7 @@ def _check_arch(cfg: Config, need) -> None:
 
 def _check_context(cfg: Config, world_size: int, need) -> None:
     """Context parallelism: the sequence in 2*cp chunks (rank i holds chunks i and
-    2cp-1-i), attention as a ring over ``cp_comm`` (``parallel/context.py``)."""
+    2cp-1-i), attention as a ring over ``cp_comm`` (``parallel/ring_attention.py``)."""
     top, m, t = cfg.topology, cfg.model, cfg.train
     if top.cp <= 1:
         return
@@ -214,7 +214,7 @@ def _check_optim(cfg: Config, world_size: int, need) -> None:
 
 def _check_schedule(cfg: Config, world_size: int, need) -> None:
     """Pipeline arithmetic (whether the microbatch count fits the schedule is asked by
-    ``hpctrain.validate`` of an otherwise valid config)."""
+    ``hpctrain.checks.validate`` of an otherwise valid config)."""
     top, m, s = cfg.topology, cfg.model, cfg.schedule
     _one_of(cfg, need, KINDS, "schedule.kind")
     _at_least(cfg, need, 1, "schedule.virtual_stages")

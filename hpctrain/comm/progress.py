@@ -53,7 +53,7 @@ class _ThreadRequest:
         self._check()
 
 
-class Offload:
+class ProgressThread:
     """A thread running collectives on duplicates of ``groups`` (``Group.dup``, collective
     over each group, in the order given: the same on every rank), first posted first.
 

@@ -1,6 +1,7 @@
 """How ranks are started: the one launcher abstraction of the checkout (tests, benchmarks,
-``scripts/``, the Makefile). Standard library only, so ``python3 -m benchmarks.mpi_env``
-works before any virtual environment exists.
+``scripts/``, the Makefile, and users: ``hpctrain launch -n 8 -- CMD``). Standard library
+only, so ``python3 -m hpctrain.launch`` works from a checkout before any virtual environment
+exists.
 
 Three launcher families, each with its flags for more ranks than cores, environment passing,
 binding and a rank that dies (``keep_going``), and the environment a local launch needs:
@@ -20,9 +21,9 @@ from ``PROGRAM --version``.
 
 From the shell::
 
-    python3 -m benchmarks.mpi_env --exports        # `export NAME=value` lines (mpi-env.sh)
-    python3 -m benchmarks.mpi_env --describe       # the launcher found, one line
-    python -m benchmarks.mpi_env -n 4 [--bind core] -- python -m mpi4py -m hpctrain ...
+    python -m hpctrain.launch --exports        # `export NAME=value` lines (mpi-env.sh)
+    python -m hpctrain.launch --describe       # the launcher found, one line
+    python -m hpctrain.launch -n 4 [--bind core] -- python -m mpi4py -m hpctrain ...
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: benchmarks/ is not installed
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (the package's parent)
 # Not MPI settings but defaults of every local launch (the Makefile sets them too).
 RUN_DEFAULTS = {"OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE"}
 # Open MPI on one machine: running as root (containers, CI); more ranks than cores (laptops,
@@ -221,16 +222,18 @@ def with_checkout(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.mpi_env", description=__doc__
-                                .split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exports", action="store_true", help="print `export NAME=value` lines")
     p.add_argument("--describe", action="store_true", help="print the launcher found")
     p.add_argument("-n", type=int, help="ranks: launch the command after --")
     p.add_argument("--bind", choices=("core", "none"))
     p.add_argument("--no-oversubscribe", action="store_true")
     p.add_argument("command", nargs=argparse.REMAINDER)
-    a = p.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int:
+    """Print the exports or the launcher, or replace this process by the launch of
+    ``a.command`` on ``a.n`` ranks."""
     launcher = detect()
     if a.exports:
         lines = [f"export {k}={shlex.quote(v)}" for k, v in launcher.env().items()
@@ -243,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if a.n is None or not cmd:
-        p.error("give -n N -- COMMAND..., --exports or --describe")
+        print("hpctrain launch: give -n N -- COMMAND..., --exports or --describe", file=sys.stderr)
+        return 2
     sys.stdout.flush()
     argv_ = command(a.n, *cmd, launcher=launcher, bind=a.bind,
                     oversubscribe=not a.no_oversubscribe)
@@ -251,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     env.update({k: os.environ[k] for k in RUN_DEFAULTS if k in os.environ})  # the caller's win
     os.execvpe(argv_[0], argv_, env)
     return 0  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpctrain.launch", description=__doc__
+                                .split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -30,19 +30,19 @@ Modes (``optim.zero``, ``optim.overlap``):
   have this microbatch's gradient. Microbatches are summed in the float32 shard.
 - zero 3: as zero 2, with one bucket per block (and per stage root) and reduction group
   instead of buckets cut by size; the parameters themselves are sharded too
-  (``parallel/zero3.py``).
+  (``parallel/grad_sync/zero3.py``).
 - overlap (zero 0/1): the same hooks post a bucket's nonblocking reduction as soon as all its
   gradients of the LAST microbatch are final; :meth:`reduce` waits for all of them. How
   posted reductions progress while autograd computes is ``progress``
   (``optim.overlap_progress``, ``auto`` decided by :func:`progress_for`): ``test`` (libnbc,
   ``MPI_Test`` on every outstanding one from each hook), ``thread``/``poll``
-  (``comm.Offload``: a thread runs them on a duplicate communicator, blocking or nonblocking
+  (``comm.ProgressThread``: a thread runs them on a duplicate communicator, blocking or nonblocking
   + ``MPI_Test``), ``wait`` (libnbc, only the final wait). :func:`overlap_on` also turns
   overlap on where dp crosses nodes.
 - without overlap, ``optim.reduction`` picks how zero 0 sums: ``bucketed`` (default: one
   blocking all-reduce per bucket, in order), ``bucketed-nonblocking`` (all buckets posted,
   then waited for) or ``per-parameter`` (the naive baseline the benchmarks compare with).
-  ``topology.dp_reduction = hierarchical`` hands each bucket to ``parallel/hierarchical.py``.
+  ``topology.dp_reduction = hierarchical`` hands each bucket to ``hierarchical.py``.
 
 Posts follow one fixed sequence on every rank, (microbatch, bucket) in order, whatever the
 order in which hooks fire, so nonblocking collectives always match across the group.
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import comm
+from ... import comm
 
 _LOW = (torch.bfloat16, torch.float16)  # accumulated and reduced in float32 main grads
 POLL_S = 0.0005  # optim.overlap_progress = "poll": seconds between MPI_Test calls
@@ -171,7 +171,7 @@ class GradBuffers:
             if self.overlap or p.dtype in _LOW:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def _offload(self, groups: dict) -> comm.Offload | None:
+    def _offload(self, groups: dict) -> comm.ProgressThread | None:
         """The thread that runs overlapped reductions (``progress`` thread or poll), over the
         groups with more than one rank. Collective over them (each is duplicated)."""
         if not self.overlap or self.progress not in ("thread", "poll"):
@@ -179,7 +179,7 @@ class GradBuffers:
         used = [g for g in groups.values()
                 if any(b.group is g for b in self.buckets) and g.size > 1]
         poll_s = POLL_S if self.progress == "poll" else 0.0
-        return comm.Offload(used, poll_s) if used else None
+        return comm.ProgressThread(used, poll_s) if used else None
 
     def close(self) -> None:
         """Stop the offload thread, if any (after the reductions already posted)."""

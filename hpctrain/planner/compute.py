@@ -1,4 +1,4 @@
-"""One process's compute, measured for ``plan --calibrate`` (``perf/calibrate.py``).
+"""One process's compute, measured for ``plan --calibrate`` (``planner/calibrate.py``).
 
 No MPI of its own: the hook and ring costs run over the one-rank group ``alone`` they are
 handed. Every measurement interleaves what it compares (a change of this shared machine's
@@ -36,9 +36,9 @@ def _median_time(fn, repeats: int, stat=statistics.median) -> float:
 
 def whole_model(cfg: Config, layers: int = 0):
     """The config's model (its first ``layers`` blocks only, if given) as one stage."""
-    from ..model import GPTStage, init_parameters
+    from ..model import DecoderStage, init_parameters
 
-    stage = GPTStage(cfg.model, range(layers or cfg.model.n_layers), first=True, last=True)
+    stage = DecoderStage(cfg.model, range(layers or cfg.model.n_layers), first=True, last=True)
     init_parameters([stage], seed=1)
     return stage
 
@@ -55,13 +55,13 @@ def step_seconds(stage, x, times: int = 1) -> float:
 
 def zero2_backwards(cfg: Config, group, alone, microbatches: int):
     """A timer of ``microbatches`` forwards + backwards of the whole model with ZeRO-2's
-    gradient hooks (``parallel/data.py``: the staging copy, the counts, posting a
+    gradient hooks (``parallel/grad_sync/buffers.py``: the staging copy, the counts, posting a
     reduce-scatter per bucket over ``group``, the tests that drive them) and the wait for
     the reductions at the end: (the timer, the model's parameter tensors). Collective over
     ``group`` (``alone``, a one-rank group: nothing travels)."""
     from types import SimpleNamespace
 
-    from ..parallel.data import GradBuffers
+    from ..parallel.grad_sync.buffers import GradBuffers
 
     stage = whole_model(cfg)
     named = list(stage.named_parameters())
@@ -184,12 +184,12 @@ def trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
 
 def ring_cost(cfg: Config, alone, repeats: int = 5) -> float:
     """Seconds per layer and pass unit (forward 1, backward 2) that context parallelism's
-    ring attention (``parallel/context.py``) adds beyond the attention's FLOPs: one layer's
+    ring attention (``parallel/ring_attention.py``) adds beyond the attention's FLOPs: one layer's
     attention of a microbatch over the one-rank ring ``alone`` (its block, the log-sum-exp
     merge, the gradient hop to itself) against PyTorch's fused causal attention of the same
     tensors, interleaved, medians, per 3 pass units. Mostly fixed per call (measured: 2.1 ms
     a layer on 1 rank, 2.2 ms in the cp=2 runs' profile), so the model charges it per layer."""
-    from ..parallel.context import RingContext
+    from ..parallel.ring_attention import RingContext
 
     m, B, T = cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len
     T -= T % 2  # the ring's two chunks
@@ -210,12 +210,12 @@ def ring_cost(cfg: Config, alone, repeats: int = 5) -> float:
 
 
 def split_cost(cfg: Config, repeats: int = 5) -> dict:
-    """Zero-bubble's split backward on the whole model (``schedule/zero_bubble.py``): B
+    """Zero-bubble's split backward on the whole model (``pipeline/zero_bubble.py``): B
     (input gradients, the weight matmuls kept) and W (their weight gradients) each over one
     ordinary backward of the same forward, interleaved, medians: ``split_b``, ``split_w``."""
     from ..model import weight_grad
-    from ..schedule.zero_bubble import input_grad
-    from ..schedule.zero_bubble import weight_grad as apply_w
+    from ..pipeline.zero_bubble import input_grad
+    from ..pipeline.zero_bubble import weight_grad as apply_w
 
     stage = whole_model(cfg)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))

@@ -1,8 +1,8 @@
 """``hpctrain prepare``: documents -> one HDF5 token file, on any number of ranks.
 
 Every rank lists the same documents (text files, the embedded corpus, or a tokenized
-``nanogpt``/``megatron`` corpus, :mod:`hpctrain.formats`) and takes a contiguous block of
-them, balanced by size; it tokenizes its block (:mod:`hpctrain.tokenizer`) and picks each
+``nanogpt``/``megatron`` corpus, :mod:`hpctrain.data.corpora`) and takes a contiguous block of
+them, balanced by size; it tokenizes its block (:mod:`hpctrain.data.tokenizer`) and picks each
 document's split by a hash of its content (``data.is_validation``: the text's bytes, or the
 token ids as little-endian uint32), never by rank or position. One all-gather of the counts
 gives every rank its offsets; the file is created collectively (h5py's ``mpio`` driver on the
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import DataError, is_validation, stdlib_documents
-from .formats import FormatError, read
+from .corpora import FormatError, read
+from .dataset import DataError, is_validation, stdlib_documents
 from .tokenizer import Tokenizer, TokenizerError, token_dtype
 
 BATCH = 256  # documents encoded per call of the tokenizer

@@ -8,12 +8,12 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
   ``overhead_s`` per layer and pass and ``pass_overhead_s`` per stage (chunk) and pass,
   over the share too (host work, slowed alike; so are the hook and ring overheads);
 - **hooks** (ZeRO 2/3, ``optim.overlap``, 16-bit models): ``hook_overhead_s`` per
-  parameter tensor and microbatch, in the backward (``parallel/data.py``'s gradient hooks);
+  parameter tensor and microbatch, in the backward (``grad_sync``'s gradient hooks);
 - **tp**: 2 all-reduces (with sequence parallelism 2 all-gathers + 2 reduce-scatters, the
   same ring volume in twice the calls) of one ``(B, T, C)`` activation per layer forward, as
   many backward (again to recompute), plus the small ones of the vocabulary-parallel
   embedding, head and loss; every call also costs ``call_overhead_s``
-  (``perf/collectives.py``);
+  (``planner/collectives.py``);
 - **ep**: dispatch + combine all-to-alls of ``top_k`` activations per MoE layer, both ways,
   and the routing counts forward;
 - **pp**: one activation per microbatch per stage boundary, as the simulator's latency;
@@ -27,7 +27,7 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 - **split backward** (zb-h1, zbv): B + W cost ``split_b + split_w`` backwards (the
   description's; hpctrain's B is all but the weight matmuls, W those matmuls).
 
-The pipeline's makespan comes from ``schedule/simulate.py`` fed with these per-rank costs
+The pipeline's makespan comes from ``pipeline/simulate.py`` fed with these per-rank costs
 (bubble included), or the closed form ``(m + (p-1)/v)(F+B)`` above ``SIMULATED_MAX``
 chunk-microbatches (zbv's V placement and bubble included). Then per step: the gradient
 reduction over the replicas dp x cp (ZeRO 0: all-reduce of float32 gradients; 1:
@@ -207,7 +207,7 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
 def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
                ) -> list[tuple[float, float, dict]]:
     """Per pp rank of ``work`` (:func:`rank_work`): (forward s, whole backward s, {part: s}
-    per microbatch); the communication inside the passes from ``perf/collectives.py``."""
+    per microbatch); the communication inside the passes from ``planner/collectives.py``."""
     m, t, tr = cfg.model, cfg.topology, cfg.train
     share = cluster.compute_share if t.pp * t.dp * t.cp * t.tp > 1 else 1.0  # 1 rank: alone
     rate = cluster.peak(m.dtype) * cluster.efficiency * share
@@ -215,7 +215,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
     ring_f, ring_b = ring_exposed(cfg, cluster, links["cp"], rate)
     split = (cluster.split_b + cluster.split_w - 1
              if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0)
-    # gradient hooks (parallel/data.py) move every parameter's gradient per microbatch
+    # gradient hooks (parallel/grad_sync/buffers.py) move every parameter's gradient per microbatch
     hooked = (cfg.optim.zero >= 2 or cfg.optim.overlap or m.dtype in ("bfloat16", "float16"))
     # the overheads are the rank's own (CPU) work too: slowed by the share like its FLOPs
     hooks = cluster.hook_overhead_s / share if hooked else 0.0
@@ -248,8 +248,8 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True,
     """(makespan s, bubble fraction) of one step's pipeline with per-rank pass costs: the
     simulator's, or (``simulated=False``, or too many microbatches) the closed form."""
     from ..parallel.pipeline import virtual_stages
-    from ..schedule.actions import build
-    from ..schedule.simulate import simulate
+    from ..pipeline.actions import build
+    from ..pipeline.simulate import simulate
 
     t, s = cfg.topology, cfg.schedule
     M = microbatches(cfg)

@@ -83,7 +83,7 @@ class Cluster:
     pass_overhead_s: float = 0.0
     hook_overhead_s: float = 0.0
     ring_overhead_s: float = 0.0
-    split_b: float = 0.74  # zero-bubble B and W, in backwards (perf/cost.py)
+    split_b: float = 0.74  # zero-bubble B and W, in backwards (planner/cost.py)
     split_w: float = 0.38
     step_overhead_s: float = 0.0
     # seconds each collective issued inside the passes (tp, cp, ep, ZeRO-3) costs beyond its

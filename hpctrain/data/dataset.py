@@ -1,6 +1,6 @@
 """Token data: reading prepared HDF5 files, an embedded corpus (byte-level, or tokenized with
 ``data.tokenizer``), and a sampler whose global batch for step ``s`` is the same whatever the
-layout. Writing the files is :mod:`hpctrain.prepare` (``hpctrain prepare``).
+layout. Writing the files is :mod:`hpctrain.data.prepare` (``hpctrain prepare``).
 
 Layout of a dataset file (docs/data.md)::
 

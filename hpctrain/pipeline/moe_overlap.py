@@ -1,7 +1,7 @@
 """Expert all-to-alls as schedule actions, overlapped with another microbatch's compute.
 
 With ``schedule.moe_overlap = true`` a stage's forward and backward are cut at the MoE token
-exchanges (``schedule.moe_executor``). Per MoE layer of the chunk, forward ``F3`` gains
+exchanges (``pipeline.moe_executor``). Per MoE layer of the chunk, forward ``F3`` gains
 
   ``D3`` post the dispatch ``Ialltoallv`` (ep_comm)   ``E3`` wait for it, run the experts
   ``C3`` post the combine ``Ialltoallv``              ``G3`` wait, run on to the next dispatch

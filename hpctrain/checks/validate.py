@@ -2,17 +2,17 @@
 
 ``checks.problems`` has the rules of single keys and the arithmetic (layout, model, batch);
 the checks here need the pipeline split (``parallel.pipeline``) or the schedule builder
-(``schedule.actions``), so they live above those modules, and are asked only of an otherwise
+(``pipeline.actions``), so they live above those modules, and are asked only of an otherwise
 valid config. What the config points at (the data file, the run directory) is checked by
-``hpctrain train`` and ``hpctrain plan`` after this (``hpctrain.data.fit_problems``).
+``hpctrain train`` and ``hpctrain plan`` after this (``hpctrain.data.dataset.fit_problems``).
 """
 
 from __future__ import annotations
 
-from .checks import problems
-from .config import Config, ConfigError, microbatches
-from .parallel.pipeline import layer_ranges, virtual_stages
-from .schedule.actions import check_fits
+from ..config import Config, ConfigError, microbatches
+from ..parallel.pipeline import layer_ranges, virtual_stages
+from ..pipeline.actions import check_fits
+from .rules import problems
 
 
 def validate(cfg: Config, world_size: int) -> None:

@@ -96,7 +96,7 @@ def _with(cfg: Config, layout, mbs, kind, v, zero, rc) -> Config:
 
 def judge(cfg: Config, cluster: Cluster, world: int) -> Candidate:
     """A candidate: rejected with its reason, or with its prediction."""
-    from ..validate import validate
+    from ..checks.validate import validate
 
     t = cfg.topology
     if t.dp % t.ep or (cfg.model.num_experts and cfg.model.num_experts % t.ep):

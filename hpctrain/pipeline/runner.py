@@ -1,6 +1,6 @@
 """Execute one rank's schedule for one optimizer step.
 
-The schedule (``schedule.actions``) is a list of actions; :data:`HANDLERS` maps each action
+The schedule (``pipeline.actions``) is a list of actions; :data:`HANDLERS` maps each action
 kind to the function that runs it, so a new kind (e.g. expert dispatch ``D``) is one more
 entry. Transfers go over ``topo.pp_comm`` with nonblocking ``isend``/``irecv``: a receive
 (``RF``/``RB``) only *posts* the request into a fresh buffer, the compute that needs the tensor
@@ -27,7 +27,7 @@ import torch
 
 from ..config import microbatches as microbatch_count
 from ..model import weight_grad
-from ..model.gpt import DTYPES
+from ..model.stage import DTYPES
 from ..parallel.pipeline import virtual_stages
 from . import moe_executor, moe_overlap, zero_bubble
 from .actions import Action, Schedule, build
@@ -116,7 +116,7 @@ def _backward(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     grad = None if st.is_last(a) else st.take("RB", a)
     out, x = st.outputs[key], st.inputs.get(key)
-    if st.split:  # B: all but the weight matmuls (schedule/zero_bubble.py); W follows later
+    if st.split:  # B: all but the weight matmuls (pipeline/zero_bubble.py); W follows later
         chunk = st.chunks[a.c]
         with (st.sharded.input_pass(chunk) if st.sharded else contextlib.nullcontext()):
             gx, st.grad_out[key] = zero_bubble.input_grad(out, grad, x)

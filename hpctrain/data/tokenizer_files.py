@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..data import DataError, tokenizer_json
-from ..tokenizer import BYTES  # the byte-level vocabulary (token id = byte value)
+from .dataset import DataError, tokenizer_json
+from .tokenizer import BYTES  # the byte-level vocabulary (token id = byte value)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,7 +55,7 @@ class TokenizerText(str):
 
 
 def _from_data_file(path: str) -> TokenizerText | None:
-    """The tokenizer.json a prepared data file carries (:func:`hpctrain.data.tokenizer_json`),
+    """The tokenizer.json a prepared data file carries (:func:`.dataset.tokenizer_json`),
     when it has one and can be read."""
     try:
         text = tokenizer_json(path)

@@ -27,7 +27,7 @@ from .layers import MLP, Attention, KVCache, ParamMeta, RMSNorm, Rotary, _param,
 from .steps import RunBlock, RunExperts, drive
 from .weight_grad import linear
 
-__all__ = ["DTYPES", "Block", "GPTStage", "KVCache", "LocalOps", "ParamMeta", "init_parameters",
+__all__ = ["DTYPES", "Block", "DecoderStage", "KVCache", "LocalOps", "ParamMeta", "init_parameters",
            "local_slice", "param_seed", "shard_range"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -102,7 +102,7 @@ class Block(nn.Module):
         return h + ops.exit_tp(self.mlp(ops.enter_tp(self.norm2(h))))
 
 
-class GPTStage(nn.Module):
+class DecoderStage(nn.Module):
     """Blocks ``layers`` of the model, plus the embedding when ``first`` and the final norm,
     head and loss when ``last``. ``forward(x, targets)`` takes token ids (B, T) on the first
     stage, activations (B, T, C) elsewhere; the last stage returns the *sum* of token

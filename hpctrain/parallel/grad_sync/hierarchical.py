@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
+from ... import comm
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Run on every rank (``mpirun -n N ... -m hpctrain plan CONFIG --world-size N --calibrate
 OUT.toml``; one process measures compute only, the links keep the base description's):
 
-- **compute** (rank 0 alone, the others sleeping; ``perf/compute.py``): the peak, the
+- **compute** (rank 0 alone, the others sleeping; ``planner/compute.py``): the peak, the
   model's rate and its per-layer and per-stage overheads fitted over 3 depths x 3
   microbatch sizes, the gradient hooks', ring attention's and split backward's costs, the
   optimizer step (``step_overhead_s``); then every rank at once for ``compute_share``;
@@ -106,7 +106,7 @@ def call_overhead(cfg: Config, group, link: Link, repeats: int = 30) -> dict | N
     machine). ``overhead``: what the link's alpha-beta does not explain
     (``call_overhead_s``). Trimmed means over repeats (:func:`trimmed_mean`), the slowest rank's.
     Collective over ``group``; None when the model does not split over it."""
-    from ..model import GPTStage, LocalOps, init_parameters
+    from ..model import DecoderStage, LocalOps, init_parameters
     from ..parallel.tensor import TensorParallelOps
 
     m, tr, d = cfg.model, cfg.train, group.size
@@ -117,7 +117,7 @@ def call_overhead(cfg: Config, group, link: Link, repeats: int = 30) -> dict | N
     x = torch.randint(0, m.vocab_size // d, (tr.micro_batch_size, tr.seq_len))
     stages = []
     for ops in (TensorParallelOps(group), silent):
-        stages.append(GPTStage(m, range(m.n_layers), first=True, last=True, ops=ops))
+        stages.append(DecoderStage(m, range(m.n_layers), first=True, last=True, ops=ops))
         init_parameters([stages[-1]], seed=1, tp_size=d, tp_rank=group.rank)
     rec = group.recorder
     before = rec.calls[group.axis], rec.bytes[group.axis]

@@ -1,6 +1,6 @@
 """The runner's handlers for schedules expanded by ``schedule.moe_overlap``.
 
-Forward ``F``: :func:`stage_steps` runs the model's own stepped forward (``GPTStage.steps``,
+Forward ``F``: :func:`stage_steps` runs the model's own stepped forward (``DecoderStage.steps``,
 ``model/steps.py``) to its first exchange request; ``D``/``C`` post the request nonblocking
 (``ExpertExchange.post``), ``E``/``G`` wait for it and run on to the next.
 
@@ -27,7 +27,7 @@ from .moe_overlap import check_ep_order
 
 
 def stage_steps(stage, x, targets, cuts: list | None, exchange):
-    """Generator over the stage's own forward (``GPTStage.steps``) that yields only its
+    """Generator over the stage's own forward (``DecoderStage.steps``) that yields only its
     exchange requests; returns the loss sum or the activations. With ``cuts`` (a list) the
     graph is cut before each MoE layer and the cut recorded; after each block the posted
     exchanges are driven (``exchange.progress``)."""

@@ -19,7 +19,7 @@ all-reduces and is 0 in the published descriptions. Calls counted per layer and 
 
 And what the gradient hooks and the dp reduction see: a rank's parameter tensors in the
 model's order (:func:`rank_sizes`, from the modules built on the meta device) and the
-buckets ``parallel/data.py`` cuts from them (:func:`buckets`).
+buckets ``parallel/grad_sync/buffers.py`` cuts from them (:func:`buckets`).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def ring_exposed(cfg: Config, cluster: Cluster, link: Link,
     attention's K/V transfer *not* hidden behind the attention compute it overlaps with.
     A hop (one call: ``call_overhead_s`` + the link's time) moves one stacked K/V block,
     ``2 B (T/cp) kv_heads/tp hd`` elements (float32 for 16-bit models, as
-    ``parallel/context.py`` computes); a ring step computes the scores of ``(T/cp)^2 / 2``
+    ``parallel/ring_attention.py`` computes); a ring step computes the scores of ``(T/cp)^2 / 2``
     query-key pairs (the causal load balancing gives every step the same work). Forward:
     cp-1 hops, each behind one step. Backward: cp-1 steps each pass the K/V block and a K/V
     gradient block (2 hops) behind the step's backward (2x its forward); the last gradient
@@ -105,7 +105,7 @@ def ring_exposed(cfg: Config, cluster: Cluster, link: Link,
 
 def zero3_exposed(cfg: Config, cluster: Cluster, w: dict, link: Link, fwd: float,
                   bwd: float) -> tuple[float, float]:
-    """ZeRO-3 (``parallel/zero3.py``): (forward s, backward s) per microbatch of the
+    """ZeRO-3 (``parallel/grad_sync/zero3.py``): (forward s, backward s) per microbatch of the
     parameter all-gathers (every unit before its forward and again before its backward)
     and the gradient reduce-scatters (every unit, as its backward ends) over dp x cp, not
     hidden: each unit's gather is prefetched behind the previous unit's compute, except
@@ -136,11 +136,11 @@ def parameter_tensors(m) -> dict:
     and after its blocks (the model's modules built on the meta device)."""
     import torch
 
-    from ..model import GPTStage
+    from ..model import DecoderStage
 
     def sizes(i: int, first: bool, last: bool) -> tuple:
         with torch.device("meta"):
-            named = list(GPTStage(m, [i], first=first, last=last).named_parameters())
+            named = list(DecoderStage(m, [i], first=first, last=last).named_parameters())
         k = next(j for j, (n, _) in enumerate(named) if n.startswith("blocks."))
         ends = [(j < k, p.numel()) for j, (n, p) in enumerate(named)
                 if not n.startswith("blocks.")]
@@ -169,7 +169,7 @@ def rank_sizes(cfg: Config, stages: list, ranges: list) -> list[int]:
 
 
 def buckets(sizes: list, limit: float) -> int:
-    """How many reduction buckets ``parallel/data.py`` cuts from tensors of ``sizes`` bytes
+    """How many reduction buckets ``grad_sync/buffers.py`` cuts from tensors of ``sizes`` bytes
     (in the model's order; cut in reverse, a bucket closes once it reaches ``limit``)."""
     n, acc = 0, 0
     for b in reversed(sizes):

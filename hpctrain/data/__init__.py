@@ -1,0 +1,12 @@
+"""Token data: corpora in, prepared files, the dataset and its sampler, tokenizers.
+
+- ``dataset.py``: reading prepared HDF5 token files and the embedded corpus; the
+  :class:`Sampler` whose global batch for a step is the same whatever the layout.
+- ``prepare.py``: ``hpctrain prepare``: documents -> one HDF5 token file, on any number of ranks.
+- ``corpora.py``: corpora that are already tokens (nanoGPT / llm.c ``.bin``, Megatron-LM's
+  indexed dataset), read without re-tokenizing.
+- ``tokenizer.py``: byte-level tokens or a Hugging Face ``tokenizer.json``; training a BPE.
+- ``tokenizer_files.py``: which tokenizer belongs to a checkpoint or a data file.
+
+No MPI of its own: ``prepare`` receives the world ``comm.Group`` from ``cli/prepare.py``.
+"""
