@@ -51,7 +51,7 @@ OPENMPI_ENV = {
     "OMPI_MCA_rmaps_base_oversubscribe": "1",
     "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
     # Nonblocking all-reduce (libnbc: overlapped and nonblocking gradient reductions) as a
-    # ring: its default choice for a few ranks was 1.6x slower over TCP (docs/benchmarks.md).
+    # ring rather than libnbc's default choice for a few ranks (docs/decisions.md).
     "OMPI_MCA_coll_libnbc_iallreduce_algorithm": "1",
 }
 # Variables by which a launcher tells its ranks about their job: a process started inside

@@ -4,7 +4,7 @@ training goes on.
 
 Why a thread and not a helper process per node: h5py releases the GIL while HDF5 writes,
 zlib releases it while computing CRCs and mpi4py while in MPI calls, so the thread costs the
-training loop almost nothing but the copy (measured: docs/checkpoints.md); a helper process
+training loop almost nothing but the copy (docs/checkpoints.md); a helper process
 would need the snapshot copied once more into shared memory and an MPI job of its own for
 the collective HDF5 open, without making the step's part smaller. The thread talks MPI only
 on a duplicate of the world communicator (``Group.dup``), which needs

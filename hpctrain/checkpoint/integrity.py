@@ -9,7 +9,7 @@ byte is read back and the number does not depend on how ranks cut the array: any
 any single process reading the file (``hpctrain inspect --verify``, :func:`crc32_dataset`),
 gets the same number. The file's ``checksum`` attribute names the scheme. Datasets are
 created without fill (``fill_time="never"``), so the writer first checks that the ranks'
-runs tile every dataset exactly (store.py); only then does a checksum certify the contents.
+runs tile every dataset exactly (write.py); only then does a checksum certify the contents.
 
 **Durability.** :func:`fsync_file`, :func:`replace_durably` and :func:`write_durably`: data
 synced before a rename, the directory synced after it.

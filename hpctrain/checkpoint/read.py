@@ -5,22 +5,17 @@ tensor, most ZeRO boxes) is read with one HDF5 hyperslab read, straight into the
 memory where it can (:meth:`~.layout.Piece.direct`). A piece whose boxes are *strided* (a
 column split read on another layout: one short run per row) is copied out of a read-only
 memory map of the file instead, one NumPy slice per box (:func:`mapped_read`): one copy from
-the page cache into the tensor, no read call per run. Measured on the 2-core VM
-(2026-12-01, see docs/checkpoints.md): for 8 x 32 MiB float32 tensors split by columns, the
-``mpio`` driver's independent hyperslab read took 0.18-0.50 s (HDF5 1.10 issues one
-``MPI_File_read_at`` per run: 8192 per tensor at 2 ranks), HDF5's own ``sec2`` driver with
-its sieve buffer 0.05-0.25 s (any sieve size from 64 KiB to 4 MiB), reading a covering
-block of whole rows and slicing in NumPy 0.07-0.26 s, reading rows and redistributing them
-with ``Alltoall`` 0.08-0.23 s, and the memory map 0.03-0.12 s, about half of the best other
-way; collective MPI-IO (two-phase) was the slowest. The map needs the dataset stored
+the page cache into the tensor, no read call per run (a hyperslab read of a strided
+selection issues one ``MPI_File_read_at`` per run; the ways compared are in
+docs/decisions.md and docs/checkpoints.md). The map needs the dataset stored
 contiguously in the file itself, without filters (how hpctrain writes every dataset:
 :func:`dataset_offset`); any other dataset is read through HDF5, and so is everything
 where the file system refuses the map.
 
 Independent reads (the default, ``checkpoint.collective_io = false``) therefore open the
-file on each rank alone (``sec2``: no collective open, and its contiguous reads measured
-no slower than MPI-IO's); with collective I/O every rank opens it over MPI-IO and takes
-part in every large dataset's collective read (an empty selection where it needs nothing).
+file on each rank alone (``sec2``: no collective open); with collective I/O every rank
+opens it over MPI-IO and takes part in every large dataset's collective read (an empty
+selection where it needs nothing).
 """
 
 from __future__ import annotations

@@ -169,8 +169,9 @@ def rank_sizes(cfg: Config, stages: list, ranges: list) -> list[int]:
 
 
 def buckets(sizes: list, limit: float) -> int:
-    """How many reduction buckets ``grad_sync/buffers.py`` cuts from tensors of ``sizes`` bytes
-    (in the model's order; cut in reverse, a bucket closes once it reaches ``limit``)."""
+    """How many reduction buckets ``parallel/grad_sync/buffers.py`` cuts from tensors of
+    ``sizes`` bytes (in the model's order; cut in reverse, a bucket closes once it reaches
+    ``limit``)."""
     n, acc = 0, 0
     for b in reversed(sizes):
         acc += b

@@ -187,8 +187,9 @@ def ring_cost(cfg: Config, alone, repeats: int = 5) -> float:
     ring attention (``parallel/ring_attention.py``) adds beyond the attention's FLOPs: one layer's
     attention of a microbatch over the one-rank ring ``alone`` (its block, the log-sum-exp
     merge, the gradient hop to itself) against PyTorch's fused causal attention of the same
-    tensors, interleaved, medians, per 3 pass units. Mostly fixed per call (measured: 2.1 ms
-    a layer on 1 rank, 2.2 ms in the cp=2 runs' profile), so the model charges it per layer."""
+    tensors, interleaved, medians, per 3 pass units. Mostly fixed per call (about the same a
+    layer on 1 rank as in a cp=2 run's profile: docs/decisions.md), so the model charges it
+    per layer."""
     from ..parallel.ring_attention import RingContext
 
     m, B, T = cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len

@@ -73,9 +73,9 @@ from .collectives import (
 SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
 # zb-h1/zbv split each backward into B (all but the weight matmuls) and W (their weight
 # gradients; model/weight_grad.py): the description's split_b / split_w (``plan
-# --calibrate`` measures them); these defaults were measured on one pp=4 stage of the small
-# benchmark model, medians B 0.74-0.78x and W 0.36-0.38x one backward (B + W 1.13-1.15x: the
-# Python of the deferred matmuls; docs/benchmarks.md, 2026-12-01 03:50-04:00 UTC).
+# --calibrate`` measures them); the defaults are the shares of one backward on one pp=4
+# stage of the small benchmark model (B + W exceeds one backward by the Python of the
+# deferred matmuls; docs/decisions.md).
 SPLIT_B, SPLIT_W = 0.74, 0.38
 
 
