@@ -18,7 +18,9 @@ COMMANDS = {
     "prepare": "turn text files (or a nanoGPT/Megatron corpus) into a token dataset (HDF5) "
                "with a held-out split; in parallel under mpirun",
     "tokenizer": "train a byte-level BPE tokenizer (tokenizer.json) on text files",
-    "plan": "print the pipeline schedule per rank, its bubble and in-flight microbatches (no MPI)",
+    "plan": "plan a layout without MPI: schedule, bubble and memory per rank; --cluster: the "
+            "predicted step time; --search: the best layouts on --nodes nodes; --calibrate: "
+            "describe this machine (under mpirun); --published: the published runs",
     "inspect": "show a checkpoint's tensors and lineage; --verify recomputes checksums",
     "export": "export a checkpoint's model as safetensors, or as a Hugging Face directory",
     "import": "turn a Hugging Face Llama/Mixtral directory into an hpctrain checkpoint",
