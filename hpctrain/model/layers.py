@@ -4,10 +4,10 @@
 reads kv head ``h // (n_heads // kv_heads)``) or multi-head, a gated MLP
 ``w2(act(w1 x) * w3 x)`` or ``w2(act(w1 x))`` with the family's activation. No MPI.
 
-Tensor parallelism comes in through ``ops`` (``gpt.LocalOps`` or
+Tensor parallelism comes in through ``ops`` (``stage.LocalOps`` or
 ``parallel.tensor.TensorParallelOps``): query and kv heads and the MLP's hidden dimension are
 split over tp (column-parallel ``wq``/``wk``/``wv``/``w1``/``w3``, row-parallel ``wo``/``w2``).
-Context parallelism comes in through ``context`` (``parallel.context.RingContext``; None: the
+Context parallelism comes in through ``context`` (``parallel.ring_attention.RingContext``; None: the
 whole sequence here): which global positions this rank's tokens hold, and the attention
 over keys and values that other ranks hold.
 Incremental decoding keeps keys and values in a :class:`KVCache`.

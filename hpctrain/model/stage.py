@@ -109,7 +109,7 @@ class DecoderStage(nn.Module):
     head and loss when ``last``. ``forward(x, targets)`` takes token ids (B, T) on the first
     stage, activations (B, T, C) elsewhere; the last stage returns the *sum* of token
     cross-entropies (the caller scales by the global token count), others the activations.
-    ``context`` (``parallel.context.RingContext``): this rank holds T/cp positions of each
+    ``context`` (``parallel.ring_attention.RingContext``): this rank holds T/cp positions of each
     sequence and attention runs over the cp ring (None: the whole sequence).
     """
 
