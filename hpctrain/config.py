@@ -26,7 +26,8 @@ else:  # pragma: no cover - Python 3.10
 REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
 # How overlapped reductions progress while backward computes (optim.overlap_progress).
 OVERLAP_PROGRESS = ("auto", "test", "thread", "poll", "wait")
-ARCHS = ("gpt", "llama")  # model.arch
+# model.arch: the spellings of hpctrain.model.families' registry (a unit test keeps them equal)
+ARCHS = ("gpt", "llama")
 
 
 class ConfigError(ValueError):
@@ -87,8 +88,10 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads: ``n_kv_heads`` for llama (0 = n_heads), ``n_heads`` for gpt."""
-        return (self.n_kv_heads or self.n_heads) if self.arch == "llama" else self.n_heads
+        """Key/value heads asked for: ``n_kv_heads``, 0 meaning ``n_heads``. What the
+        attention uses is the family's (``model.families``): a family without grouped-query
+        attention has ``n_heads`` and its checks accept only 0 or ``n_heads`` here."""
+        return self.n_kv_heads or self.n_heads
 
 
 @dataclass(frozen=True)

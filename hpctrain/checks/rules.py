@@ -2,7 +2,8 @@
 world size, as messages that name the key, its value and the rule (``optim.eps=0.0 must be >
 0``) or show the arithmetic (``dp*tp*pp = 2*1*1 = 2 but the world has 4 ranks``).
 
-Pure, no MPI, imports only ``config``: :func:`hpctrain.checks.validate.validate` calls
+Pure, no MPI, imports only ``config`` and the model families' registry (``model.families``,
+whose checks ``_check_arch`` runs): :func:`hpctrain.checks.validate.validate` calls
 :func:`problems` first, on every rank, before any collective, and reports everything it finds
 at once. Types and unknown keys are refused earlier, when the config is read
 (:func:`hpctrain.config.load`); what needs the pipeline split or the schedule builder is asked
@@ -11,7 +12,8 @@ by ``validate`` of a config that passes these.
 
 from __future__ import annotations
 
-from ..config import ARCHS, OVERLAP_PROGRESS, REDUCTIONS, Config
+from ..config import OVERLAP_PROGRESS, REDUCTIONS, Config
+from ..model import families
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
@@ -120,26 +122,14 @@ def _check_model(cfg: Config, world_size: int, need) -> None:
 
 
 def _check_arch(cfg: Config, need) -> None:
-    """``model.arch`` and the keys only llama uses (grouped-query attention, rotary)."""
-    top, m = cfg.topology, cfg.model
-    _one_of(cfg, need, ARCHS, "model.arch")
+    """``model.arch`` (one of the registry's families) and what the family asks of the
+    config (``model.families``: grouped-query attention, rotary, ...)."""
+    _one_of(cfg, need, families.arch_names(), "model.arch")
     _at_least(cfg, need, 0, "model.n_kv_heads")
     _above(cfg, need, 0, "model.rope_theta")
-    if m.arch != "llama":
-        need(m.n_kv_heads in (0, m.n_heads),
-             f"model.n_kv_heads={m.n_kv_heads} needs model.arch='llama' (gpt attention has "
-             "as many key/value heads as query heads); set it to 0")
-        return
-    kv = m.kv_heads
-    need(kv <= 0 or m.n_heads % kv == 0,
-         f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv} "
-         "(grouped-query attention: every kv head serves the same number of query heads)")
-    need(kv <= 0 or kv % top.tp == 0,
-         f"model.n_kv_heads={kv} is not divisible by topology.tp={top.tp} (each tp rank "
-         "holds whole kv heads; kv heads are not replicated)")
-    hd = m.d_model // max(m.n_heads, 1)
-    need(hd % 2 == 0, f"model.d_model/model.n_heads = {m.d_model}/{m.n_heads} = {hd} must "
-         "be even for model.arch='llama' (rotary embeddings rotate pairs of channels)")
+    family = families.find(cfg.model)
+    if family is not None:
+        family.check(cfg, need)
 
 
 def _check_context(cfg: Config, world_size: int, need) -> None:

@@ -1,8 +1,12 @@
 """The model in plain PyTorch: no MPI here (see docs/design.md). Imports only ``config``.
 
-- ``layers.py``: the layers of a block for ``model.arch`` gpt and llama (RMSNorm, rotary
-  embeddings, grouped-query attention, GELU or SwiGLU MLP), parameters with their global
-  shapes (:class:`ParamMeta`), the :class:`KVCache` of incremental decoding.
+- ``families/``: one module per model family (``gpt.py``, ``llama.py``, ``mixtral.py``) and
+  the registry (:func:`family_of`) that maps a config to its family; a family owns its layer
+  choices, FLOP and memory terms, Hugging Face form and config checks. Everything else asks
+  the registry instead of reading ``model.arch``.
+- ``layers.py``: the layers a family chooses from (RMSNorm, rotary embeddings, grouped-query
+  or multi-head attention, gated or plain MLP), parameters with their global shapes
+  (:class:`ParamMeta`), the :class:`KVCache` of incremental decoding.
 - ``stage.py``: :class:`Block` and :class:`DecoderStage` (a contiguous run of blocks, plus the
   embedding on the first stage and the head and loss on the last), layout-independent
   initialisation.
@@ -13,9 +17,11 @@
   weight gradients wait in a :class:`Pending` store for ``W``.
 """
 
+from .families import Family, family_of
 from .layers import ARCHS, KVCache, ParamMeta, shard_range
 from .stage import DTYPES, DecoderStage, LocalOps, init_parameters
 from .steps import Exchange, RunBlock, RunExperts, drive
 
-__all__ = ["ARCHS", "DTYPES", "Exchange", "DecoderStage", "KVCache", "LocalOps", "ParamMeta",
-           "RunBlock", "RunExperts", "drive", "init_parameters", "shard_range"]
+__all__ = ["ARCHS", "DTYPES", "Exchange", "DecoderStage", "Family", "KVCache", "LocalOps",
+           "ParamMeta", "RunBlock", "RunExperts", "drive", "family_of", "init_parameters",
+           "shard_range"]

@@ -1,15 +1,13 @@
-"""The layers of a block in plain PyTorch, for both architectures (``model.arch``). No MPI.
+"""The layers of a block in plain PyTorch, as the model's family chooses them
+(``model/families/``): the norm (:data:`NORMS`), rotary position embeddings
+(:class:`Rotary`, ``rotate_half`` form) or none, grouped-query attention (query head ``h``
+reads kv head ``h // (n_heads // kv_heads)``) or multi-head, a gated MLP
+``w2(act(w1 x) * w3 x)`` or ``w2(act(w1 x))`` with the family's activation. No MPI.
 
-- ``gpt``: RMSNorm, multi-head attention without positions, GELU MLP (``w1``, ``w2``).
-- ``llama`` (the conventions of Hugging Face's ``LlamaForCausalLM``, so that weights map
-  1:1): RMSNorm, rotary position embeddings (:class:`Rotary`, ``rotate_half`` form),
-  grouped-query attention (``n_kv_heads``; query head ``h`` reads kv head
-  ``h // (n_heads // n_kv_heads)``), SwiGLU MLP ``w2(silu(w1 x) * w3 x)``.
-
-Tensor parallelism comes in through ``ops`` (``gpt.LocalOps`` or
+Tensor parallelism comes in through ``ops`` (``stage.LocalOps`` or
 ``parallel.tensor.TensorParallelOps``): query and kv heads and the MLP's hidden dimension are
 split over tp (column-parallel ``wq``/``wk``/``wv``/``w1``/``w3``, row-parallel ``wo``/``w2``).
-Context parallelism comes in through ``context`` (``parallel.context.RingContext``; None: the
+Context parallelism comes in through ``context`` (``parallel.ring_attention.RingContext``; None: the
 whole sequence here): which global positions this rank's tokens hold, and the attention
 over keys and values that other ranks hold.
 Incremental decoding keeps keys and values in a :class:`KVCache`.
@@ -24,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ARCHS, ModelConfig
+from .families import family_of
 from .weight_grad import linear
 
-__all__ = ["ARCHS", "KVCache", "MLP", "Attention", "ParamMeta", "RMSNorm", "Rotary",
+__all__ = ["ARCHS", "KVCache", "MLP", "NORMS", "Attention", "ParamMeta", "RMSNorm", "Rotary",
            "shard_range"]
 
 
@@ -141,17 +140,22 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
+NORMS = {"rmsnorm": RMSNorm}  # a family's ``norm`` -> the layer
+
+
 class Attention(nn.Module):
     """Causal self-attention, split by heads over tp: wq/wk/wv column-parallel (rows),
-    wo row-parallel (columns). ``llama``: rotary embeddings and ``n_kv_heads`` kv heads
-    (grouped-query); ``gpt``: no positions, as many kv heads as query heads."""
+    wo row-parallel (columns). The family decides the positions (``rotary``: the given
+    rotary tables; else none) and the kv heads (``kv_heads``: grouped-query or as many as
+    query heads)."""
 
     def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float, rotary=None,
                  context=None):
         super().__init__()
         C, hd, tp = cfg.d_model, cfg.head_dim, ops.tp_size
-        kv = cfg.kv_heads
-        self.rotary = rotary if cfg.arch == "llama" else None
+        family = family_of(cfg)
+        kv = family.kv_heads(cfg)
+        self.rotary = rotary if family.rotary else None
         self.context = context  # context parallelism (None: the whole sequence is here)
         self.heads, self.kv, self.hd = cfg.n_heads // tp, kv // tp, hd
         self.wq = _param((self.heads * hd, C), ParamMeta((cfg.n_heads * hd, C), tp_dim=0,
@@ -201,9 +205,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The dense feed-forward, split on the hidden dimension: ``gpt`` GELU ``w2(gelu(w1
-    x))``, ``llama`` SwiGLU ``w2(silu(w1 x) * w3 x)`` (w1 gate, w3 up: column-parallel; w2
-    down: row-parallel)."""
+    """The dense feed-forward, split on the hidden dimension: ``w2(act(w1 x))``, or gated
+    ``w2(act(w1 x) * w3 x)`` (w1 gate, w3 up: column-parallel; w2 down: row-parallel), with
+    the family's ``gated`` and ``activation`` (gpt: GELU; llama: SwiGLU)."""
 
     stepped = False  # runs in one go (an MoE layer yields at its token exchanges)
 
@@ -211,13 +215,15 @@ class MLP(nn.Module):
         super().__init__()
         C, H = cfg.d_model, cfg.ffn_dim
         local = H // ops.tp_size
-        self.swiglu = cfg.arch == "llama"
+        self.family = family_of(cfg)
+        self.gated = self.family.gated
         self.w1 = _param((local, C), ParamMeta((H, C), tp_dim=0, std=cfg.init_std), dtype)
-        if self.swiglu:
+        if self.gated:
             self.w3 = _param((local, C), ParamMeta((H, C), tp_dim=0, std=cfg.init_std), dtype)
         self.w2 = _param((C, local), ParamMeta((C, H), tp_dim=1, std=resid_std), dtype)
 
     def forward(self, x):
-        if self.swiglu:
-            return linear(F.silu(linear(x, self.w1)) * linear(x, self.w3), self.w2)
-        return linear(F.gelu(linear(x, self.w1)), self.w2)
+        act = self.family.activation
+        if self.gated:
+            return linear(act(linear(x, self.w1)) * linear(x, self.w3), self.w2)
+        return linear(act(linear(x, self.w1)), self.w2)

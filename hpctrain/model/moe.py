@@ -1,10 +1,12 @@
 """Mixture-of-experts feed-forward layer in plain PyTorch. Imports no MPI.
 
 Routing (per token): router logits ``x @ router.T`` (E,), softmax, top-k experts (k = 1 or
-2). ``gpt``: the gate is the softmax probability (k = 1) or the top-2 probabilities
-renormalised to sum to 1 (k = 2); experts are GELU MLPs. ``llama`` (the Mixtral form, as Hugging
-Face's ``MixtralSparseMoeBlock``): the softmax in float32 for 16-bit models, the top-k gates
-renormalised to sum to 1 for every k, SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down).
+2). The model's family (``model/families/``) decides the rest: for which dtypes the softmax
+runs in float32 (``router_float32``), whether the top-1 gate is renormalised too
+(``renormalize_top1``; top-2 gates always sum to 1), and the experts' MLP (``gated``,
+``activation``). gpt: the gate is the softmax probability (k = 1), GELU experts; mixtral (as
+Hugging Face's ``MixtralSparseMoeBlock``): the softmax in float32 for 16-bit models, the gates
+renormalised for every k, SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down).
 The layer output is ``sum_kept gate * expert(x)``; a dropped assignment adds 0 (the block's
 residual carries the token on).
 
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .families import family_of
 from .layers import ParamMeta, _param
 from .steps import Exchange, drive
 from .weight_grad import linear
@@ -121,8 +124,8 @@ class MoEStats:
 
 
 class MoE(nn.Module):
-    """E experts (GELU MLPs, batched weights ``w1`` (E, H, C), ``w2`` (E, C, H); llama:
-    SwiGLU, also ``w3`` (E, H, C)), of which
+    """E experts (the family's MLPs, batched weights ``w1`` (E, H, C), ``w2`` (E, C, H);
+    gated: also ``w3`` (E, H, C)), of which
     this rank holds ``E / ep`` (``ParamMeta.expert_dim = 0``), and a replicated router.
     Under tp the weights are replicated but each tp rank sees other tokens, so their
     gradients are partial over tp (``sp_partial``)."""
@@ -139,10 +142,10 @@ class MoE(nn.Module):
         partial = ops.tp_size > 1
         self.router = _param((E, C), ParamMeta((E, C), sp_partial=partial, std=cfg.init_std),
                              dtype)
-        self.mixtral = cfg.arch == "llama"
+        self.family = family_of(cfg)
         self.w1 = _param((self.E_local, H, C), ParamMeta(
             (E, H, C), expert_dim=0, sp_partial=partial, std=cfg.init_std), dtype)
-        if self.mixtral:  # the up projection of SwiGLU experts
+        if self.family.gated:  # the up projection of gated experts
             self.w3 = _param((self.E_local, H, C), ParamMeta(
                 (E, H, C), expert_dim=0, sp_partial=partial, std=cfg.init_std), dtype)
         self.w2 = _param((self.E_local, C, H), ParamMeta(
@@ -175,10 +178,10 @@ class MoE(nn.Module):
     def route(self, xs: torch.Tensor):
         """Router of ``xs`` (n, C): (logits (n, E), probs (n, E), experts (n, k), gates)."""
         logits = F.linear(xs, self.router)
-        low = (torch.bfloat16, torch.float16) if self.mixtral else (torch.bfloat16,)
+        low = self.family.router_float32
         probs = torch.softmax(logits.float() if logits.dtype in low else logits, -1)
         gate, expert = probs.topk(self.k, dim=-1)  # (n, k), top choice first
-        if self.k > 1 or self.mixtral:
+        if self.k > 1 or self.family.renormalize_top1:
             gate = gate / gate.sum(-1, keepdim=True)
         return logits, probs, expert, gate.to(xs.dtype)
 
@@ -244,12 +247,12 @@ class MoE(nn.Module):
 
     def experts_local(self, h: torch.Tensor, sizes) -> torch.Tensor:
         """Rows (m, C) grouped by local expert with ``sizes`` (E_local,) -> outputs (m, C)."""
-        outs = []
+        outs, act = [], self.family.activation
         for e, part in enumerate(torch.split(h, [int(s) for s in sizes])):
-            if self.mixtral:
-                hidden = F.silu(linear(part, self.w1[e])) * linear(part, self.w3[e])
+            if self.family.gated:
+                hidden = act(linear(part, self.w1[e])) * linear(part, self.w3[e])
             else:
-                hidden = F.gelu(linear(part, self.w1[e]))
+                hidden = act(linear(part, self.w1[e]))
             outs.append(linear(hidden, self.w2[e]))
         return torch.cat(outs) if outs else h
 

@@ -1,5 +1,5 @@
-"""A decoder-only transformer in plain PyTorch, ``model.arch`` gpt or llama (the layers are in
-``layers.py``; docs/models.md). Imports no MPI.
+"""A decoder-only transformer in plain PyTorch, of any model family (``model/families/``
+chooses the layers of ``layers.py``; docs/models.md). Imports no MPI.
 
 The model is built as one or more *stages* (contiguous runs of blocks); the first stage owns
 the embedding, the last owns the final norm, the head and the loss. Tensor parallelism is
@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from .layers import MLP, Attention, KVCache, ParamMeta, RMSNorm, Rotary, _param, shard_range
+from .families import family_of
+from .layers import MLP, NORMS, Attention, KVCache, ParamMeta, Rotary, _param, shard_range
 from .steps import RunBlock, RunExperts, drive
 from .weight_grad import linear
 
@@ -66,10 +67,11 @@ class Block(nn.Module):
         super().__init__()
         resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         sp = ops.sequence_parallel
+        norm = NORMS[family_of(cfg).norm]
         self.ops = ops
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, sp)
+        self.norm1 = norm(cfg.d_model, cfg.norm_eps, dtype, sp)
         self.attn = Attention(cfg, ops, dtype, resid_std, rotary, context)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, sp)
+        self.norm2 = norm(cfg.d_model, cfg.norm_eps, dtype, sp)
         self.mlp = ffn if ffn is not None else MLP(cfg, ops, dtype, resid_std)
 
     @property
@@ -107,7 +109,7 @@ class DecoderStage(nn.Module):
     head and loss when ``last``. ``forward(x, targets)`` takes token ids (B, T) on the first
     stage, activations (B, T, C) elsewhere; the last stage returns the *sum* of token
     cross-entropies (the caller scales by the global token count), others the activations.
-    ``context`` (``parallel.context.RingContext``): this rank holds T/cp positions of each
+    ``context`` (``parallel.ring_attention.RingContext``): this rank holds T/cp positions of each
     sequence and attention runs over the cp ring (None: the whole sequence).
     """
 
@@ -123,15 +125,17 @@ class DecoderStage(nn.Module):
         vocab_meta = ParamMeta((V, C), tp_dim=0, std=cfg.init_std)
         if first:
             self.embed = _param((self.vocab_local, C), vocab_meta, dtype)
-        # One rotary table cache shared by the stage's blocks (llama; gpt has no positions).
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.arch == "llama" else None
+        family = family_of(cfg)
+        # One rotary table cache shared by the stage's blocks (a family without positions:
+        # none).
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if family.rotary else None
         self.blocks = nn.ModuleDict({
             str(i): Block(cfg, ops, dtype, ffn_factory(i) if ffn_factory else None,
                           self.rotary, context)
             for i in self.layers
         })
         if last:
-            self.norm_f = RMSNorm(C, cfg.norm_eps, dtype, ops.sequence_parallel)
+            self.norm_f = NORMS[family.norm](C, cfg.norm_eps, dtype, ops.sequence_parallel)
             if not cfg.tie_embeddings:
                 self.head = _param((self.vocab_local, C), vocab_meta, dtype)
 

@@ -5,17 +5,18 @@ did: activation recomputation, padding and communication are not counted, so
 ``MFU = achieved model FLOP/s / peak FLOP/s`` is comparable across layouts.
 
 Per token, forward, with ``C = d_model``, ``F = ffn_dim``, ``V = vocab_size``, ``T = seq_len``,
-``L = n_layers``, ``E = num_experts``, ``k = top_k``::
+``L = n_layers``, ``E = num_experts``, ``k = top_k``; the block terms are the model family's
+(``model.families``, :meth:`Family.flop_terms`)::
 
-    attention projections   2 * 4 * C^2                 (wq, wk, wv, wo)
-                            llama: 2 * 2 * C * (C + kv * hd)   (wk, wv: kv heads of hd)
+    attention projections   2 * 2 * C * (C + kv * hd)   (wq, wo; wk, wv: kv heads of hd,
+                                                         C for multi-head attention)
     attention core          2 * 2 * C * ctx             (QK^T and AV over ctx keys)
                             ctx = (T + 1) / 2 causal    (mean keys a query sees; the full-T
                                                          convention of PaLM's 12*L*C*T counts
                                                          the masked half too: causal=False)
-    dense MLP               2 * 2 * C * F               (w1, w2)
-                            llama: 2 * 3 * C * F        (SwiGLU: w1 gate, w3 up, w2 down)
-    MoE layer               2 * C * E  +  k * 2 * 2 * C * F   (router + the k active experts)
+    dense MLP               2 * m * C * F               (m weight matrices: 2 for w1, w2;
+                                                         3 gated, as SwiGLU: w1, w3, w2)
+    MoE layer               2 * C * E  +  k * 2 * m * C * F   (router + the k active experts)
     LM head                 2 * C * V                   (embedding lookup: 0)
 
 Training = 3 x forward (backward costs two matmuls per forward matmul). MoE layers are the
@@ -32,6 +33,7 @@ import time
 import torch
 
 from ..config import ModelConfig
+from ..model.families import family_of
 
 
 def moe_layer_count(m: ModelConfig) -> int:
@@ -43,15 +45,12 @@ def moe_layer_count(m: ModelConfig) -> int:
 
 def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Forward model FLOPs for one token (see the module docstring for the formula)."""
-    C, F, V = m.d_model, m.ffn_dim, m.vocab_size
     ctx = (seq_len + 1) / 2 if causal else seq_len
-    kv = m.kv_heads * m.head_dim  # C for gpt
-    attention = 2 * 2 * C * (C + kv) + 2 * 2 * C * ctx
-    dense_mlp = 2 * (3 if m.arch == "llama" else 2) * C * F
-    moe_mlp = 2 * C * m.num_experts + m.top_k * dense_mlp
+    terms = family_of(m).flop_terms(m, ctx)
     n_moe = moe_layer_count(m)
     n_dense = m.n_layers - n_moe
-    return m.n_layers * attention + n_dense * dense_mlp + n_moe * moe_mlp + 2 * C * V
+    return (m.n_layers * terms.attention + n_dense * terms.dense_mlp + n_moe * terms.moe_mlp
+            + 2 * m.d_model * m.vocab_size)
 
 
 def train_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Config, microbatches
+from ..model.families import family_of
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -42,15 +43,14 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 def stage_params(cfg: Config, layers: int, first: bool, last: bool) -> int:
     """Parameter elements on one rank of a stage with ``layers`` blocks."""
     m, top = cfg.model, cfg.topology
-    C, F, tp = m.d_model, m.ffn_dim, top.tp
+    C, tp, family = m.d_model, top.tp, family_of(m)
     vocab_local = -(-m.vocab_size // tp)
-    dense_mlp = _mlp_matrices(m) * C * F // tp
-    q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim  # kv = q for gpt
-    per_block = 2 * C * (q // tp) + 2 * C * (kv // tp) + 2 * C
+    dense_mlp = family.mlp_params(m, tp)
+    per_block = family.block_params(m, tp)
     n_moe = 0
     if m.num_experts:
         # experts are split over ep, not tp (each tp rank routes other tokens)
-        expert = _mlp_matrices(m) * C * F * (m.num_experts // top.ep) + C * m.num_experts
+        expert = family.expert_params(m, top.ep)
         n_moe = sum(1 for i in range(layers) if i % m.moe_every == 0)
         total = layers * per_block + n_moe * expert + (layers - n_moe) * dense_mlp
     else:
@@ -60,11 +60,6 @@ def stage_params(cfg: Config, layers: int, first: bool, last: bool) -> int:
     if last:
         total += C + (0 if m.tie_embeddings else vocab_local * C)
     return total
-
-
-def _mlp_matrices(m) -> int:
-    """Weight matrices of a (dense or expert) MLP: 2 for GELU, 3 for SwiGLU (llama)."""
-    return 3 if m.arch == "llama" else 2
 
 
 def _norm_bytes(T: int, C: int, ps: int) -> int:
@@ -80,16 +75,18 @@ def local_tokens(cfg: Config) -> int:
 
 def block_activation_bytes(cfg: Config) -> int:
     """Bytes autograd saves per block per sequence (measured layout, see tests):
-    two norms, q, k, v and the attention output (over tp; llama: k and v after the
-    grouped-query repeat, as many heads as q), the attention log-sum-exp (per head, float32
-    for 16-bit), the MLP hidden before and after GELU (over tp; SwiGLU: gate, silu(gate),
-    up and their product). With cp > 1, per ``seq_len / cp`` tokens, and ring attention
-    saves q, k and v (kv heads), its output and the output reshaped for ``wo``."""
+    two norms, q, k, v and the attention output (over tp; grouped-query: k and v after the
+    repeat, as many heads as q), the attention log-sum-exp (per head, float32 for 16-bit),
+    the MLP's hidden-sized tensors (over tp; the family's ``mlp_saved``: GELU's input and
+    output; SwiGLU's gate, silu(gate), up and their product). With cp > 1, per
+    ``seq_len / cp`` tokens, and ring attention saves q, k and v (kv heads), its output and
+    the output reshaped for ``wo``."""
     m, tp, cp = cfg.model, cfg.topology.tp, cfg.topology.cp
     T, C, F, ps = local_tokens(cfg), m.d_model, m.ffn_dim, DTYPE_BYTES[m.dtype]
     ls = 4 if ps == 2 else ps
-    hidden = 4 if m.arch == "llama" else 2
-    attn = 4 * C if cp <= 1 else 3 * C + 2 * m.kv_heads * m.head_dim
+    family = family_of(m)
+    hidden = family.mlp_saved
+    attn = 4 * C if cp <= 1 else 3 * C + 2 * family.kv_heads(m) * m.head_dim
     return 2 * _norm_bytes(T, C, ps) + T * (attn // tp * ps + m.n_heads // tp * ls
                                             + hidden * F // tp * ps)
 
@@ -200,8 +197,8 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
     act = t.micro_batch_size * local_tokens(cfg) * m.d_model * ps  # one (B, T/cp, C)
     layers_here = -(-m.n_layers // top.pp)
     if top.cp > 1:  # the ring: k and v blocks forward (cp-1 hops), again backward with
-        kv = 2 * t.micro_batch_size * local_tokens(cfg) * m.kv_heads * m.head_dim * ps \
-            // top.tp  # their gradients (cp hops), per layer and microbatch
+        kv = 2 * t.micro_batch_size * local_tokens(cfg) * family_of(m).kv_heads(m) \
+            * m.head_dim * ps // top.tp  # their gradients (cp hops), per layer and microbatch
         out["cp"] = int(layers_here * M * kv * (2 * (top.cp - 1) + top.cp))
     if top.tp > 1:  # 2 all-reduces forward + 2 backward per block, per microbatch
         out["tp"] = int(4 * layers_here * M * act * 2 * (top.tp - 1) / top.tp)

@@ -1,0 +1,148 @@
+"""What a model family decides (:class:`Family`): its layer choices, its FLOP and memory
+terms, its Hugging Face form and its config checks. The layers (``model/layers.py``), the
+stage, the FLOP and memory estimates (``telemetry``), the interchange and the config checks
+read these and hold no family knowledge of their own. Imports only ``config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...config import Config, ModelConfig
+
+
+@dataclass(frozen=True)
+class FlopTerms:
+    """Forward model FLOPs per token of one block's parts (``telemetry/flops.py`` sums
+    them): ``attention`` (projections and core), ``dense_mlp``, ``moe_mlp`` (router and the
+    ``top_k`` active experts)."""
+
+    attention: float
+    dense_mlp: float
+    moe_mlp: float
+
+
+class Family:
+    """One model family. A family module subclasses it and sets every layer choice; the
+    methods derive counts and checks from those choices, and a family overrides one where
+    its form differs.
+
+    Layer choices (no defaults: each family states them):
+
+    - ``norm``: the norm of every block and the final norm (``"rmsnorm"``);
+    - ``rotary``: rotary position embeddings (False: no positions);
+    - ``grouped_query``: ``model.n_kv_heads`` key/value heads (False: as many as query heads);
+    - ``gated``: the MLP (and every expert) is ``w2(act(w1 x) * w3 x)`` (False:
+      ``w2(act(w1 x))``), with :meth:`activation` as ``act``.
+
+    Expert routing (a family whose configs can have ``num_experts > 0``): the router's softmax
+    runs in float32 for the dtypes in ``router_float32``; the top-k gates are renormalised to
+    sum to 1 when ``k > 1``, and also for ``k = 1`` when ``renormalize_top1``.
+    """
+
+    name: str  # the family's name (the registry, messages)
+    arch: str  # the ``model.arch`` spelling that selects it
+    norm: str
+    rotary: bool
+    grouped_query: bool
+    gated: bool
+    router_float32: tuple = (torch.bfloat16,)
+    renormalize_top1: bool = False
+    hf_model_type: str | None = None  # None: no Hugging Face form
+    hf_architecture: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<model family {self.name} (model.arch={self.arch!r})>"
+
+    # -- selection and layers ---------------------------------------------------------------
+    def claims(self, m: ModelConfig) -> bool:
+        """Whether this family is the one for ``m`` among the families of ``m.arch``."""
+        return True
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's (and experts') activation."""
+        raise NotImplementedError
+
+    def kv_heads(self, m: ModelConfig) -> int:
+        """Key/value heads of the attention."""
+        return m.kv_heads if self.grouped_query else m.n_heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of a (dense or expert) MLP: w1, w2 (gated: and w3)."""
+        return 3 if self.gated else 2
+
+    @property
+    def mlp_saved(self) -> int:
+        """Hidden-sized tensors autograd saves per token in the MLP: the hidden before and
+        after the activation (gated: the gate, its activation, the up projection and their
+        product)."""
+        return 4 if self.gated else 2
+
+    # -- FLOP terms ---------------------------------------------------------------------------
+    def flop_terms(self, m: ModelConfig, ctx: float) -> FlopTerms:
+        """Forward FLOPs per token of one block's parts, with ``ctx`` keys per query."""
+        C, F = m.d_model, m.ffn_dim
+        kv = self.kv_heads(m) * m.head_dim
+        attention = 2 * 2 * C * (C + kv) + 2 * 2 * C * ctx
+        dense_mlp = 2 * self.mlp_matrices * C * F
+        return FlopTerms(attention, dense_mlp, 2 * C * m.num_experts + m.top_k * dense_mlp)
+
+    # -- memory terms (parameter elements on one rank) -------------------------------------
+    def block_params(self, m: ModelConfig, tp: int) -> int:
+        """Attention (wq, wk, wv, wo split over tp) and the block's two norms."""
+        C, q, kv = m.d_model, m.n_heads * m.head_dim, self.kv_heads(m) * m.head_dim
+        return 2 * C * (q // tp) + 2 * C * (kv // tp) + 2 * C
+
+    def mlp_params(self, m: ModelConfig, tp: int) -> int:
+        """A dense MLP, split over tp on its hidden dimension."""
+        return self.mlp_matrices * m.d_model * m.ffn_dim // tp
+
+    def expert_params(self, m: ModelConfig, ep: int) -> int:
+        """An MoE layer: this rank's experts (split over ep, not tp) and the router."""
+        C, E = m.d_model, m.num_experts
+        return self.mlp_matrices * C * m.ffn_dim * (E // ep) + C * E
+
+    # -- config checks --------------------------------------------------------------------------
+    def check(self, cfg: Config, need) -> None:
+        """Report what this family cannot run through ``need(ok, message)``."""
+        top, m = cfg.topology, cfg.model
+        if self.grouped_query:
+            kv = self.kv_heads(m)
+            need(kv <= 0 or m.n_heads % kv == 0,
+                 f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv} "
+                 "(grouped-query attention: every kv head serves the same number of query "
+                 "heads)")
+            need(kv <= 0 or kv % top.tp == 0,
+                 f"model.n_kv_heads={kv} is not divisible by topology.tp={top.tp} (each tp "
+                 "rank holds whole kv heads; kv heads are not replicated)")
+        if self.rotary:
+            hd = m.d_model // max(m.n_heads, 1)
+            need(hd % 2 == 0, f"model.d_model/model.n_heads = {m.d_model}/{m.n_heads} = {hd} "
+                 f"must be even for model.arch={m.arch!r} (rotary embeddings rotate pairs of "
+                 "channels)")
+
+    # -- Hugging Face form ------------------------------------------------------------------
+    def hf_refusal(self, m: ModelConfig) -> str | None:
+        """Why ``m`` cannot be exported to Hugging Face (None: it can)."""
+        return (f"model.arch = {m.arch!r} cannot be exported with --format hf: the "
+                f"{self.name} family has no Hugging Face form; export --format safetensors")
+
+    def hf_names(self, m: ModelConfig) -> list[tuple[str, str, int | None]]:
+        """Every HF tensor in HF's order: (hpctrain parameter, HF key, expert slice)."""
+        raise NotImplementedError
+
+    def hf_config(self, m: ModelConfig, max_positions: int, dtype: str,
+                  special: dict) -> dict:
+        """config.json for transformers."""
+        raise NotImplementedError
+
+    def hf_import_refusal(self, hf: dict) -> str | None:
+        """Why an HF config.json of this family cannot be imported (None: it can)."""
+        return None
+
+    def hf_section(self, hf: dict) -> dict:
+        """The hpctrain ``[model]`` keys an HF config.json of this family describes."""
+        raise NotImplementedError

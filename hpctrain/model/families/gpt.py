@@ -1,0 +1,37 @@
+"""The gpt family: RMSNorm, multi-head attention without positions, GELU MLP (``w1``,
+``w2``); with experts, Switch routing (the top-1 gate is the softmax probability, top-2
+gates are renormalised). No Hugging Face form."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...config import Config, ModelConfig
+from .base import Family
+
+
+class GPT(Family):
+    name = "gpt"
+    arch = "gpt"
+    norm = "rmsnorm"
+    rotary = False
+    grouped_query = False
+    gated = False
+    router_float32 = (torch.bfloat16,)
+    renormalize_top1 = False
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+    def check(self, cfg: Config, need) -> None:
+        super().check(cfg, need)
+        m = cfg.model
+        need(m.n_kv_heads in (0, m.n_heads),
+             f"model.n_kv_heads={m.n_kv_heads} needs model.arch='llama' ({self.name} "
+             "attention has as many key/value heads as query heads); set it to 0")
+
+    def hf_refusal(self, m: ModelConfig) -> str | None:
+        return (f"model.arch = {m.arch!r} cannot be exported with --format hf: transformers "
+                f"has no architecture with hpctrain's {self.name} blocks (no rotary positions, "
+                f"GELU MLP); train with model.arch = \"llama\", or export --format safetensors")

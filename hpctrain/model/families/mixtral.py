@@ -1,0 +1,51 @@
+"""The mixtral family: the llama form (``llama.py``) with mixture-of-experts feed-forward
+layers, as Hugging Face's ``MixtralForCausalLM`` / ``MixtralSparseMoeBlock``: the router's
+softmax in float32 for 16-bit models, the top-k gates renormalised to sum to 1 for every k,
+SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down). Selected by ``model.arch = "llama"``
+with ``num_experts > 0``."""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import ModelConfig
+from .llama import Llama
+
+
+class Mixtral(Llama):
+    name = "mixtral"
+    arch = "llama"
+    router_float32 = (torch.bfloat16, torch.float16)
+    renormalize_top1 = True
+    hf_model_type = "mixtral"
+    hf_architecture = "MixtralForCausalLM"
+
+    def claims(self, m: ModelConfig) -> bool:
+        return m.num_experts > 0
+
+    def hf_refusal(self, m: ModelConfig) -> str | None:
+        if m.moe_every != 1:
+            return (f"model.moe_every = {m.moe_every}: only models where every block is a "
+                    f"mixture of experts map to Mixtral (moe_every = 1)")
+        if m.capacity_factor > 0:
+            return (f"model.capacity_factor = {m.capacity_factor}: Mixtral routes every token "
+                    f"(dropless); hpctrain would drop tokens, so the logits would differ")
+        return None
+
+    def hf_ffn_names(self, m: ModelConfig, b: str, L: str) -> list:
+        """The router, then one entry per expert slice ``[e]`` of the stacked (E, ...)
+        tensors."""
+        return [(b + "mlp.router", L + "block_sparse_moe.gate.weight", None)] + [
+            (b + f"mlp.{w}", L + f"block_sparse_moe.experts.{e}.{w}.weight", e)
+            for e in range(m.num_experts) for w in ("w1", "w2", "w3")]
+
+    def hf_config_extra(self, m: ModelConfig) -> dict:
+        return {"num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+                "router_aux_loss_coef": m.aux_loss_coef, "router_jitter_noise": 0.0,
+                "sliding_window": None, "output_router_logits": False}
+
+    def hf_section(self, hf: dict) -> dict:
+        out = super().hf_section(hf)
+        out.update(num_experts=int(hf["num_local_experts"]),
+                   top_k=int(hf["num_experts_per_tok"]), moe_every=1, capacity_factor=0.0)
+        return out
