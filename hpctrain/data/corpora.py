@@ -28,7 +28,6 @@ LLMC_MAGIC = 20240520
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                    6: np.float64, 7: np.float32, 8: np.uint16}
-FORMATS = ("nanogpt", "megatron")
 
 
 class FormatError(ValueError):
@@ -65,12 +64,10 @@ class TokenCorpus:
 
 
 def read(kind: str, path: str, eot: int = 50256) -> TokenCorpus:
-    """The documents of a ``nanogpt`` file or a ``megatron`` prefix."""
-    if kind == "nanogpt":
-        return read_nanogpt(path, eot)
-    if kind == "megatron":
-        return read_megatron(path)
-    raise FormatError(f"--from {kind}: unknown format; valid: {', '.join(FORMATS)}")
+    """The documents of a corpus in format ``kind`` (a key of :data:`READERS`)."""
+    if kind not in READERS:
+        raise FormatError(f"--from {kind}: unknown format; valid: {', '.join(FORMATS)}")
+    return READERS[kind](path, eot)
 
 
 def read_nanogpt(path: str, eot: int) -> TokenCorpus:
@@ -152,3 +149,12 @@ def _memmap(path: str, dtype) -> np.ndarray:
         return np.memmap(p, dtype=dtype, mode="r")
     except (OSError, ValueError) as e:
         raise FormatError(f"{path} cannot be read: {e}") from None
+
+
+# The corpus formats ``hpctrain prepare --from`` reads: name -> reader(path, eot). A new
+# format is a reader function above and one line here.
+READERS = {
+    "nanogpt": read_nanogpt,
+    "megatron": lambda prefix, eot: read_megatron(prefix),
+}
+FORMATS = tuple(READERS)
