@@ -18,7 +18,8 @@ COMMANDS = {
     "prepare": "turn text files (or a nanoGPT/Megatron corpus) into a token dataset (HDF5) "
                "with a held-out split; in parallel under mpirun",
     "tokenizer": "train a byte-level BPE tokenizer (tokenizer.json) on text files",
-    "plan": "print the pipeline schedule per rank, its bubble and in-flight microbatches (no MPI)",
+    "plan": "plan a layout (schedule, bubble, memory; no MPI), predict its speed on a cluster "
+            "(--cluster), search layouts (--search), calibrate a machine (--calibrate)",
     "inspect": "show a checkpoint's tensors and lineage; --verify recomputes checksums",
     "export": "export a checkpoint's model as safetensors, or as a Hugging Face directory",
     "import": "turn a Hugging Face Llama/Mixtral directory into an hpctrain checkpoint",

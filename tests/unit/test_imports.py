@@ -25,7 +25,7 @@ ALLOWED = {
     "checkpoint": {"comm", "config", "model"},
     "telemetry": {"comm", "config", "model", "parallel", "topology"},
     "data": set(),
-    "checks": {"config", "parallel", "pipeline"},
+    "checks": {"config", "data", "interchange", "parallel", "pipeline"},
     "evaluate": {"data", "parallel"},
     "interchange": {"checkpoint", "config", "data", "model"},
     "slurm": {"comm"},
