@@ -1,11 +1,13 @@
 """Configuration: one frozen dataclass per section, TOML presets, dotted overrides, validation.
 
 A run is described by a TOML file (see ``share/configs/``) plus ``--set section.key=value``
-overrides. Unknown keys, wrong types and non-finite numbers are rejected here, with the list
-of valid keys; values and layouts that cannot work (``dp*tp*pp != world size``, a negative
-learning rate) are listed by :func:`hpctrain.checks.rules.problems` and rejected by
-:func:`hpctrain.checks.validate.validate` before any collective is called, with the key, the value
-and the rule (or the arithmetic) in the message. Imports nothing of hpctrain: plain data.
+overrides. Each key declares its meaning and the rule of its value alone (:func:`key`; the
+reference docs/config.md is generated from them). Unknown keys, wrong types and non-finite
+numbers are rejected here, with the list of valid keys; values and layouts that cannot work
+(``dp*tp*pp != world size``, a negative learning rate) are listed by
+:func:`hpctrain.checks.rules.problems` and rejected by :func:`hpctrain.checks.validate.validate`
+before any collective is called, with the key, the value and the rule (or the arithmetic) in
+the message. Keys that moved (:data:`LEGACY`) are read under their new names. Plain data.
 """
 
 from __future__ import annotations
@@ -245,8 +247,6 @@ LEGACY = {
     "schedule.p2p_wait": "experimental.p2p_wait",
     "telemetry.faults": "experimental.faults",
 }
-
-
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_TYPES = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
 
