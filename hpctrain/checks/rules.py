@@ -6,11 +6,11 @@ The rules of one key alone are declared beside the key in ``hpctrain/config.py``
 by :func:`hpctrain.checks.keys.key_problems`; here are the rules that span keys or sections
 and the layout arithmetic.
 
-Pure, no MPI, imports only ``config``: :func:`hpctrain.checks.validate.validate` calls
-:func:`problems` first, on every rank, before any collective, and reports everything it finds
-at once. Types and unknown keys are refused earlier, when the config is read
-(:func:`hpctrain.config.load`); what needs the pipeline split or the schedule builder is asked
-by ``validate`` of a config that passes these.
+Pure, no MPI, imports only ``config`` and ``checks.keys``:
+:func:`hpctrain.checks.validate.validate` calls :func:`problems` first, on every rank, before
+any collective, and reports everything it finds at once. Types and unknown keys are refused
+earlier, when the config is read (:func:`hpctrain.config.load`); what needs the pipeline split
+or the schedule builder is asked by ``validate`` of a config that passes these.
 """
 
 from __future__ import annotations
