@@ -9,7 +9,7 @@ batch with ``hpctrain.train.train``, interleaved repeat by repeat:
 
 (a) tp inside nodes (``placement=auto``) vs tp across the link (``naive``), dp=2 x tp=2;
 (b) flat vs hierarchical dp reduction, dp=4; (c) bucketed + overlapped vs one blocking
-all-reduce per parameter (``optim.reduction=per-parameter``), dp=4; (d) 1 node x 2 ranks
+all-reduce per parameter (``experimental.reduction=per-parameter``), dp=4; (d) 1 node x 2 ranks
 (the node-0 ranks alone, node 1 idle and sleeping) vs 2 nodes x 2 ranks: strong-scaling
 efficiency; and a sweep of bucket size x overlap on the slow link. Each with the share of
 the step spent in exposed communication (``comm_s`` of metrics.jsonl, rank 0).

@@ -8,7 +8,7 @@ in which every variant of :data:`VARIANTS` trains the same model and global batc
 ``hpctrain.train.train``, interleaved repeat by repeat; rank 0 writes each variant's steps
 (step seconds, exposed communication seconds per axis, losses) to ``--out``.
 
-How gradients are summed is the config key ``optim.reduction`` (``bucketed``: one blocking
+How gradients are summed is the config key ``experimental.reduction`` (``bucketed``: one blocking
 all-reduce per bucket, in order; ``bucketed-nonblocking``: every bucket posted, then waited
 for; ``per-parameter``: one blocking all-reduce per parameter), set like any other override.
 """
@@ -30,11 +30,11 @@ MODEL = {  # float32; at small 14 MB of gradients in 67 tensors, and tp activati
               "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=128"],
 }
 DP4 = ["topology.dp=4"]
-VARIANTS = {  # name -> (ranks used: 2 = node 0 only, overrides, optim.reduction or None)
+VARIANTS = {  # name -> (ranks used: 2 = node 0 only, overrides, experimental.reduction or None)
     # (a) with blocking buckets on both sides: placement alone differs (see b).
     "a: tp inside nodes (auto)": (4, ["topology.dp=2", "topology.tp=2"], "bucketed"),
     "a: tp across the link (naive)": (4, ["topology.dp=2", "topology.tp=2",
-                                          "topology.placement=naive"], "bucketed"),
+                                          "experimental.placement=naive"], "bucketed"),
     "b: dp flat (nonblocking buckets)": (4, DP4, "bucketed-nonblocking"),
     "b: dp flat (blocking buckets)": (4, DP4, "bucketed"),
     "b: dp hierarchical": (4, [*DP4, "topology.dp_reduction=hierarchical"], None),
@@ -59,7 +59,7 @@ def variants(size: str) -> dict:
 def overrides_of(variant: tuple, size: str) -> list[str]:
     """The ``--set``-style overrides of one variant: model, layout and reduction."""
     _, overrides, reduction = variant
-    chosen = [f'optim.reduction="{reduction}"'] if reduction else []
+    chosen = [f'experimental.reduction="{reduction}"'] if reduction else []
     if "optim.overlap=true" not in overrides:  # overlap only where a variant asks for it
         chosen.append("optim.overlap_across_nodes=false")
     return [*MODEL[size], *overrides, *chosen]

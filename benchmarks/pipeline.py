@@ -276,7 +276,7 @@ def run(world, size: str, repeats: int) -> dict:
             return median(steady(times))
         return sample
 
-    spin = bench_config(size, pp, "1f1b", 'schedule.p2p_wait="spin"')
+    spin = bench_config(size, pp, "1f1b", 'experimental.p2p_wait="spin"')
     sides = {"hpctrain 1f1b": side("hpctrain 1f1b", lambda: run_1f1b(cfg, world, bubble)),
              "torch Schedule1F1B": side("torch", lambda: torch_pipeline(cfg, world)),
              "hpctrain 1f1b, spinning MPI_Wait": side("spin", lambda: hpctrain_run(spin, world))}

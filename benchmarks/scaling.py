@@ -29,11 +29,12 @@ from .common import (
 RANKS = (1, 2, 4)
 DESIGNS = {
     "naive (per-parameter, blocking, placement naive)": [
-        'optim.reduction="per-parameter"', "optim.overlap=false",
-        'topology.placement="naive"'],
+        'experimental.reduction="per-parameter"', "optim.overlap=false",
+        'experimental.placement="naive"'],
     "hpctrain (bucketed, overlap across nodes, placement auto)": [
-        'optim.reduction="bucketed"', "optim.overlap=false", "optim.overlap_across_nodes=true",
-        'topology.placement="auto"'],
+        'experimental.reduction="bucketed"', "optim.overlap=false",
+        "optim.overlap_across_nodes=true",
+        'experimental.placement="auto"'],
 }
 NAIVE, OURS = list(DESIGNS)
 

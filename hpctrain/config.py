@@ -1,11 +1,13 @@
 """Configuration: one frozen dataclass per section, TOML presets, dotted overrides, validation.
 
 A run is described by a TOML file (see ``share/configs/``) plus ``--set section.key=value``
-overrides. Unknown keys, wrong types and non-finite numbers are rejected here, with the list
-of valid keys; values and layouts that cannot work (``dp*tp*pp != world size``, a negative
-learning rate) are listed by :func:`hpctrain.checks.rules.problems` and rejected by
-:func:`hpctrain.checks.validate.validate` before any collective is called, with the key, the value
-and the rule (or the arithmetic) in the message. Imports nothing of hpctrain: plain data.
+overrides. Each key declares its meaning and the rule of its value alone (:func:`key`; the
+reference docs/config.md is generated from them). Unknown keys, wrong types and non-finite
+numbers are rejected here, with the list of valid keys; values and layouts that cannot work
+(``dp*tp*pp != world size``, a negative learning rate) are listed by
+:func:`hpctrain.checks.rules.problems` and rejected by :func:`hpctrain.checks.validate.validate`
+before any collective is called, with the key, the value and the rule (or the arithmetic) in
+the message. Keys that moved (:data:`LEGACY`) are read under their new names. Plain data.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
 OVERLAP_PROGRESS = ("auto", "test", "thread", "poll", "wait")
 # model.arch: the spellings of hpctrain.model.families' registry (a unit test keeps them equal)
 ARCHS = ("gpt", "llama")
+DTYPES = ("float32", "float64", "bfloat16", "float16")  # model.dtype
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")  # schedule.kind
 
 
 class ConfigError(ValueError):
@@ -40,43 +44,60 @@ class InputError(ConfigError):
     deliberately before any collective, alike on every rank."""
 
 
+def key(default: Any, help: str, *, choices: tuple = (), ge: float | None = None,
+        gt: float | None = None, within: tuple | None = None) -> Any:
+    """A config key as a dataclass field: its default, its meaning (metadata ``help``) and
+    the rule of its value alone: one of ``choices``, ``>= ge``, ``> gt`` or in the half-open
+    interval ``within = (lo, hi)``. :func:`hpctrain.checks.keys.key_problems` enforces the
+    rules, :func:`hpctrain.checks.keys.markdown` documents every key (docs/config.md)."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "within": within}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class TopologyConfig:
-    dp: int = 1  # data-parallel ranks (expert parallelism is carved out of these)
-    tp: int = 1  # tensor-parallel ranks (Megatron-style)
-    pp: int = 1  # pipeline stages
-    ep: int = 1  # expert-parallel ranks, must divide dp
-    cp: int = 1  # context-parallel ranks: each holds 2 of 2*cp sequence chunks (ring attention)
-    sequence_parallel: bool = False
-    placement: str = "auto"  # "auto": tp inside a node; "naive": rank order, for comparison
-    dp_reduction: str = "flat"  # "flat" or "hierarchical" (within node, across, within)
+    dp: int = key(1, "data-parallel ranks (expert parallelism is carved out of these)", ge=1)
+    tp: int = key(1, "tensor-parallel ranks (Megatron-style)", ge=1)
+    pp: int = key(1, "pipeline stages", ge=1)
+    ep: int = key(1, "expert-parallel ranks, must divide dp", ge=1)
+    cp: int = key(1, "context-parallel ranks: each holds 2 of 2*cp sequence chunks (ring "
+                     "attention)", ge=1)
+    sequence_parallel: bool = key(False, "split the sequence over tp outside attention and the MLP")
+    dp_reduction: str = key("flat", "the dp gradient reduction: one flat all-reduce, or "
+                                    "hierarchical (within a node, across nodes, within)",
+                                    choices=("flat", "hierarchical"))
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # "gpt" (GELU MLP, multi-head attention, no positions: the default of old configs and
-    # checkpoints) or "llama" (rotary positions, SwiGLU, grouped-query attention; every
-    # preset); with num_experts > 0, llama is the Mixtral form. See docs/models.md.
-    arch: str = "gpt"
-    n_layers: int = 4
-    d_model: int = 128
-    n_heads: int = 4
-    n_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0 = n_heads
-    rope_theta: float = 10000.0  # llama: rotary embedding base
-    d_ff: int = 0  # 0: 4 * d_model
-    vocab_size: int = 256
-    dtype: str = "float32"  # float32, float64, bfloat16, float16 (dynamic loss scaling)
-    device: str = "cpu"  # cpu or cuda
-    tie_embeddings: bool = False
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    recompute: bool = False
-    num_experts: int = 0  # 0: dense model
-    top_k: int = 1
-    moe_every: int = 1
-    capacity_factor: float = 0.0  # 0: dropless
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
+    arch: str = key("gpt", "gpt (GELU MLP, multi-head attention, no positions: the default of old "
+                           "configs and checkpoints) or llama (rotary positions, SwiGLU, "
+                           "grouped-query attention; every preset; with num_experts > 0 the "
+                           "Mixtral form); see docs/models.md")
+    n_layers: int = key(4, "transformer blocks", ge=1)
+    d_model: int = key(128, "hidden size", ge=1)
+    n_heads: int = key(4, "attention (query) heads", ge=1)
+    n_kv_heads: int = key(0, "llama: key/value heads (grouped-query attention); 0 = n_heads",
+                          ge=0)
+    rope_theta: float = key(10000.0, "llama: rotary embedding base", gt=0)
+    d_ff: int = key(0, "MLP hidden size; 0: 4 * d_model", ge=0)
+    vocab_size: int = key(256, "embedding rows; every token id of the data needs one", ge=2)
+    dtype: str = key("float32", "parameter and compute type (float16: dynamic loss scaling)",
+                                choices=DTYPES)
+    device: str = key("cpu", "where the model computes", choices=("cpu", "cuda"))
+    tie_embeddings: bool = key(False, "the head shares the embedding matrix (needs pp=1)")
+    norm_eps: float = key(1e-5, "epsilon of the layer norms", gt=0)
+    init_std: float = key(0.02, "standard deviation of the initial weights", ge=0)
+    recompute: bool = key(False, "recompute each block's activations in backward")
+    num_experts: int = key(0, "experts per MoE layer; 0: a dense model", ge=0)
+    top_k: int = key(1, "MoE: experts per token, 1 or 2 (at most num_experts)")
+    moe_every: int = key(1, "MoE: every N-th block has experts (>= 1, <= n_layers)")
+    capacity_factor: float = key(0.0, "MoE: tokens per expert as a factor of the even share; 0: "
+                                      "dropless (>= 0)")
+    aux_loss_coef: float = key(0.01, "MoE: weight of the load-balancing loss (>= 0)")
+    z_loss_coef: float = key(0.001, "MoE: weight of the router z-loss (>= 0)")
 
     @property
     def ffn_dim(self) -> int:
@@ -96,103 +117,117 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
-    global_batch_size: int = 8  # sequences per optimizer step
-    micro_batch_size: int = 1  # sequences per rank per microbatch
-    seq_len: int = 64
-    seed: int = 1234
-    log_every: int = 1
-    eval_every: int = 0  # evaluate on the validation split every N steps (0: never)
-    eval_batches: int = 2  # global batches per evaluation
-    max_wall_s: float = 0.0  # 0: no wall-time budget
-    target_val_loss: float = 0.0  # stop when reached (0: off)
-    patience: int = 0  # stop after N evaluations without improvement (0: off)
-    slurm_margin_s: float = 60.0  # stop this long (+2 steps) before the SLURM job's end
+    steps: int = key(100, "optimizer steps", ge=0)
+    global_batch_size: int = key(8, "sequences per optimizer step", ge=1)
+    micro_batch_size: int = key(1, "sequences per rank per microbatch", ge=1)
+    seq_len: int = key(64, "tokens per sequence", ge=1)
+    seed: int = key(1234, "seeds the initial weights and the data order", within=(0, 2**63))
+    log_every: int = key(1, "log a metrics line every N steps (0: as 1)", ge=0)
+    eval_every: int = key(0, "evaluate on the validation split every N steps (0: never)", ge=0)
+    eval_batches: int = key(2, "global batches per evaluation (>= 1 when evaluating)")
+    max_wall_s: float = key(0.0, "stop after this many seconds; 0: no wall-time budget", ge=0)
+    target_val_loss: float = key(0.0, "stop when the validation loss reaches it (0: off)", ge=0)
+    patience: int = key(0, "stop after N evaluations without improvement (0: off)", ge=0)
+    slurm_margin_s: float = key(60.0, "stop this long (+2 steps) before the SLURM job's end", ge=0)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 10
-    decay_steps: int = 0  # 0: train.steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0: no clipping
-    zero: int = 0  # 0, 1 or 2
-    bucket_mb: float = 4.0  # gradient bucket size for the data-parallel reduction
-    overlap: bool = False  # post bucket reductions during the last backward
-    # ... and do so, though overlap is false, where the dp (or edp) group crosses nodes and
-    # the reduction is the flat bucketed one: measured faster over TCP, slower on shared
-    # memory (docs/benchmarks.md, "Overlap and the naive baseline").
-    overlap_across_nodes: bool = True
-    # How gradients are summed over dp without overlap: "bucketed" (one blocking all-reduce
-    # per bucket, in order), "bucketed-nonblocking" (every bucket posted, then waited for),
-    # "per-parameter" (one blocking all-reduce per parameter: the naive baseline).
-    reduction: str = "bucketed"
-    # What advances overlapped reductions (overlap or zero 2) while backward computes:
-    # "thread" (a thread owning a duplicate communicator runs each bucket's blocking
-    # all-reduce / reduce-scatter as it is posted; needs MPI_THREAD_MULTIPLE), "test" (libnbc
-    # nonblocking collectives, MPI_Test on them from every gradient hook), "poll" (the thread
-    # posts libnbc collectives and tests them every 0.5 ms), "wait" (the final wait alone), or
-    # "auto": "thread" where the dp group crosses nodes and MPI provides MPI_THREAD_MULTIPLE,
-    # else "test" (and then overlap_across_nodes does not turn overlap on): the choice
-    # measured on a quiet machine (docs/benchmarks.md, "Overlap and the naive baseline").
-    overlap_progress: str = "auto"
-    loss_scale: float = 65536.0  # float16: initial dynamic loss scale
+    lr: float = key(3e-3, "peak learning rate (AdamW)", ge=0)
+    min_lr: float = key(3e-4, "learning rate at the end of the cosine decay (<= lr)", ge=0)
+    warmup_steps: int = key(10, "linear warmup steps", ge=0)
+    decay_steps: int = key(0, "cosine decay steps; 0: train.steps", ge=0)
+    weight_decay: float = key(0.1, "AdamW weight decay", ge=0)
+    beta1: float = key(0.9, "AdamW beta1", within=(0, 1))
+    beta2: float = key(0.95, "AdamW beta2", within=(0, 1))
+    eps: float = key(1e-8, "AdamW epsilon", gt=0)
+    grad_clip: float = key(1.0, "clip the global gradient norm to this; 0: no clipping", ge=0)
+    zero: int = key(0, "ZeRO stage: 0 replicated, 1 optimizer state sharded over dp, 2 gradients "
+                       "too, 3 parameters too (gathered per block)", choices=(0, 1, 2, 3))
+    bucket_mb: float = key(4.0, "gradient bucket size for the data-parallel reduction", gt=0)
+    overlap: bool = key(False, "post bucket reductions during the last backward")
+    overlap_across_nodes: bool = key(True, "overlap, though overlap is false, where the dp (or "
+                                           "edp) group crosses nodes and the reduction is the flat "
+                                           "bucketed one (docs/benchmarks.md, \"Overlap and the "
+                                           "naive baseline\")")
+    overlap_progress: str = key("auto", "what advances overlapped reductions while backward "
+                                        "computes: thread (a thread runs each bucket's blocking "
+                                        "collective as it is posted; needs MPI_THREAD_MULTIPLE), "
+                                        "test (MPI_Test from every gradient hook), poll (the "
+                                        "thread tests nonblocking collectives every 0.5 ms), wait "
+                                        "(the final wait alone), auto (thread where dp crosses "
+                                        "nodes and MPI is multi-threaded, else test)",
+                                        choices=OVERLAP_PROGRESS)
+    loss_scale: float = key(65536.0, "float16: initial dynamic loss scale", gt=0)
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = ""  # HDF5 from `hpctrain prepare`; "" = the embedded corpus
-    corpus_mb: float = 2.0  # size of the embedded corpus (Python's own sources)
-    tokenizer: str = ""  # tokenizer.json for the embedded corpus; "" = byte-level tokens
-    val_fraction: float = 0.05
-    allow_changed: bool = False  # resume on data whose content hash differs (recorded)
+    path: str = key("", "HDF5 file from `hpctrain prepare`; \"\" = the embedded corpus")
+    corpus_mb: float = key(2.0, "size of the embedded corpus (Python's own sources)", gt=0)
+    tokenizer: str = key("", "tokenizer.json for the embedded corpus; \"\" = byte-level tokens (a "
+                             "prepared data.path carries its own)")
+    val_fraction: float = key(0.05, "share of the tokens held out for validation", within=(0, 1))
+    allow_changed: bool = key(False, "resume on data whose content hash differs (recorded)")
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    kind: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zbv (V-shaped, 2 chunks per rank)
-    virtual_stages: int = 1
-    boundaries: str = ""  # "3,6": first layer of (virtual) stages 1..S-1; "" balanced
-    moe_overlap: bool = False  # expert all-to-alls as D/C actions overlapped with compute
-    p2p_wait: str = "yield"  # pipeline receives: "yield" (poll, then sleep) or "spin" (Wait)
+    kind: str = key("1f1b", "pipeline schedule (zbv: V-shaped, 2 chunks per rank)", choices=KINDS)
+    virtual_stages: int = key(1, "chunks per rank for kind = interleaved", ge=1)
+    boundaries: str = key("", "\"3,6\": first layer of (virtual) stages 1..S-1; \"\" balanced")
+    moe_overlap: bool = key(False, "expert all-to-alls as actions overlapped with compute")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = ""  # "" = RUN_DIR/checkpoints
-    every: int = 0  # 0: only at the end (when save_final)
-    resume: str = ""  # "" fresh, "auto" latest if any, or a checkpoint path
-    init_from: str = ""  # a new run's parameters from a checkpoint or a Hugging Face directory
-    keep: int = 3
-    save_final: bool = True
-    alignment: int = 0  # HDF5 alignment in bytes (e.g. the Lustre stripe size); 0 = off
-    mpi_hints: dict = field(default_factory=dict)  # MPI-IO hints, e.g. striping_factor
-    async_: bool = False  # TOML key `async`: write in the background, the step only copies
-    collective_io: bool = False  # collective MPI-IO for datasets >= 64 KiB (ROMIO aggregators)
-    verify_write: bool = False  # read every byte back and compare checksums before commit
+    dir: str = key("", "where checkpoints go; \"\" = RUN_DIR/checkpoints")
+    every: int = key(0, "save every N steps; 0: only at the end (when save_final)", ge=0)
+    resume: str = key("", "\"\" fresh, \"auto\" the latest if any, or a checkpoint path")
+    init_from: str = key("", "a new run's parameters from a checkpoint or a Hugging Face directory")
+    keep: int = key(3, "checkpoints kept; 0: every one", ge=0)
+    save_final: bool = key(True, "save a checkpoint after the last step")
+    alignment: int = key(0, "HDF5 alignment in bytes (e.g. the Lustre stripe size); 0 = off", ge=0)
+    mpi_hints: dict = key({}, "MPI-IO hints, e.g. {striping_factor = 4}")
+    async_: bool = key(False, "TOML key `async`: write in the background, the step only copies")
+    collective_io: bool = key(False, "collective MPI-IO for datasets >= 64 KiB (ROMIO aggregators)")
+    verify_write: bool = key(False, "read every byte back and compare checksums before commit")
 
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    trace: bool = False
-    trace_steps: str = "1-3"  # step window kept in trace.json
-    # Watchdog (docs/telemetry.md): a rank without progress for max(watchdog_s, watchdog_factor
-    # x its slowest step so far) ends the job, naming the stuck rank (checkpoints get 10x).
-    watchdog_s: float = 600.0  # the floor in seconds; 0: the watchdog is off
-    watchdog_factor: float = 10.0  # x the slowest step (saves, evaluations included); 0: fixed
-    peak_flops: float = 0.0  # per rank; 0 = measure at start
-    # saved-tensor hooks count activation bytes (mem_activations) at the run's first step and
-    # every N-th step after; they cost ~6 us per saved tensor (16 % of a small model's step)
-    activations_every: int = 20
-    max_skips: int = 3  # consecutive non-finite/spiking steps before on_skips; 0: never
-    on_skips: str = "rollback"  # "rollback" to the last checkpoint, or "stop"
-    loss_spike: float = 0.0  # a loss > this x the recent mean is a bad step; 0: off
-    faults: str = ""  # tests only: e.g. "kill@1:3;stall@0:2:60" (telemetry/fault_injection.py)
+    trace: bool = key(False, "write a Chrome trace (trace.json)")
+    trace_steps: str = key("1-3", "step window kept in trace.json")
+    watchdog_s: float = key(600.0, "a rank without progress for max(watchdog_s, watchdog_factor x "
+                                   "its slowest step) ends the job, naming the stuck rank "
+                                   "(checkpoints get 10x; docs/telemetry.md); 0: off")
+    watchdog_factor: float = key(10.0, "x the slowest step so far (saves, evaluations included); "
+                                       "0: the fixed watchdog_s alone")
+    peak_flops: float = key(0.0, "peak FLOP/s per rank for MFU; 0 = measure at start")
+    activations_every: int = key(20, "count activation bytes (saved-tensor hooks, which cost time "
+                                     "per saved tensor) at the first step and every N-th step "
+                                     "after", ge=1)
+    max_skips: int = key(3, "consecutive non-finite/spiking steps before on_skips; 0: never")
+    on_skips: str = key("rollback", "rollback to the last checkpoint, or stop",
+                                    choices=("rollback", "stop"))
+    loss_spike: float = key(0.0, "a loss > this x the recent mean is a bad step; 0: off")
+
+
+@dataclass(frozen=True)
+class ExperimentalConfig:
+    """Settings that exist only for comparisons and tests, not for production runs."""
+
+    reduction: str = key("bucketed", "how gradients are summed over dp without overlap: bucketed "
+                                     "(one blocking all-reduce per bucket, in order), "
+                                     "bucketed-nonblocking (every bucket posted, then waited for), "
+                                     "per-parameter (one blocking all-reduce per parameter: the "
+                                     "naive baseline)", choices=REDUCTIONS)
+    placement: str = key("auto", "auto: ranks packed by node, tp inside a node; naive: tp strided "
+                                 "across nodes, for comparison", choices=("auto", "naive"))
+    p2p_wait: str = key("yield", "pipeline receives: yield (poll, then sleep) or spin (MPI_Wait)",
+                                 choices=("yield", "spin"))
+    faults: str = key("", "injected faults, e.g. \"kill@1:3;stall@0:2:60\" "
+                          "(hpctrain/telemetry/fault_injection.py)")
 
 
 @dataclass(frozen=True)
@@ -205,8 +240,16 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
 
 
+# Keys that moved, as stored in older checkpoints and presets: read under their new name.
+LEGACY = {
+    "optim.reduction": "experimental.reduction",
+    "topology.placement": "experimental.placement",
+    "schedule.p2p_wait": "experimental.p2p_wait",
+    "telemetry.faults": "experimental.faults",
+}
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_TYPES = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
 
@@ -250,10 +293,29 @@ def toml_key(name: str) -> str:
     return name[:-1] if name.endswith("_") else name
 
 
+def renamed(section: str, key: str) -> tuple[str, str]:
+    """Where ``section.key`` lives now: the new place of a :data:`LEGACY` key, else itself."""
+    return tuple(LEGACY.get(f"{section}.{key}", f"{section}.{key}").split(".", 1))
+
+
+def upgrade(raw: dict) -> dict:
+    """``raw`` with every :data:`LEGACY` key under its new name (a copy; the new name wins
+    where both are given)."""
+    out = {name: dict(body) if isinstance(body, dict) else body for name, body in raw.items()}
+    for old, new in LEGACY.items():
+        (section, key), (to, name) = old.split("."), new.split(".")
+        if isinstance(out.get(section), dict) and key in out[section]:
+            value = out[section].pop(key)
+            if isinstance(out.setdefault(to, {}), dict):
+                out[to].setdefault(name, value)
+    return out
+
+
 def from_dict(raw: dict) -> Config:
-    """Build a Config from nested dicts, rejecting unknown sections/keys and wrong types."""
+    """Build a Config from nested dicts, rejecting unknown sections/keys and wrong types. The
+    keys of :data:`LEGACY` are read under their new names (older checkpoints and presets)."""
     sections = {}
-    for name, body in raw.items():
+    for name, body in upgrade(raw).items():
         if name not in _SECTION_TYPES:
             raise ConfigError(f"unknown section [{name}]; valid: {', '.join(_SECTION_TYPES)}")
         if not isinstance(body, dict):
@@ -303,8 +365,10 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
             raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from e
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from e
+    raw = upgrade(raw)
     for text in overrides:
         section, key, value = parse_override(text)
+        section, key = renamed(section, key)
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
             raise ConfigError(f"[{section}] must be a table of keys")

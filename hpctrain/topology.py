@@ -5,7 +5,8 @@ fastest and context parallelism (``cp``) next, so consecutive world ranks form a
 tensor-parallel group (which therefore sits inside one node when ranks are packed by node, as
 ``srun`` and ``mpirun`` do by default) and a cp ring is the next tier out.
 
-**Placement** (``topology.placement``): a node is the set of ranks that share memory.
+**Placement** (``experimental.placement``, given to :class:`Topology` and :func:`crossing`;
+default ``auto``): a node is the set of ranks that share memory.
 ``auto`` renumbers the world so that ranks are packed by node even when the launcher
 interleaved them (``--map-by node``), so tp groups sit inside a node; :func:`check` verifies
 that each tp (and ep, cp) group lies within one node and warns when it cannot. ``naive``
@@ -74,7 +75,7 @@ def coords_to_rank(c: Coords, dims: tuple[int, ...]) -> int:
 
 def naive_order(world_size: int, dims: tuple[int, ...]) -> list[int]:
     """A placement that puts tp *last-varying* (tp groups strided across nodes): the grid
-    position of world rank r for ``topology.placement = "naive"``. Only for comparisons."""
+    position of world rank r for ``experimental.placement = "naive"``. Only for comparisons."""
     pp, dpo, ep, cp, tp = dims
     order = []
     for t in range(tp):
@@ -106,7 +107,7 @@ def check(topo, warn=None) -> dict[str, bool]:
     for axis, g in groups.items():
         local = comm.node_local(g, axis=f"{axis}-node")
         within[axis] = topo.world.allreduce(float(local.size == g.size), "min") == 1.0
-    if topo.cfg.placement == "auto" and topo.world.rank == 0:
+    if topo.placement == "auto" and topo.world.rank == 0:
         for axis in ("tp", "ep", "cp"):
             if not within[axis] and groups[axis].size > 1:
                 msg = (f"placement: {axis} groups (size {groups[axis].size}) cross nodes of "
@@ -120,15 +121,16 @@ def _stderr(msg: str) -> None:
     print(f"[hpctrain] warning: {msg}", file=sys.stderr, flush=True)
 
 
-def crossing(tcfg, nodes: int, ranks_per_node: int) -> dict[str, tuple[int, int]]:
+def crossing(tcfg, nodes: int, ranks_per_node: int,
+             placement: str = "auto") -> dict[str, tuple[int, int]]:
     """Without MPI: for each axis, (groups that span more than one node, groups), when
-    ``nodes * ranks_per_node`` ranks are packed by node and placed as ``tcfg.placement``."""
+    ``nodes * ranks_per_node`` ranks are packed by node and placed as ``placement``."""
     dims = grid_dims(tcfg)
     n = dims[0] * dims[1] * dims[2] * dims[3] * dims[4]
     if nodes * ranks_per_node != n:
         raise ValueError(f"--nodes {nodes} x --ranks-per-node {ranks_per_node} = "
                          f"{nodes * ranks_per_node} ranks, the layout has {n}")
-    key = naive_order(n, dims) if tcfg.placement == "naive" else list(range(n))
+    key = naive_order(n, dims) if placement == "naive" else list(range(n))
     node_of = {key[w]: w // ranks_per_node for w in range(n)}  # grid rank -> node
     out = {}
     for axis, varying in AXIS_DIMS.items():
@@ -156,8 +158,9 @@ class Topology:
     Creating a Topology is collective over the world communicator.
     """
 
-    def __init__(self, tcfg: TopologyConfig, world=None):
+    def __init__(self, tcfg: TopologyConfig, world=None, placement: str = "auto"):
         self.cfg = tcfg
+        self.placement = placement  # experimental.placement: "auto" or "naive"
         self.dims = grid_dims(tcfg)
         self.recorder = comm.Recorder()  # this run's communication record
         self.world = comm.with_recorder(world if world is not None else comm.world(),
@@ -166,7 +169,7 @@ class Topology:
         if n != self.world.size:
             raise ValueError(f"grid {self.dims} has {n} ranks, world has {self.world.size}")
         # naive: tp strided across nodes (comparisons); auto: ranks packed by node first.
-        if tcfg.placement == "naive":
+        if placement == "naive":
             key = naive_order(n, self.dims)[self.world.rank]
         else:
             key = packed_key(self.world)

@@ -90,7 +90,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     """1. Partition: the grid, this rank's model chunks, gradient buckets, optimizer (ZeRO
     0/1/2/3) and its slice of every batch; then restore, telemetry, the numeric guard,
     evaluation and stop rules. Collective over the world."""
-    topo = Topology(cfg.topology, world)
+    topo = Topology(cfg.topology, world, placement=cfg.experimental.placement)
     run_dir = setup_run_dir(cfg, Path(run_dir), topo)
     log = RunLog(run_dir, topo, cfg.train.steps, cfg.train.log_every)
     log.info(f"MPI: {comm.library()}")  # the first line: which MPI this run found
@@ -103,7 +103,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     grads = GradBuffers(params, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero,
                         overlap=overlap_on(cfg.optim, topo, cfg.topology.dp_reduction, progress),
                         hierarchical=hierarchical.reducer(topo),
-                        microbatches=microbatches_per_rank(cfg), mode=cfg.optim.reduction,
+                        microbatches=microbatches_per_rank(cfg), mode=cfg.experimental.reduction,
                         progress=progress,
                         units=units_of(chunks) if cfg.optim.zero == 3 else None)
     if grads.overlap:
@@ -136,7 +136,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     guard = NumericGuard(cfg.telemetry, functools.partial(saver.roll_back, params, optimizer))
     evaluator = (Evaluator(cfg, topo, chunks, device, log.info) if t.eval_every else None)
     stops = StopRules.from_config(t, topo.world, job.end_time)
-    faults = Faults(cfg.telemetry.faults, topo.world.rank)
+    faults = Faults(cfg.experimental.faults, topo.world.rank)
     return Trainer(cfg, topo, log, job, chunks, params, grads, optimizer, sampler,
                    global_tokens, meter, saver, start, ckpt_attrs, tel, guard, evaluator,
                    stops, faults)

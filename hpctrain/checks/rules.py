@@ -2,31 +2,34 @@
 world size, as messages that name the key, its value and the rule (``optim.eps=0.0 must be >
 0``) or show the arithmetic (``dp*tp*pp = 2*1*1 = 2 but the world has 4 ranks``).
 
-Pure, no MPI, imports only ``config`` and the model families' registry (``model.families``,
-whose checks ``_check_arch`` runs): :func:`hpctrain.checks.validate.validate` calls
-:func:`problems` first, on every rank, before any collective, and reports everything it finds
-at once. Types and unknown keys are refused earlier, when the config is read
+The rules of one key alone are declared beside the key in ``hpctrain/config.py`` and checked
+by :func:`hpctrain.checks.keys.key_problems`; here are the rules that span keys or sections
+and the layout arithmetic.
+
+Pure, no MPI, imports only ``config``, ``checks.keys`` and the model families' registry
+(``model.families``, whose checks ``_check_arch`` runs): :func:`hpctrain.checks.validate.validate`
+calls :func:`problems` first, on every rank, before any collective, and reports everything it
+finds at once. Types and unknown keys are refused earlier, when the config is read
 (:func:`hpctrain.config.load`); what needs the pipeline split or the schedule builder is asked
 by ``validate`` of a config that passes these.
 """
 
 from __future__ import annotations
 
-from ..config import OVERLAP_PROGRESS, REDUCTIONS, Config
-from ..model import families
+import dataclasses
 
-DTYPES = ("float32", "float64", "bfloat16", "float16")
-KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+from ..config import Config
+from ..model import families
+from .keys import key_problems, rule_problem
 
 
 def problems(cfg: Config, world_size: int) -> list[str]:
     """Every reason why ``cfg`` cannot run on ``world_size`` ranks; [] when none."""
-    top = cfg.topology
-    bad = [f"topology.{a}={getattr(top, a)} must be >= 1" for a in ("dp", "tp", "pp", "ep", "cp")
-           if getattr(top, a) < 1]
-    if bad:
+    bad = key_problems(cfg, ("topology",))
+    if bad:  # the arithmetic below divides by the axes
         return bad
-    errors: list[str] = []
+    errors = key_problems(cfg, tuple(f.name for f in dataclasses.fields(cfg)
+                                     if f.name != "topology"))
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
@@ -38,35 +41,19 @@ def problems(cfg: Config, world_size: int) -> list[str]:
     return errors
 
 
-def _value(cfg: Config, name: str):
+def _rule(cfg: Config, need, name: str, **rule) -> None:
+    """A single-key rule (as :func:`hpctrain.config.key` declares it) that holds only with
+    other keys' values, checked as the declared ones are (``name``: a dotted key)."""
     section, key = name.split(".")
-    return getattr(getattr(cfg, section), key)
+    why = rule_problem(name, getattr(getattr(cfg, section), key), rule)
+    if why is not None:
+        need(False, why)
 
 
 def _at_least(cfg: Config, need, lo, *names: str) -> None:
     """``name=value must be >= lo`` for each of ``names`` (dotted keys)."""
     for name in names:
-        v = _value(cfg, name)
-        need(v >= lo, f"{name}={v!r} must be >= {lo}")
-
-
-def _above(cfg: Config, need, lo, *names: str) -> None:
-    """``name=value must be > lo`` for each of ``names``."""
-    for name in names:
-        v = _value(cfg, name)
-        need(v > lo, f"{name}={v!r} must be > {lo}")
-
-
-def _fraction(cfg: Config, need, *names: str) -> None:
-    """``name=value must be in [0, 1)`` for each of ``names``."""
-    for name in names:
-        v = _value(cfg, name)
-        need(0 <= v < 1, f"{name}={v!r} must be in [0, 1)")
-
-
-def _one_of(cfg: Config, need, valid, name: str) -> None:
-    v = _value(cfg, name)
-    need(v in valid, f"{name}={v!r}; valid: {', '.join(str(x) for x in valid)}")
+        _rule(cfg, need, name, ge=lo)
 
 
 def _check_layout(cfg: Config, world_size: int, need) -> None:
@@ -81,28 +68,17 @@ def _check_layout(cfg: Config, world_size: int, need) -> None:
     )
     need(top.dp % top.ep == 0, f"topology.ep={top.ep} must divide topology.dp={top.dp} "
          "(expert parallelism is carved out of data parallelism)")
-    _one_of(cfg, need, ("auto", "naive"), "topology.placement")
-    _one_of(cfg, need, ("flat", "hierarchical"), "topology.dp_reduction")
     need(top.dp_reduction == "flat" or (o.zero == 0 and not o.overlap),
          "topology.dp_reduction=hierarchical needs optim.zero=0 and optim.overlap=false")
-    need(o.zero in (0, 1, 2, 3), f"optim.zero={o.zero} must be 0, 1, 2 or 3")
-    _one_of(cfg, need, REDUCTIONS, "optim.reduction")
-    need(o.reduction == "bucketed" or (o.zero == 0 and not o.overlap
-                                       and top.dp_reduction == "flat"),
-         f"optim.reduction={o.reduction} needs optim.zero=0, optim.overlap=false and "
+    reduction = cfg.experimental.reduction
+    need(reduction == "bucketed" or (o.zero == 0 and not o.overlap
+                                     and top.dp_reduction == "flat"),
+         f"experimental.reduction={reduction} needs optim.zero=0, optim.overlap=false and "
          "topology.dp_reduction=flat (it replaces the bucketed reduction they use)")
-    _one_of(cfg, need, OVERLAP_PROGRESS, "optim.overlap_progress")
-    _above(cfg, need, 0, "optim.bucket_mb")
 
 
 def _check_model(cfg: Config, world_size: int, need) -> None:
     top, m, t = cfg.topology, cfg.model, cfg.train
-    _one_of(cfg, need, DTYPES, "model.dtype")
-    _one_of(cfg, need, ("cpu", "cuda"), "model.device")
-    _at_least(cfg, need, 1, "model.n_layers", "model.d_model", "model.n_heads")
-    _at_least(cfg, need, 2, "model.vocab_size")
-    _at_least(cfg, need, 0, "model.d_ff", "model.init_std")
-    _above(cfg, need, 0, "model.norm_eps")
     need(m.d_model % max(m.n_heads, 1) == 0,
          f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
     need(m.n_heads % top.tp == 0,
@@ -124,9 +100,7 @@ def _check_model(cfg: Config, world_size: int, need) -> None:
 def _check_arch(cfg: Config, need) -> None:
     """``model.arch`` (one of the registry's families) and what the family asks of the
     config (``model.families``: grouped-query attention, rotary, ...)."""
-    _one_of(cfg, need, families.arch_names(), "model.arch")
-    _at_least(cfg, need, 0, "model.n_kv_heads")
-    _above(cfg, need, 0, "model.rope_theta")
+    _rule(cfg, need, "model.arch", choices=families.arch_names())
     family = families.find(cfg.model)
     if family is not None:
         family.check(cfg, need)
@@ -156,7 +130,6 @@ def _check_context(cfg: Config, world_size: int, need) -> None:
 
 def _check_experts(cfg: Config, world_size: int, need) -> None:
     top, m = cfg.topology, cfg.model
-    _at_least(cfg, need, 0, "model.num_experts")
     if m.num_experts <= 0:
         need(top.ep == 1, "topology.ep > 1 needs an MoE model (model.num_experts > 0)")
         return
@@ -175,40 +148,28 @@ def _check_experts(cfg: Config, world_size: int, need) -> None:
 def _check_batch(cfg: Config, world_size: int, need) -> None:
     top, t = cfg.topology, cfg.train
     per_step = top.dp * t.micro_batch_size
-    _at_least(cfg, need, 1, "train.global_batch_size", "train.micro_batch_size",
-              "train.seq_len")
     need(
         per_step > 0 and t.global_batch_size % per_step == 0,
         f"train.global_batch_size={t.global_batch_size} is not divisible by "
         f"dp*micro_batch_size = {top.dp}*{t.micro_batch_size} = {per_step}",
     )
-    _at_least(cfg, need, 0, "train.steps", "train.eval_every", "train.patience",
-              "train.target_val_loss")
     need(t.eval_batches >= 1 or not t.eval_every,
          f"train.eval_batches={t.eval_batches} must be >= 1 (train.eval_every={t.eval_every})")
     need(not (t.patience or t.target_val_loss) or t.eval_every,
          "train.patience / target_val_loss need train.eval_every > 0 (they act on evaluations)")
-    need(0 <= t.seed < 2**63, f"train.seed={t.seed} must be in [0, 2**63)")
 
 
 def _check_optim(cfg: Config, world_size: int, need) -> None:
     o = cfg.optim
-    _at_least(cfg, need, 0, "optim.lr", "optim.min_lr", "optim.weight_decay",
-              "optim.warmup_steps", "optim.decay_steps", "optim.grad_clip")
     need(o.min_lr <= o.lr or o.min_lr < 0 or o.lr < 0,
          f"optim.min_lr={o.min_lr!r} must be <= optim.lr={o.lr!r} (the learning rate decays "
          "from lr to min_lr)")
-    _fraction(cfg, need, "optim.beta1", "optim.beta2")
-    _above(cfg, need, 0, "optim.eps", "optim.loss_scale")
 
 
 def _check_schedule(cfg: Config, world_size: int, need) -> None:
     """Pipeline arithmetic (whether the microbatch count fits the schedule is asked by
     ``hpctrain.checks.validate`` of an otherwise valid config)."""
     top, m, s = cfg.topology, cfg.model, cfg.schedule
-    _one_of(cfg, need, KINDS, "schedule.kind")
-    _at_least(cfg, need, 1, "schedule.virtual_stages")
-    _one_of(cfg, need, ("yield", "spin"), "schedule.p2p_wait")
     need(s.kind == "interleaved" or s.virtual_stages <= 1,
          f"schedule.virtual_stages={s.virtual_stages} is used only by "
          f"schedule.kind='interleaved', not {s.kind!r}: set it to 1 or use interleaved")
@@ -228,14 +189,8 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
 
 def _check_run(cfg: Config, world_size: int, need) -> None:
     """Data, checkpoints, logging and stopping: the housekeeping keys."""
-    _above(cfg, need, 0, "data.corpus_mb")
-    _fraction(cfg, need, "data.val_fraction")
     need(not (cfg.data.path and cfg.data.tokenizer),
          f"data.tokenizer={cfg.data.tokenizer!r} tokenizes the embedded corpus, but "
          f"data.path={cfg.data.path!r} is a prepared file that carries its own tokenizer: "
          "set one of the two (prepare a file with `hpctrain prepare FILES --tokenizer "
          "tokenizer.json --out DATA.h5`)")
-    _at_least(cfg, need, 0, "checkpoint.every", "checkpoint.keep", "checkpoint.alignment",
-              "train.log_every", "train.max_wall_s", "train.slurm_margin_s")
-    _one_of(cfg, need, ("rollback", "stop"), "telemetry.on_skips")
-    _at_least(cfg, need, 1, "telemetry.activations_every")

@@ -1,10 +1,10 @@
 """Whether a config can run on a world size: every problem at once, before any collective.
 
-``checks.problems`` has the rules of single keys and the arithmetic (layout, model, batch);
+``checks.rules.problems`` has the rules of the keys and the arithmetic (layout, model, batch);
 the checks here need the pipeline split (``parallel.pipeline``) or the schedule builder
 (``pipeline.actions``), so they live above those modules, and are asked only of an otherwise
 valid config. What the config points at (the data file, the run directory) is checked by
-``hpctrain train`` and ``hpctrain plan`` after this (``hpctrain.data.dataset.fit_problems``).
+``hpctrain train`` and ``hpctrain plan`` after this (``hpctrain.checks.inputs``).
 """
 
 from __future__ import annotations

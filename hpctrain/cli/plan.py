@@ -1,21 +1,24 @@
-"""``hpctrain plan CONFIG --world-size N [--set section.key=value ...]``
-
-Prints, without MPI and without building the model: the layout, the pipeline partition,
-every pp rank's schedule (actions as in docs/design.md), the simulated makespan and bubble
-fraction, and the peak number of in-flight microbatches per rank. With ``--cluster``: the
-predicted step time, its parts, tokens/s, MFU and fit (``hpctrain.planner``); ``--search``: the
-best layouts on ``--nodes`` nodes of that cluster and why the others were rejected;
-``--calibrate OUT.toml`` (under mpirun): measure this machine and write a description;
-``--published``: the published runs against the model (docs/performance-model.md).
-"""
+"""``hpctrain plan CONFIG --world-size N [--set section.key=value ...]``: what it prints and
+its modes are :data:`DESCRIPTION` (``hpctrain plan --help``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
 
+DESCRIPTION = (
+    "Plan a layout without MPI and without building the model: the layout, the pipeline "
+    "partition, every pp rank's schedule, the simulated bubble and in-flight microbatches, "
+    "memory per rank (--memory-per-rank: whether it fits) and, with --nodes, which axes "
+    "cross the inter-node link. --cluster NAME|PATH: the predicted step time, its parts, "
+    "tokens/s and MFU on that cluster; --search: the best layouts on --nodes nodes of "
+    "--cluster, and why the others were rejected; --calibrate OUT.toml (under mpirun): "
+    "measure this machine and write a cluster description; --published: published runs "
+    "against the model. The config keys: docs/config.md.")
+
 
 def add_arguments(p) -> None:
+    p.description = DESCRIPTION
     p.add_argument("config", nargs="?", default=None,
                    help="TOML preset, e.g. share/configs/demo.toml")
     p.add_argument("--world-size", type=int, default=0,
@@ -132,9 +135,10 @@ def plan_section(cfg, nodes: int, ranks_per_node: int) -> list[str]:
     from ..topology import crossing
 
     t = cfg.topology
-    cross = crossing(t, nodes, ranks_per_node)
+    placement = cfg.experimental.placement
+    cross = crossing(t, nodes, ranks_per_node, placement)
     sizes = {"tp": t.tp, "cp": t.cp, "ep": t.ep, "dp": t.dp, "pp": t.pp}
-    lines = [f"placement {t.placement} on {nodes} node(s) x {ranks_per_node} rank(s), "
+    lines = [f"placement {placement} on {nodes} node(s) x {ranks_per_node} rank(s), "
              f"dp reduction {t.dp_reduction}:"]
     for axis, (n_cross, n_groups) in cross.items():
         if sizes[axis] == 1:
@@ -220,11 +224,11 @@ def _cluster(name):
 
 
 def run(args) -> int:
+    from ..checks.inputs import check_plan_inputs
     from ..checks.validate import validate
-    from ..config import ConfigError, InputError, load
+    from ..config import ConfigError, load
     from ..planner.cluster import ClusterError
     from ..telemetry.memory import parse_bytes
-    from .train import data_problems
 
     try:  # the command line's own values; the modes that do not plan one layout
         if not args.config and not args.published:
@@ -243,10 +247,7 @@ def run(args) -> int:
     try:
         cfg = load(args.config, args.overrides)
         validate(cfg, args.world_size)
-        problems = data_problems(cfg, missing_ok=True)  # the data, when it is here
-        if problems:
-            raise InputError("invalid input:\n  - " + "\n  - ".join(problems)
-                              if len(problems) > 1 else problems[0])
+        check_plan_inputs(cfg)  # the data, when it is here
     except ConfigError as e:
         print(f"hpctrain plan: {e}", file=sys.stderr)
         return 2

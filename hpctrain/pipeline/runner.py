@@ -72,7 +72,7 @@ class StepState:
         self.waited = 0.0
         self.peak_inflight = 0
         # a rank idle in the bubble sleeps between polls (yield) or spins in MPI_Wait
-        self.wait = (lambda h: h.wait_yielding()) if cfg.schedule.p2p_wait == "yield" else (
+        self.wait = (lambda h: h.wait_yielding()) if cfg.experimental.p2p_wait == "yield" else (
             lambda h: h.wait())
 
     def stage(self, a: Action) -> int:

@@ -126,10 +126,10 @@ def axis_links(cfg: Config, cluster: Cluster) -> dict[str, Link]:
     if world % rpn:
         raise ValueError(f"{world} ranks do not fill nodes of {cluster.ranks_per_node} "
                          f"ranks ({cluster.name})")
-    if t.placement == "naive":
+    if cfg.experimental.placement == "naive":
         from ..topology import crossing
 
-        cross = {a: n > 0 for a, (n, _) in crossing(t, world // rpn, rpn).items()}
+        cross = {a: n > 0 for a, (n, _) in crossing(t, world // rpn, rpn, "naive").items()}
     else:
         cross = packed_crossing((t.pp, t.dp // t.ep, t.ep, t.cp, t.tp), rpn)
     # the replicas of a parameter are dp x cp (gradients, ZeRO shards): a dp x cp group

@@ -1,6 +1,6 @@
 """Fault injection, for tests only: prove that every failure ends or recovers as designed.
 
-Faults come from ``telemetry.faults`` or the environment variable ``HPCTRAIN_FAULTS`` (both
+Faults come from ``experimental.faults`` or the environment variable ``HPCTRAIN_FAULTS`` (both
 are read; ``;``-separated), each ``KIND@RANK:STEP[:SECONDS]`` with RANK a world rank and
 STEP the 1-based step as in ``metrics.jsonl``:
 

@@ -41,7 +41,7 @@ from hpctrain.config import TopologyConfig
 from hpctrain.topology import Topology
 world = comm.world()
 for placement in ("auto", "naive"):
-    topo = Topology(TopologyConfig(dp=2, tp=2, placement=placement), world)
+    topo = Topology(TopologyConfig(dp=2, tp=2), world, placement=placement)
     hosts = topo.tp_comm.allgather_obj(topo.hostname)
     rows = world.allgather_obj((topo.rank, topo.hostname, hosts, topo.within_node))
     if world.rank == 0:

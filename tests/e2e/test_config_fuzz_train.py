@@ -12,7 +12,7 @@ from fuzz_configs import case, config_path, expected, template
 from hypothesis import HealthCheck, assume, given, settings
 from launch import hpctrain, mpirun
 
-from hpctrain.cli.train import check_inputs
+from hpctrain.checks.inputs import check_inputs
 
 pytestmark = pytest.mark.e2e
 

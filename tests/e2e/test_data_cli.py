@@ -89,7 +89,7 @@ def test_prepare_from_nanogpt_and_megatron_keeps_the_documents(tmp_path):
         assert n.attrs["content_hash"] == m.attrs["content_hash"]
         assert n.attrs["documents"] == 120 and n.attrs["max_token_id"] == EOT
         assert n.attrs["source_format"] == "nanogpt" and m.attrs["source_format"] == "megatron"
-    from hpctrain.cli.train import data_problems
+    from hpctrain.checks.inputs import data_problems
     from hpctrain.config import load
 
     (err,) = data_problems(load(TINY, [f'data.path="{tmp_path / "n.h5"}"']))
@@ -110,7 +110,7 @@ def test_training_on_the_embedded_corpus_with_a_tokenizer(tmp_path):
     data = json.loads((tmp_path / "run" / "lineage.json").read_text())["data"]
     assert data["tokenizer_hash"] == hashlib.sha256(tok.read_bytes()).hexdigest()
     assert data["vocab_size"] == 512 and data["tokenizer"].startswith("hf:BPE:")
-    from hpctrain.cli.train import data_problems
+    from hpctrain.checks.inputs import data_problems
     from hpctrain.config import load
 
     (err,) = data_problems(load(TINY, [f'data.tokenizer="{tok}"']))

@@ -29,7 +29,8 @@ def test_dp_with_microbatch_accumulation(tmp_path, session_dir):
 
 @pytest.mark.parametrize("reduction", ["bucketed-nonblocking", "per-parameter"])
 def test_dp_reduction_modes_equal_one_rank(tmp_path, session_dir, reduction):
-    """``optim.reduction`` changes how gradients travel, never what they sum to."""
+    """``experimental.reduction`` changes how gradients travel, never what they sum to."""
     ref = baseline(session_dir)
-    run = train_cli(tmp_path / reduction, 2, "topology.dp=2", f'optim.reduction="{reduction}"')
+    run = train_cli(tmp_path / reduction, 2, "topology.dp=2",
+                    f'experimental.reduction="{reduction}"')
     assert_same(run, ref, rel=1e-9, what=f"dp=2 reduction={reduction}")

@@ -1,6 +1,6 @@
 """Every injected fault ends the job with a clear message or is recovered from.
 
-Faults come from ``telemetry.faults`` (see hpctrain/telemetry/fault_injection.py): a killed
+Faults come from ``experimental.faults`` (see hpctrain/telemetry/fault_injection.py): a killed
 rank, a stalled rank (watchdog), a poisoned gradient (numeric guard), an exception
 (python -m mpi4py).
 """
@@ -38,7 +38,7 @@ def launch(run_dir, n, *overrides, timeout, keep_going=False):
 def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, session_dir):
     run_dir = tmp_path / "killed"
     proc = launch(run_dir, 2, "topology.dp=2", "checkpoint.every=2",
-                     f"telemetry.watchdog_s={WATCHDOG_S}", PINNED, 'telemetry.faults="kill@1:3"',
+                     f"telemetry.watchdog_s={WATCHDOG_S}", PINNED, 'experimental.faults="kill@1:3"',
                      timeout=WATCHDOG_S + MARGIN_S)  # a hang raises TimeoutExpired
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
@@ -60,7 +60,7 @@ def test_killed_rank_under_a_launcher_that_waits_is_ended_by_the_watchdog(tmp_pa
     # the ranks return, so only the ending is checked.)
     run_dir = tmp_path / "killed_recovery"
     proc = launch(run_dir, 2, "topology.dp=2", f"telemetry.watchdog_s={WATCHDOG_S}", PINNED,
-                  'telemetry.faults="kill@1:2"', timeout=WATCHDOG_S + MARGIN_S,
+                  'experimental.faults="kill@1:2"', timeout=WATCHDOG_S + MARGIN_S,
                   keep_going=True)
     msg = (run_dir / "watchdog" / "summary.txt").read_text()
     assert "Stuck: rank 1: no flight record (dead" in msg, proc.stderr[-3000:]
@@ -72,7 +72,7 @@ def test_killed_rank_under_a_launcher_that_waits_is_ended_by_the_watchdog(tmp_pa
 def test_stalled_rank_is_named_by_the_watchdog(tmp_path):
     run_dir = tmp_path / "stalled"
     proc = launch(run_dir, 2, "topology.dp=2", f"telemetry.watchdog_s={WATCHDOG_S}", PINNED,
-                     'telemetry.faults="stall@1:2:600"', timeout=WATCHDOG_S + MARGIN_S)
+                     'experimental.faults="stall@1:2:600"', timeout=WATCHDOG_S + MARGIN_S)
     assert proc.returncode != 0
     msg = (run_dir / "watchdog" / "summary.txt").read_text()
     assert msg.splitlines()[0] in proc.stderr  # the one message, printed once
@@ -97,7 +97,8 @@ def test_poisoned_gradients_skip_then_roll_back(tmp_path, session_dir):
     # Step 2 poisoned once: skipped, training goes on. Steps 4 and 5 poisoned: the second
     # consecutive skip (max_skips=2) rolls back to the last checkpoint (step 4).
     run = train_cli(tmp_path / "poison", 2, "topology.dp=2", "checkpoint.every=2",
-                    "telemetry.max_skips=2", 'telemetry.faults="poison@0:2;poison@0:4;poison@0:5"')
+                    "telemetry.max_skips=2",
+                    'experimental.faults="poison@0:2;poison@0:4;poison@0:5"')
     by_step = {m["step"]: m for m in run.metrics}
     assert by_step[2]["skipped"] and "gradient norm is nan" in by_step[2]["skip_reason"]
     assert not math.isfinite(by_step[2]["grad_norm"])
@@ -118,7 +119,7 @@ def test_poisoned_gradients_skip_then_roll_back(tmp_path, session_dir):
 
 
 def test_exception_on_one_rank_aborts_all(tmp_path):
-    proc = launch(tmp_path / "raise", 2, "topology.dp=2", 'telemetry.faults="raise@1:2"',
+    proc = launch(tmp_path / "raise", 2, "topology.dp=2", 'experimental.faults="raise@1:2"',
                      timeout=MARGIN_S)
     assert proc.returncode != 0
     assert "injected fault: rank 1 raises at step 2" in proc.stderr
@@ -134,7 +135,7 @@ def test_slow_steps_raise_the_watchdog_limit(tmp_path, factor):
     run_dir = tmp_path / f"factor{factor}"
     proc = launch(run_dir, 1, "train.steps=4", "telemetry.watchdog_s=3",
                   f"telemetry.watchdog_factor={factor}",
-                  'telemetry.faults="slow@0:1:0.6;stall@0:3:4.5"', timeout=MARGIN_S + 30)
+                  'experimental.faults="slow@0:1:0.6;stall@0:3:4.5"', timeout=MARGIN_S + 30)
     fired = (run_dir / "watchdog" / "summary.txt").is_file()
     if factor:
         assert proc.returncode == 0 and not fired, proc.stderr[-3000:]

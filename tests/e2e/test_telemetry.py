@@ -20,7 +20,7 @@ def traced(tmp_path_factory):
     d = tmp_path_factory.mktemp("telemetry") / "run"
     return train_cli(d, 4, "topology.dp=2", "topology.tp=2", "train.steps=3",
                      "telemetry.trace=true", 'telemetry.trace_steps="all"',
-                     f'telemetry.faults="slow@{SLOW_RANK}:1:0.5"')
+                     f'experimental.faults="slow@{SLOW_RANK}:1:0.5"')
 
 
 def test_breakdown_adds_up_and_names_every_axis(traced):

@@ -85,7 +85,7 @@ def test_skipped_step_after_resume_keeps_the_loaded_state(tmp_path):
     first = train_cli(tmp_path / "first", 2, *z, "train.steps=3")
     saved = first.run_dir / "checkpoints" / "step_00000003.h5"
     run = train_cli(tmp_path / "resumed", 2, *z, "train.steps=4", "checkpoint.every=1",
-                    f"checkpoint.resume={saved}", 'telemetry.faults="poison@0:4"')
+                    f"checkpoint.resume={saved}", 'experimental.faults="poison@0:4"')
     assert [(m["step"], m["skipped"]) for m in run.metrics] == [(4, True)], run.metrics
     after = run.run_dir / "checkpoints" / "step_00000004.h5"
     want, got = read_params(saved, ""), read_params(after, "")

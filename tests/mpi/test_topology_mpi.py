@@ -70,7 +70,7 @@ def test_naive_placement_permutes_grid():
     world = comm.world()
     if world.size < 4:
         pytest.skip("naive placement differs from auto only with tp and dp > 1")
-    topo = Topology(TopologyConfig(dp=world.size // 2, tp=2, placement="naive"), world)
+    topo = Topology(TopologyConfig(dp=world.size // 2, tp=2), world, placement="naive")
     # Ranks 0 and 1 of the world are no longer one tp group.
     tp_coords = world.allgather_obj(topo.coords.tp)
     assert tp_coords[0] == tp_coords[1]

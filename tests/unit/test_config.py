@@ -129,11 +129,11 @@ def test_unknown_key_lists_valid_keys():
     (["model.n_kv_heads=4"], 1, r"model.n_kv_heads=4 needs model.arch='llama'"),
     (['model.arch="mamba"'], 1, r"model.arch='mamba'; valid: gpt, llama"),
     (["topology.tp=0"], 1, r"topology.tp=0 must be >= 1"),
-    (["optim.reduction=\"ring\""], 1, r"optim.reduction='ring'; valid: bucketed, "),
+    (["experimental.reduction=\"ring\""], 1, r"experimental.reduction='ring'; valid: bucketed, "),
     (["optim.overlap_progress=\"spin\""], 1,
      r"optim.overlap_progress='spin'; valid: auto, test, thread, poll, wait"),
-    (["topology.dp=2", "optim.zero=1", "optim.reduction=\"per-parameter\""], 2,
-     r"optim.reduction=per-parameter needs optim.zero=0"),
+    (["topology.dp=2", "optim.zero=1", "experimental.reduction=\"per-parameter\""], 2,
+     r"experimental.reduction=per-parameter needs optim.zero=0"),
 ])
 def test_layout_errors_show_arithmetic(overrides, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -15,18 +15,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hpctrain.__main__ import main
-from hpctrain.cli.train import data_problems
-from hpctrain.config import InputError
+from hpctrain.checks.inputs import check_plan_inputs as plan_inputs
 
 EXAMPLES = 400
-
-
-def plan_inputs(cfg) -> None:
-    """What ``hpctrain plan`` checks beyond validate(): the data, when it is here."""
-    problems = data_problems(cfg, missing_ok=True)
-    if problems:
-        raise InputError("invalid input:\n  - " + "\n  - ".join(problems)
-                         if len(problems) > 1 else problems[0])
 
 
 def run_plan(path: str, sets: list[str], world: int) -> tuple[int, str, str]:

@@ -25,7 +25,7 @@ ALLOWED = {
     "checkpoint": {"comm", "config", "model"},
     "telemetry": {"comm", "config", "model", "parallel", "topology"},
     "data": set(),
-    "checks": {"config", "model", "parallel", "pipeline"},
+    "checks": {"config", "data", "interchange", "model", "parallel", "pipeline"},
     "evaluate": {"data", "parallel"},
     "interchange": {"checkpoint", "config", "data", "model"},
     "slurm": {"comm"},

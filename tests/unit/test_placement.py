@@ -11,7 +11,7 @@ from hpctrain.topology import crossing
 def test_auto_keeps_tp_inside_nodes_and_naive_does_not():
     auto = crossing(TopologyConfig(dp=2, tp=2), nodes=2, ranks_per_node=2)
     assert auto["tp"] == (0, 2) and auto["dp"] == (2, 2)
-    naive = crossing(TopologyConfig(dp=2, tp=2, placement="naive"), 2, 2)
+    naive = crossing(TopologyConfig(dp=2, tp=2), 2, 2, placement="naive")
     assert naive["tp"] == (2, 2) and naive["dp"] == (0, 2)
 
 
@@ -23,7 +23,7 @@ def test_tp_wider_than_a_node_crosses():
 
 
 def test_plan_section_and_bad_counts():
-    cfg = load(None, ["topology.dp=2", "topology.tp=2", "topology.placement=naive"])
+    cfg = load(None, ["topology.dp=2", "topology.tp=2", "experimental.placement=naive"])
     text = "\n".join(plan_section(cfg, 2, 2))
     assert "tp=2: CROSSES the inter-node link" in text and "dp=2: inside a node" in text
     with pytest.raises(ValueError, match="3 ranks, the layout has 4"):

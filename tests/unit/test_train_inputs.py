@@ -1,19 +1,19 @@
-"""``hpctrain train``'s checks of what a valid config points at (cli/train.check_inputs),
+"""``hpctrain train``'s checks of what a valid config points at (checks/inputs.check_inputs),
 without MPI: the run and checkpoint directories, the checkpoint to resume from, the data."""
 
 import os
 
 import pytest
 
-from hpctrain.cli import train as cli_train
+from hpctrain.checks import inputs
 from hpctrain.config import ConfigError, InputError, load
 
 TINY = "share/configs/tiny.toml"
 
 
 def test_creatable_and_existing_directories_pass(tmp_path):
-    cli_train.check_inputs(load(TINY), str(tmp_path / "new" / "nested" / "run"))
-    cli_train.check_inputs(load(TINY, [f'checkpoint.dir="{tmp_path}"']), str(tmp_path))
+    inputs.check_inputs(load(TINY), str(tmp_path / "new" / "nested" / "run"))
+    inputs.check_inputs(load(TINY, [f'checkpoint.dir="{tmp_path}"']), str(tmp_path))
 
 
 def test_a_directory_that_cannot_be_written(tmp_path, monkeypatch):
@@ -21,10 +21,10 @@ def test_a_directory_that_cannot_be_written(tmp_path, monkeypatch):
     ro = tmp_path / "ro"
     ro.mkdir()
     real = os.access
-    monkeypatch.setattr(cli_train.os, "access",
+    monkeypatch.setattr(inputs.os, "access",
                         lambda p, mode: False if str(p) == str(ro) else real(p, mode))
     with pytest.raises(InputError, match=f"--run-dir {ro}/run: {ro} is not writable"):
-        cli_train.check_inputs(load(TINY), str(ro / "run"))
+        inputs.check_inputs(load(TINY), str(ro / "run"))
 
 
 def test_every_input_problem_is_reported_together(tmp_path):
@@ -32,7 +32,7 @@ def test_every_input_problem_is_reported_together(tmp_path):
     cfg = load(TINY, [f'checkpoint.dir="{tmp_path / "f"}"', 'checkpoint.resume="/no/ckpt.h5"',
                       f'data.path="{tmp_path / "none.h5"}"'])
     with pytest.raises(InputError) as e:
-        cli_train.check_inputs(cfg, str(tmp_path / "f" / "run"))
+        inputs.check_inputs(cfg, str(tmp_path / "f" / "run"))
     text = str(e.value)
     assert text.startswith("invalid input:\n  - ")
     for part in (f"--run-dir {tmp_path}/f/run: {tmp_path}/f is not a directory",
@@ -44,8 +44,8 @@ def test_every_input_problem_is_reported_together(tmp_path):
 
 def test_plan_skips_a_data_file_that_is_not_here():
     cfg = load(TINY, ['data.path="/elsewhere/data.h5"'])
-    assert cli_train.data_problems(cfg, missing_ok=True) == []
-    assert "does not exist" in cli_train.data_problems(cfg)[0]
+    assert inputs.data_problems(cfg, missing_ok=True) == []
+    assert "does not exist" in inputs.data_problems(cfg)[0]
 
 
 def test_init_from_must_exist_and_hold_this_model(tmp_path):
@@ -62,14 +62,14 @@ def test_init_from_must_exist_and_hold_this_model(tmp_path):
                           (tmp_path / "empty", "neither config.json"),
                           (tmp_path / "junk.h5", "cannot be read")):
         with pytest.raises(InputError, match=words):
-            cli_train.check_inputs(load(TINY, [f'checkpoint.init_from="{source}"']),
+            inputs.check_inputs(load(TINY, [f'checkpoint.init_from="{source}"']),
                                    str(tmp_path / "run"))
     cfg = load(TINY)
     other = Config(model=cfg.model.__class__(**{**vars(cfg.model), "d_ff": 32}))
     ckpt = write_checkpoint(tmp_path / "other.h5", other,
                             file_arrays({"embed": np.zeros((256, 32))}, "float64"), {})
     with pytest.raises(InputError, match="model.d_ff = 64, the source has 32"):
-        cli_train.check_inputs(load(TINY, [f'checkpoint.init_from="{ckpt}"']),
+        inputs.check_inputs(load(TINY, [f'checkpoint.init_from="{ckpt}"']),
                                str(tmp_path / "run"))
 
 
@@ -77,7 +77,7 @@ def test_a_missing_tokenizer_and_a_tokenizer_with_a_file_are_refused(tmp_path):
     cfg = load(TINY, [f'data.tokenizer="{tmp_path / "none.json"}"'])
     with pytest.raises(InputError, match=f"data.tokenizer: tokenizer {tmp_path}/none.json "
                        "does not exist"):
-        cli_train.check_inputs(cfg, str(tmp_path / "run"))
+        inputs.check_inputs(cfg, str(tmp_path / "run"))
     from hpctrain.checks.validate import validate
 
     with pytest.raises(ConfigError, match="carries its own tokenizer"):

@@ -1,0 +1,77 @@
+"""What a valid configuration points at, checked before any collective by ``hpctrain train``
+(:func:`check_inputs`: the data, the run and checkpoint directories, the checkpoint to resume
+from or to initialise from) and ``hpctrain plan`` (:func:`check_plan_inputs`: the data, when
+it is on this machine). Only reads, so every rank reaches the same verdict on a shared file
+system; every problem is reported at once, as :class:`~hpctrain.config.InputError`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..config import Config, InputError
+
+
+def check_inputs(cfg: Config, run_dir: str) -> None:
+    """``hpctrain train``: the data (:func:`data_problems`), the run and checkpoint
+    directories (writable, or creatable), the checkpoint to resume from, the parameters to
+    initialise from. Nothing is written."""
+    from ..interchange import init_from
+
+    errors = _dir_problems(f"--run-dir {run_dir}", run_dir)
+    if cfg.checkpoint.dir:
+        errors += _dir_problems(f"checkpoint.dir={cfg.checkpoint.dir}", cfg.checkpoint.dir)
+    resume = cfg.checkpoint.resume
+    if resume not in ("", "auto") and not Path(resume).exists():
+        errors.append(f"checkpoint.resume={resume!r}: no checkpoint there")
+    errors += data_problems(cfg)
+    errors += init_from.problems(cfg)
+    refuse(errors)
+
+
+def check_plan_inputs(cfg: Config) -> None:
+    """``hpctrain plan``: the data, when it is here (a plan may be made on another machine)."""
+    refuse(data_problems(cfg, missing_ok=True))
+
+
+def refuse(errors: list[str]) -> None:
+    """Raise :class:`InputError` with every problem of ``errors`` (one alone: as it is)."""
+    if len(errors) == 1:
+        raise InputError(errors[0])
+    if errors:
+        raise InputError("invalid input:\n  - " + "\n  - ".join(errors))
+
+
+def data_problems(cfg: Config, missing_ok: bool = False) -> list[str]:
+    """Why the model cannot train on its data: the file is missing, damaged or not
+    hpctrain's, a token id has no row in ``model.vocab_size``, a split is too short. Reads
+    the file's attributes (the embedded corpus: its tokens, once). ``missing_ok``: a data
+    file that is not here is no problem (``hpctrain plan`` on another machine)."""
+    from ..data.dataset import DataError, fit_problems, summarize
+
+    d, t = cfg.data, cfg.train
+    if missing_ok and any(p and not Path(p).exists() for p in (d.path, d.tokenizer)):
+        return []
+    try:
+        s = summarize(d.path, d.corpus_mb, d.val_fraction, d.tokenizer)
+    except DataError as e:
+        return [str(e)]
+    return fit_problems(s, cfg.model.vocab_size, t.seq_len, t.eval_every)
+
+
+def _dir_problems(what: str, path: str) -> list[str]:
+    """[] when ``path`` is a writable directory or can be created (its nearest existing
+    ancestor is a writable directory)."""
+    p = Path(path)
+    try:
+        if p.exists() and not p.is_dir():
+            return [f"{what} exists and is not a directory"]
+        target = p if p.exists() else next(a for a in p.absolute().parents if a.exists())
+        if not target.is_dir():
+            return [f"{what}: {target} is not a directory"]
+        if not os.access(target, os.W_OK | os.X_OK):
+            return [f"{what}: {target} is not writable"]
+    except OSError as e:  # e.g. a parent that cannot be searched
+        return [f"{what}: {e.strerror or e}"]
+    return []
