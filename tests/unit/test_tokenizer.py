@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpctrain.data.dataset import DataError, fit_problems, load_tokens, summarize, tokenizer_json
+from hpctrain.data.dataset import DataError, fit_problems, load_tokens, summarize
 from hpctrain.data.prepare import Source, prepare, text_source
 from hpctrain.data.tokenizer import (
     TokenizerError,
@@ -16,6 +16,7 @@ from hpctrain.data.tokenizer import (
     from_json,
     load,
     token_dtype,
+    tokenizer_json,
     train_bpe,
 )
 
