@@ -6,11 +6,11 @@ import json
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import h5py
 import pytest
 import torch
+from fakes import fake_topology
 
 from hpctrain import comm
 from hpctrain.checkpoint import checkpointer as store
@@ -30,9 +30,7 @@ SHAPES = {"vec": (37,), "mat": (5, 23), "w": (4, 6)}
 def topo():
     world = comm.world()
     dp = comm.Group(world.mpi.Dup(), "dp")
-    return SimpleNamespace(world=dp, dpcp_comm=dp, edpcp_comm=dp, tp_size=1, tp_rank=0,
-                           ep_size=1, ep_rank=0, dp_rank=dp.rank, dp_size=dp.size,
-                           dims=(1, dp.size, 1, 1))
+    return fake_topology(group=dp)
 
 
 def _zero(topo):
