@@ -1,6 +1,9 @@
 # hpctrain: two commands on a fresh machine.
 #   make run    set up what is missing, then train the demo preset on 4 ranks
 #   make test   set up what is missing, then run the whole test suite
+#   make test-fast  the quick tier (a few minutes on 2 cores): ruff, tests/unit, tests/mpi at
+#               2 ranks, and one end-to-end smoke run (tests marked `smoke`: `hpctrain train`
+#               under the launcher at 2 ranks against 1 rank)
 #   make bench  set up what is missing, then run the benchmarks (python -m benchmarks)
 #   make test-mpich  the site-stack job: the equivalence core under MPICH (tests/mpich_core.sh)
 # Overridable: MPI_IMPL (openmpi | mpich: the MPI set-up installs on Debian; mpich uses
@@ -22,7 +25,7 @@ LAUNCH = $(PY) -m hpctrain.launch
 export OMP_NUM_THREADS ?= 1
 export HDF5_USE_FILE_LOCKING ?= FALSE
 
-.PHONY: setup run test test-mpich lint bench clean
+.PHONY: setup run test test-fast test-mpich lint bench clean
 
 setup:
 	@VENV=$(VENV) bash scripts/setup.sh
@@ -34,6 +37,13 @@ run: setup
 test: setup
 	$(PY) -m ruff check hpctrain tests benchmarks
 	PY=$(PY) bash tests/run_all.sh $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m ruff check hpctrain tests benchmarks
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS)
+	$(LAUNCH) -n 2 -- $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi tests/mpi \
+	    $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -m smoke tests/e2e $(PYTEST_ARGS)
 
 test-mpich: setup
 	bash tests/mpich_core.sh $(PYTEST_ARGS)

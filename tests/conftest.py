@@ -1,9 +1,10 @@
-import sys
+"""Fixtures for every test. The checkout and tests/ are on ``sys.path`` by pytest's
+``pythonpath`` setting (pyproject.toml), so tests import hpctrain, ``benchmarks`` and the
+helper modules here (``launch``, ``fakes``, ``corpus_files``, ``fuzz_configs``) by name."""
+
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@ returns a :class:`Run` with per-step losses and grad norms from
 ``baseline(*overrides)`` is the same on one rank, cached per session (keyed by overrides).
 Ranks are started by the launcher of :mod:`hpctrain.launch` (Open MPI ``mpirun``, Hydra
 ``mpiexec`` for an MPICH-built mpi4py, or ``HPCTRAIN_LAUNCHER``), with its local settings
-(root, more ranks than cores) and the run defaults.
+(root, more ranks than cores) and the run defaults; every process started here has the
+checkout first on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hpctrain.launch import command, detect, launch_env, with_checkout
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is a top-level package of the checkout
-    sys.path.insert(0, str(ROOT))
-from hpctrain.launch import command, detect, launch_env  # noqa: E402
 
 PY = str(Path(sys.executable))
 # The tests' model: the llama form (every preset's architecture); the layout tests run it.
@@ -40,7 +40,9 @@ MPI_ENV = launch_env(LAUNCHER)  # + OMP_NUM_THREADS=1, HDF5_USE_FILE_LOCKING=FAL
 
 
 def env(**extra) -> dict:
-    e = dict(os.environ)
+    """The environment of a process a test starts: this one's, the launcher's settings, the
+    checkout first on PYTHONPATH (:func:`hpctrain.launch.with_checkout`), then ``extra``."""
+    e = with_checkout(dict(os.environ))
     e.update(MPI_ENV)
     e.update({k: str(v) for k, v in extra.items()})
     return e

@@ -31,6 +31,7 @@ def run(args) -> int:
         print("hpctrain export: say where to write (--out OUT)", file=sys.stderr)
         return 2
     if args.format == "hf":
+        from ..data.tokenizer import TokenizerError
         from ..interchange.hf_export import export_hf
         from ..interchange.hf_map import InterchangeError
         from .inspect import resolve
@@ -38,7 +39,7 @@ def run(args) -> int:
         try:
             export_hf(resolve(args.checkpoint), Path(out), args.dtype, args.max_shard_size,
                       args.tokenizer)
-        except (InterchangeError, FileNotFoundError) as e:
+        except (InterchangeError, TokenizerError, FileNotFoundError) as e:
             print(f"hpctrain export: {e}", file=sys.stderr)
             return 2
         return 0

@@ -5,8 +5,8 @@
 - ``prepare.py``: ``hpctrain prepare``: documents -> one HDF5 token file, on any number of ranks.
 - ``corpora.py``: corpora that are already tokens (nanoGPT / llm.c ``.bin``, Megatron-LM's
   indexed dataset), read without re-tokenizing.
-- ``tokenizer.py``: byte-level tokens or a Hugging Face ``tokenizer.json``; training a BPE.
-- ``tokenizer_files.py``: which tokenizer belongs to a checkpoint or a data file.
+- ``tokenizer.py``: byte-level tokens or a Hugging Face ``tokenizer.json``; training a BPE;
+  which tokenizer belongs to a checkpoint or a data file.
 
 No MPI of its own: ``prepare`` receives the world ``comm.Group`` from ``cli/prepare.py``.
 """

@@ -142,14 +142,6 @@ def load_tokens(path: str, split: str = "train", corpus_mb: float = 2.0,
     return TokenSource(tokens, lineage)
 
 
-def tokenizer_json(path: str) -> str | None:
-    """The tokenizer.json text a prepared file carries (dataset ``/tokenizer_json``), or None
-    (byte-level tokens, or a file from before tokenizers). For ``export``/``generate``."""
-    with _open(path) as f:
-        d = f.get("tokenizer_json")
-        return None if d is None else _read(d, path).tobytes().decode("utf-8")
-
-
 def _tokenizer(path: str) -> Tokenizer:
     if not path:
         return byte_level()

@@ -69,12 +69,14 @@ class Codec:
 
 def codec_for(tokenizer_arg: str | None, lineage: tuple[str, str]) -> Codec:
     """``--tokenizer``, else what the checkpoint's data used, else byte-level."""
-    from ..data import tokenizer_files as tokenizer
+    from ..data import tokenizer
 
     source = tokenizer_arg or tokenizer.find(*lineage)[0]
     if source and source != tokenizer.BYTES:
-        tok, what = tokenizer.load(source, 0)
-        return Codec(tok, what)
+        tok = tokenizer.load(source)
+        where = ("inside the data file" if isinstance(source, tokenizer.TokenizerText)
+                 else source)
+        return Codec(tok.library(), f"tokenizer {where} ({tok.vocab_size} ids)")
     return Codec()
 
 

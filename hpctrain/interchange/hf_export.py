@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..checkpoint import integrity as cv
 from ..config import Config, from_dict
-from ..data import tokenizer_files as tokenizer
+from ..data import tokenizer
 from . import hf_map
 
 if sys.version_info >= (3, 11):

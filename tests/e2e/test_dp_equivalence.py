@@ -6,7 +6,7 @@ from launch import assert_same, baseline, train_cli
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dp", [pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_dp_float64_equals_one_rank(tmp_path, session_dir, dp):
     ref = baseline(session_dir)
     run = train_cli(tmp_path / f"dp{dp}", dp, f"topology.dp={dp}")

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the checkout's hpctrain, whatever else is installed
-    sys.path.insert(0, str(ROOT))
 TINY = ROOT / "share/configs/tiny.toml"
 WIDE = ("model.d_model=512", "model.d_ff=2048", "model.n_layers=4", "optim.bucket_mb=4",
         "topology.dp=4", "optim.zero=1", "checkpoint.save_final=false", "train.steps=3")

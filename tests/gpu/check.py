@@ -28,12 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+from launch import TINY, assert_same, env, read_params, read_run, rel_err  # tests/launch.py
+
+from hpctrain.launch import detect
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from launch import TINY, assert_same, env, read_params, read_run, rel_err  # noqa: E402
-
-from hpctrain.launch import detect  # noqa: E402  (tests/launch.py put ROOT on sys.path)
 
 PY = sys.executable
 # The launcher (hpctrain/launch.py): MPIRUN when given (Open MPI mpirun or Hydra mpiexec,

@@ -82,7 +82,7 @@ if [[ $DRY_RUN != 1 || ${WHEELS:-0} == 1 ]] && ls "$WHEEL_DIR"/*.whl >/dev/null 
   fi
   say "installed from $WHEEL_DIR: $(cd "$WHEEL_DIR" && ls *.whl | tr '\n' ' ')"
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}  # hpctrain, tests/launch.py
 export HPCTRAIN_LAUNCHER=${HPCTRAIN_LAUNCHER:-${MPIRUN:-}}  # hpctrain/launch.py
 PY=$PY source scripts/mpi-env.sh  # the launcher's settings: as root, more ranks than cores
 export HDF5_USE_FILE_LOCKING=FALSE PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -6,11 +6,11 @@ import json
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import h5py
 import pytest
 import torch
+from fakes import fake_topology
 
 from hpctrain import comm
 from hpctrain.checkpoint import checkpointer as store
@@ -30,9 +30,7 @@ SHAPES = {"vec": (37,), "mat": (5, 23), "w": (4, 6)}
 def topo():
     world = comm.world()
     dp = comm.Group(world.mpi.Dup(), "dp")
-    return SimpleNamespace(world=dp, dpcp_comm=dp, edpcp_comm=dp, tp_size=1, tp_rank=0,
-                           ep_size=1, ep_rank=0, dp_rank=dp.rank, dp_size=dp.size,
-                           dims=(1, dp.size, 1, 1))
+    return fake_topology(group=dp)
 
 
 def _zero(topo):
@@ -45,11 +43,7 @@ def _zero(topo):
     return named, build_optimizer(named, OptimConfig(zero=1), topo, grads, "float64")
 
 
-def _shared_dir(topo, tmp_path) -> Path:
-    return Path(topo.world.bcast_obj(str(tmp_path) if topo.world.rank == 0 else None))
-
-
-def test_zero_shards_saved_in_place_and_synced_by_every_rank(topo, tmp_path, monkeypatch):
+def test_zero_shards_saved_in_place_and_synced_by_every_rank(topo, mpi_tmp_path, monkeypatch):
     if not store.h5py_has_mpi():
         pytest.fail("h5py without MPI: this test is about the MPI-IO writer")
     monkeypatch.delenv(store.SERIAL_ENV, raising=False)
@@ -68,7 +62,7 @@ def test_zero_shards_saved_in_place_and_synced_by_every_rank(topo, tmp_path, mon
         (time.monotonic(), "replace", Path(a).name)), real_replace(a, b)))
     monkeypatch.setattr(h5py.File, "close", lambda f: (events.append(
         (time.monotonic(), "close", "")), real_close(f)))
-    saver = store.Checkpointer(CheckpointConfig(), topo, _shared_dir(topo, tmp_path),
+    saver = store.Checkpointer(CheckpointConfig(), topo, mpi_tmp_path,
                                collective_min_bytes=64)
     final = saver.save(3, named, opt, {})
     every = topo.world.allgather_obj(events)
@@ -99,7 +93,7 @@ LUSTRE_GPFS_HINTS = {"striping_factor": "4", "striping_unit": "1048576",
 
 
 @pytest.mark.parametrize("collective_io", [False, True])
-def test_site_hints_pass_through_unchanged_and_inspect_shows_them(topo, tmp_path, monkeypatch,
+def test_site_hints_pass_through_unchanged_and_inspect_shows_them(topo, mpi_tmp_path, monkeypatch,
                                                                   capsys, collective_io):
     """The MPI-IO hints that matter on Lustre and GPFS reach MPI_File_open verbatim (the
     MPI.Info handed to HDF5), are recorded in the file with those MPI applied
@@ -130,7 +124,7 @@ def test_site_hints_pass_through_unchanged_and_inspect_shows_them(topo, tmp_path
     opt = build_optimizer(named, OptimConfig(), topo, GradBuffers(named, topo, 1.0), "float64")
     cfg = CheckpointConfig(mpi_hints=LUSTRE_GPFS_HINTS, alignment=1 << 20,
                            collective_io=collective_io)
-    saver = store.Checkpointer(cfg, topo, _shared_dir(topo, tmp_path))
+    saver = store.Checkpointer(cfg, topo, mpi_tmp_path)
     final = saver.save(1, named, opt, {})
     assert opened and all(o == LUSTRE_GPFS_HINTS for o in opened), opened
     assert len(applied) == 1 and applied[0], applied  # probed once, at the first save

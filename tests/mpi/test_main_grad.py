@@ -8,10 +8,9 @@ float32 ~1e-7. The gradient the optimizer used is read back from Adam's first mo
 one step (``exp_avg = (1 - beta1) * clipped gradient``), the norm from ``grad_norm()``.
 """
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from fakes import fake_topology
 
 from hpctrain import comm
 from hpctrain.config import OptimConfig
@@ -30,8 +29,7 @@ def topo():
     world = comm.world()
     dp = comm.Group(world.mpi.Dup(), "dp")
     alone = comm.Group(world.mpi.Split(world.rank, 0), "tp")
-    return SimpleNamespace(dp_comm=dp, dpcp_comm=dp, edpcp_comm=dp, tp_comm=alone, tp_size=1,
-                           tp_rank=0, dp_rank=dp.rank, dp_size=dp.size, world=dp)
+    return fake_topology(group=dp, dp_comm=dp, tp_comm=alone)
 
 
 def coefficients(rank: int, j: int, dtype) -> dict[str, torch.Tensor]:

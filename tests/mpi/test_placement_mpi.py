@@ -11,6 +11,8 @@ from hpctrain.config import TopologyConfig
 from hpctrain.parallel.grad_sync.hierarchical import build_hierarchy, levels, reduce_hierarchical
 from hpctrain.topology import Topology
 
+pytestmark = pytest.mark.mpi
+
 
 @pytest.mark.parametrize("per_node", [1, 2])
 @pytest.mark.parametrize("n", [1, 7, 1000])  # 7 and 1000: not multiples of ranks per node
@@ -33,10 +35,9 @@ def test_hierarchical_equals_flat(per_node, n):
     assert torch.allclose(hier, torch.tensor(sum(every)), rtol=1e-12, atol=0)
 
 
+@pytest.mark.mpi(min_size=3)  # nodes of unequal size
 def test_nonuniform_nodes_fall_back_to_flat():
     world = comm.world()
-    if world.size < 3:
-        pytest.skip("needs nodes of unequal size: >= 3 ranks")
     h = build_hierarchy(world, node_color=int(world.rank == 0))
     assert not h.uniform
     x = torch.full((5,), float(world.rank + 1), dtype=torch.float64)

@@ -4,11 +4,10 @@ renamed in which order, and a dataset region that nobody writes is refused, not 
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
+from fakes import fake_topology
 
 from hpctrain.checkpoint import checkpointer as store
 from hpctrain.checkpoint.integrity import verify
@@ -17,32 +16,9 @@ from hpctrain.model.stage import ParamMeta
 from hpctrain.optim.adamw import AdamW
 
 
-class OneRank:
-    """The world of one process (the comm.Group methods the Checkpointer calls)."""
-
-    rank, size = 0, 1
-
-    def barrier(self):
-        pass
-
-    def bcast_obj(self, obj, root=0):
-        return obj
-
-    def allgather_obj(self, obj):
-        return [obj]
-
-    def allreduce(self, value, op="sum"):
-        return value
-
-    def allreduce_array(self, arr, op="sum"):
-        return np.array(arr, copy=True)
-
-
 def _saver(tmp_path, monkeypatch):
     monkeypatch.setenv(store.SERIAL_ENV, "1")
-    one = SimpleNamespace(rank=0, size=1)
-    topo = SimpleNamespace(world=OneRank(), dims=(1, 1, 1, 1), tp_size=1, tp_rank=0,
-                           ep_size=1, ep_rank=0, dpcp_comm=one, edpcp_comm=one)
+    topo = fake_topology()
     named = []
     for name, shape in (("w", (6, 5)), ("b", (7,))):
         p = torch.nn.Parameter(torch.randn(shape, dtype=torch.float64))

@@ -1,12 +1,12 @@
 """Checkpoint pieces without MPI: flat-range boxes, hyperslab round trips for tp shards with
 padding and ZeRO flat shards onto another layout, checksums, damage detection."""
 
-from types import SimpleNamespace
 
 import h5py
 import numpy as np
 import pytest
 import torch
+from fakes import fake_topology
 
 from hpctrain.checkpoint import integrity as cv
 from hpctrain.checkpoint.layout import flat_boxes, flat_piece, shard_piece, transfer
@@ -26,11 +26,6 @@ def test_flat_boxes_cover_every_range_in_order(shape):
                 got.extend(box.tolist())
             assert got == list(range(a, b))
             assert len(flat_boxes(shape, a, b)) <= 2 * len(shape) - 1 or a == b
-
-
-def _topo(tp, tp_rank, dp_rank=0):
-    return SimpleNamespace(tp_size=tp, tp_rank=tp_rank, ep_size=1, ep_rank=0,
-                           dpcp_comm=SimpleNamespace(rank=dp_rank), edpcp_comm=None)
 
 
 def _local(full, meta, tp, r):
@@ -60,8 +55,8 @@ def test_zero_flat_shards_round_trip_onto_another_layout(tmp_path, tp_dim, shape
             for d in range(dp):
                 a, b = d * -(-n // dp), min(n, (d + 1) * -(-n // dp))
                 shard = local.reshape(-1)[a:b].clone()
-                piece = flat_piece(dset.name, shard, meta, local.shape, a, b, _topo(tp, r, d),
-                                   writes=True)
+                piece = flat_piece(dset.name, shard, meta, local.shape, a, b,
+                                   fake_topology(tp, r, dp, d), writes=True)
                 transfer(dset, piece, write=True, collective=False)
         assert torch.equal(torch.from_numpy(dset[...]), full)
         tp, dp = load
@@ -71,8 +66,8 @@ def test_zero_flat_shards_round_trip_onto_another_layout(tmp_path, tp_dim, shape
             for d in range(dp):
                 a, b = d * -(-n // dp), min(n, (d + 1) * -(-n // dp))
                 shard = torch.full((b - a,), -1.0, dtype=torch.float64)
-                piece = flat_piece(dset.name, shard, meta, local.shape, a, b, _topo(tp, r, d),
-                                   writes=True)
+                piece = flat_piece(dset.name, shard, meta, local.shape, a, b,
+                                   fake_topology(tp, r, dp, d), writes=True)
                 piece.scatter(transfer(dset, piece, write=False, collective=False))
                 want = local.reshape(-1)[a:b]
                 real = torch.zeros_like(local, dtype=torch.bool)
@@ -89,7 +84,8 @@ def test_shard_piece_skips_padding_and_round_trips(tmp_path):
     with h5py.File(tmp_path / "s.h5", "w") as f:
         dset = f.create_dataset("model/w", shape=(5, 3), dtype="f8")
         for r in range(2):
-            piece = shard_piece("model/w", _local(full, meta, 2, r), meta, _topo(2, r), True)
+            topo = fake_topology(2, r)
+            piece = shard_piece("model/w", _local(full, meta, 2, r), meta, topo, True)
             transfer(dset, piece, write=True, collective=False)
         assert np.array_equal(dset[...], full.numpy())
 

@@ -3,20 +3,16 @@ HDF5's hyperslab read gives, for tp column shards with padding, 3-D boxes, ZeRO 
 16-bit tensors, big-endian and chunked datasets; contiguous pieces still go through HDF5."""
 
 import itertools
-from types import SimpleNamespace
 
 import h5py
 import numpy as np
 import pytest
 import torch
+from fakes import fake_topology
 
 from hpctrain.checkpoint import read
 from hpctrain.checkpoint.layout import box_runs, flat_piece, shard_piece, transfer
 from hpctrain.model.stage import ParamMeta
-
-
-def _topo(tp, tp_rank):
-    return SimpleNamespace(tp_size=tp, tp_rank=tp_rank, ep_size=1, ep_rank=0)
 
 
 @pytest.mark.parametrize("shape", [(4,), (3, 4), (2, 3, 4), (2, 1, 3, 2)])
@@ -31,7 +27,7 @@ def _pieces(meta, tp, dtype, zero_dp=0):
     """Every tp rank's (and dp rank's, ZeRO) pieces of ``model/w``, filled with -1."""
     out = []
     for r in range(tp):
-        topo = _topo(tp, r)
+        topo = fake_topology(tp, r)
         shape = list(meta.global_shape)
         if meta.tp_dim is not None:
             shape[meta.tp_dim] = -(-shape[meta.tp_dim] // tp)

@@ -2,11 +2,11 @@
 sequence cut into 2*cp chunks, the refused combinations; the sampler's slices; the plan."""
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from fakes import fake_topology
 
 from hpctrain.checks.validate import validate
 from hpctrain.config import ConfigError, load
@@ -87,6 +87,6 @@ def test_cp_placement_and_peer_names():
     # tp fastest, cp next: 4 ranks per node keep tp and cp inside, dp crosses
     cross = crossing(t, 2, 4)
     assert cross["tp"][0] == 0 and cross["cp"][0] == 0 and cross["dp"][0] == 4
-    topo = SimpleNamespace(coords=Coords(0, 1, 0, 1, 0), ep_size=1, cp_size=2)
+    topo = fake_topology(coords=Coords(0, 1, 0, 1, 0), cp_size=2)
     assert peer_coords(topo, "cp", 0) == "(pp=0, dp=1, ep=0, tp=0)"
     assert peer_coords(topo, "dpcp", 1) == "(pp=0, dp=0, ep=0, cp=1, tp=0)"

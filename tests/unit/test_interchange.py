@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpctrain.config import ModelConfig
-from hpctrain.data import tokenizer_files as tokenizer
+from hpctrain.data import tokenizer
 from hpctrain.interchange import generation, hf_export, hf_map
 
 LLAMA_HF = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
@@ -90,7 +90,7 @@ def test_shards_keep_order_and_limit(sizes, limit):
 
 
 def test_byte_level_tokenizer_is_the_identity_on_bytes():
-    tok = tokenizer.byte_level()
+    tok = tokenizer.byte_level().library()
     text = "x = 'é✓'\n\t日本"
     assert tok.encode(text).ids == list(text.encode("utf-8"))
     assert tok.decode(list(text.encode("utf-8"))) == text
@@ -147,7 +147,7 @@ def test_the_tokenizer_is_found_where_the_data_recorded_it(tmp_path):
     import h5py
     import numpy as np
 
-    tok = tokenizer.byte_level()
+    tok = tokenizer.byte_level().library()
     tok.save(str(tmp_path / "tokenizer.json"))
     text = (tmp_path / "tokenizer.json").read_text()
     lineage = json.dumps({"data": {"tokenizer": "bpe", "tokenizer_path":
@@ -158,7 +158,7 @@ def test_the_tokenizer_is_found_where_the_data_recorded_it(tmp_path):
     found, why = tokenizer.find(json.dumps({"data": {"tokenizer": "bpe", "source":
                                                      str(tmp_path / "data.h5")}}))
     assert isinstance(found, tokenizer.TokenizerText) and found == text, why
-    assert tokenizer.from_text_or_file(found).encode("ab").ids == [97, 98]
+    assert tokenizer.load(found).library().encode("ab").ids == [97, 98]
     assert tokenizer.find(json.dumps({"data": {"tokenizer": "bytes"}}))[0] == tokenizer.BYTES
     assert tokenizer.find("")[0] is None
     assert tokenizer.find(json.dumps({"data": {"tokenizer": "bpe"}}))[0] is None

@@ -4,6 +4,7 @@ that no other file of the checkout spells a launcher's own flags or variables.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -94,3 +95,26 @@ def test_program_follows_the_library_mpi4py_links(monkeypatch, tmp_path):
     assert mpi_env.default_program() == ("mpiexec.mpich",)  # Debian, both families installed
     monkeypatch.setattr(mpi_env, "mpi4py_library", lambda: "")  # the binary wheel
     assert mpi_env.default_program() == ("mpirun",)
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m hpctrain ARGS`` as a user runs it, from the checkout."""
+    return subprocess.run([sys.executable, "-m", "hpctrain", *args], cwd=mpi_env.ROOT,
+                          env=mpi_env.with_checkout(env if env is not None else dict(os.environ)),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_launch_command_describes_and_starts_a_command():
+    """``hpctrain launch --describe`` names the launcher this interpreter finds, and
+    ``hpctrain launch -n 1 -- python -c ...`` starts the command through it, with the run
+    defaults (OMP_NUM_THREADS=1 unless the caller sets it)."""
+    described = _cli("launch", "--describe")
+    assert described.returncode == 0, described.stderr
+    assert described.stdout.strip() == mpi_env.detect().describe()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    code = "import os, sys; print('started', os.environ['OMP_NUM_THREADS'], sys.argv[1:])"
+    ran = _cli("launch", "-n", "1", "--", sys.executable, "-c", code, "x", env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert "started 1 ['x']" in ran.stdout.splitlines()
+    refused = _cli("launch", "-n", "1")
+    assert refused.returncode == 2 and "give -n N -- COMMAND" in refused.stderr

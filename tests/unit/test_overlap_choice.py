@@ -4,16 +4,15 @@ docs/benchmarks.md ("Overlap and the naive baseline")."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
+from fakes import fake_topology
 
 from hpctrain.config import OptimConfig
 from hpctrain.parallel.grad_sync import buffers as data
 
 
 def topo(dp_within_node: bool):
-    return SimpleNamespace(within_node={"dp": dp_within_node})
+    return fake_topology(within_node={"dp": dp_within_node})
 
 
 @pytest.fixture

@@ -159,15 +159,14 @@ def test_trimmed_mean_drops_the_tails():
 def test_bucket_count_is_the_reduction_buckets_cut(overrides):
     """``collectives.buckets`` over ``rank_work``'s tensor sizes: as many buckets as
     ``parallel/grad_sync/buffers.py`` cuts from the same stage's parameters."""
-    from types import SimpleNamespace
+    from fakes import fake_topology
 
     from hpctrain.model import DecoderStage
     from hpctrain.parallel.grad_sync.buffers import GradBuffers
     from hpctrain.parallel.pipeline import layer_ranges
     cfg = load(TINY, overrides)
     ranges = layer_ranges(cfg)
-    group = SimpleNamespace(size=1, rank=0, axis="dp")
-    topo = SimpleNamespace(dpcp_comm=group, edpcp_comm=group, tp_size=1)
+    topo = fake_topology()
     for r, w in enumerate(rank_work(cfg)):
         stage = DecoderStage(cfg.model, ranges[r], first=r == 0, last=r == len(ranges) - 1)
         named = list(stage.named_parameters())

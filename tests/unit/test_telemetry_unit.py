@@ -3,9 +3,9 @@ message, the trace window. No MPI."""
 
 import math
 import time
-from types import SimpleNamespace
 
 import pytest
+from fakes import fake_topology
 
 from hpctrain import comm
 from hpctrain.config import TelemetryConfig
@@ -98,7 +98,7 @@ def test_trace_window():
 
 
 def test_peer_coordinates_per_axis():
-    topo = SimpleNamespace(coords=Coords(1, 2, 1, 0, 0), ep_size=2)
+    topo = fake_topology(ep=2, coords=Coords(1, 2, 1, 0, 0))
     assert peer_coords(topo, "pp", 0) == "(pp=0, dp=2, ep=1, tp=0)"
     assert peer_coords(topo, "tp", 1) == "(pp=1, dp=2, ep=1, tp=1)"
     assert peer_coords(topo, "dp", 3) == "(pp=1, dp=1, ep=1, tp=0)"

@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpctrain.data.dataset import DataError, fit_problems, load_tokens, summarize, tokenizer_json
+from hpctrain.data.dataset import DataError, fit_problems, load_tokens, summarize
 from hpctrain.data.prepare import Source, prepare, text_source
 from hpctrain.data.tokenizer import (
     TokenizerError,
@@ -16,6 +16,7 @@ from hpctrain.data.tokenizer import (
     from_json,
     load,
     token_dtype,
+    tokenizer_json,
     train_bpe,
 )
 
@@ -189,3 +190,26 @@ def test_prepare_argument_rules():
                          ({"val_fraction": 1.0}, "--val-fraction=1.0 must be in [0, 1)"),
                          ({"eot": -1}, "--eot=-1 must be a token id")]:
         assert says in problems(SimpleNamespace(**{**base, **change}))
+
+
+def test_one_load_for_a_file_its_directory_and_the_text_a_data_file_carries(tmp_path):
+    """``load`` takes a tokenizer.json, the directory holding it, or the text a prepared
+    file carries (as ``find`` returns it): the same Tokenizer; ``library()`` is the library's
+    object for it, and byte-level tokens have one too (id = byte)."""
+    from hpctrain.data.tokenizer import TokenizerText
+
+    text = train_bpe(DOCS, 300)
+    (tmp_path / "tokenizer.json").write_text(text)
+    by_file, by_dir = load(str(tmp_path / "tokenizer.json")), load(str(tmp_path))
+    by_text = load(TokenizerText(text))
+    assert by_file == by_dir == by_text
+    assert by_file.hash == hashlib.sha256(text.encode()).hexdigest()
+    (ids,) = by_file.encode([DOCS[0]])
+    assert by_file.library().encode(DOCS[0].decode()).ids == ids.tolist()
+    assert byte_level().library().encode("aé").ids == list("aé".encode())
+    data = tmp_path / "d.h5"
+    with h5py.File(data, "w"):
+        pass
+    assert tokenizer_json(str(data)) is None  # byte-level data carries none
+    with pytest.raises(TokenizerError, match="no readable tokenizer.json"):
+        tokenizer_json(str(tmp_path / "tokenizer.json"))  # not HDF5

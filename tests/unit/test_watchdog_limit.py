@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from fakes import OneRank, fake_topology
+
 from hpctrain.comm.records import Recorder
 from hpctrain.config import Config, load
 from hpctrain.telemetry.metrics import Timers
@@ -53,8 +55,8 @@ def test_checkpoint_and_evaluation_phases_get_more():
 
 
 def fake_topo():
-    return SimpleNamespace(recorder=Recorder(), world=SimpleNamespace(rank=0, size=1),
-                           coords="(pp=0, dp=0, ep=0, tp=0)", hostname="here")
+    return fake_topology(recorder=Recorder(), coords="(pp=0, dp=0, ep=0, tp=0)",
+                         hostname="here")
 
 
 def test_the_thread_sleeps_and_stops_at_close(tmp_path, monkeypatch):
@@ -86,13 +88,6 @@ def test_a_pinned_small_limit_fires(tmp_path, monkeypatch):
     assert fired == [0.3]
 
 
-class _OneRank:
-    rank, size = 0, 1
-
-    def allgather_obj(self, obj):
-        return [obj]
-
-
 def test_a_hanging_background_write_fires_although_the_steps_go_on(tmp_path, monkeypatch):
     """The steps keep making progress while an asynchronous save's write hangs: the watchdog
     watches the write's age (checkpoint limit) and names it; a write that ends in time does
@@ -106,7 +101,7 @@ def test_a_hanging_background_write_fires_although_the_steps_go_on(tmp_path, mon
     timers = Timers()
     dog = Watchdog(0.05, fake_topo(), tmp_path, timers, factor=0)  # checkpoint: 0.5 s
     release = threading.Event()
-    flight = InFlight(SimpleNamespace(write=lambda snap: (release.wait(10), {})[1]), _OneRank())
+    flight = InFlight(SimpleNamespace(write=lambda snap: (release.wait(10), {})[1]), OneRank())
     dog.watch(flight.running)
     dog.begin_step(1)
     flight.start(SimpleNamespace(step=4))  # one that ends in time

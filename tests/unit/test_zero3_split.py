@@ -6,9 +6,8 @@ leaves nothing gathered; W reads no weight and gathers nothing; the weight gradi
 one plain backward's (float64, 1e-12).
 """
 
-from types import SimpleNamespace
-
 import torch
+from fakes import fake_topology
 from torch import nn
 
 from hpctrain.model import weight_grad
@@ -86,7 +85,7 @@ def test_split_backward_gathers_unit_by_unit_and_matches_one_backward():
     stage(x).backward()  # the reference gradients, before sharding
     want = {n: p.grad.clone() for n, p in stage.named_parameters()}
     group = OneRank()
-    topo = SimpleNamespace(dpcp_comm=group, edpcp_comm=group, tp_size=1)
+    topo = fake_topology(group=group)
     named = list(stage.named_parameters())
     grads = GradBuffers(named, topo, 1.0, zero=3, units=units_of([stage]))
     sharded = shard_parameters([stage], grads)

@@ -6,10 +6,9 @@ or makes: the code path a CUDA run takes, with ``meta`` standing in for the GPU.
 started on the host (``torch.zeros(())`` without a device) shows up as a ``cpu`` tensor.
 """
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from fakes import fake_topology
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -43,9 +42,7 @@ class DeviceRecorder(TorchDispatchMode):
 
 
 def _meta_zero(tp_rank: int, scaler: bool) -> ZeroAdamW:
-    group = SimpleNamespace(size=2, rank=1)
-    topo = SimpleNamespace(tp_size=2, tp_rank=tp_rank, dpcp_comm=group, edpcp_comm=group,
-                           world=SimpleNamespace(allreduce=lambda x, *a: x))
+    topo = fake_topology(tp=2, tp_rank=tp_rank, dp=2, dp_rank=1)
     named = []
     for i, (shape, tp_dim) in enumerate([((6, 4), 0), ((5,), None), ((3, 4), 1)]):
         p = torch.nn.Parameter(torch.empty(shape, device="meta"))
