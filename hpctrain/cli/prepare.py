@@ -10,6 +10,8 @@ import sys
 
 
 def add_arguments(p) -> None:
+    from ..data.corpora import FORMATS
+
     p.add_argument("sources", nargs="*", help="text files or directories (default: the "
                    "embedded corpus, Python's own standard-library sources); with --from: "
                    "the nanoGPT .bin file or the Megatron PREFIX (of PREFIX.bin/.idx)")
@@ -17,7 +19,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tokenizer", default="", help="a tokenizer.json (any Hugging Face "
                    "tokenizer; `hpctrain tokenizer train` makes one); default: byte-level. "
                    "With --from it is only recorded (the ids are not re-tokenized)")
-    p.add_argument("--from", dest="form", choices=("nanogpt", "megatron"), default=None,
+    p.add_argument("--from", dest="form", choices=FORMATS, default=None,
                    help="read an already tokenized corpus instead of text")
     p.add_argument("--eot", type=int, default=50256, help="end-of-text id that ends each "
                    "document of a --from nanogpt file (GPT-2: 50256)")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hpctrain import launch as mpi_env
+from hpctrain import launch
 from hpctrain.launch import Launcher
 
 OPENMPI = Launcher("openmpi", ("mpirun",))
@@ -36,8 +36,8 @@ def test_flags_per_family():
 
 def test_local_settings_only_for_open_mpi():
     assert OPENMPI.env()["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
-    assert HYDRA.env() == SRUN.env() == mpi_env.RUN_DEFAULTS
-    assert mpi_env.without_job({"OMPI_COMM_WORLD_RANK": "0", "PMI_RANK": "1",
+    assert HYDRA.env() == SRUN.env() == launch.RUN_DEFAULTS
+    assert launch.without_job({"OMPI_COMM_WORLD_RANK": "0", "PMI_RANK": "1",
                                 "HYDRA_FOO": "x", "PATH": "/bin"}) == {"PATH": "/bin"}
 
 
@@ -50,25 +50,25 @@ def test_local_settings_only_for_open_mpi():
     ("slurm 22.05.8", "/usr/bin/srun", "srun"),
 ])
 def test_family_from_version(text, program, family):
-    assert mpi_env.family_of(text, program) == family
+    assert launch.family_of(text, program) == family
 
 
 def test_unknown_launcher_is_refused_by_name():
     with pytest.raises(RuntimeError, match="HPCTRAIN_LAUNCHER"):
-        mpi_env.family_of("aprun version 6", "aprun")
+        launch.family_of("aprun version 6", "aprun")
     with pytest.raises(ValueError, match="unknown launcher family"):
         Launcher("aprun", ("aprun",))
 
 
 def test_environment_override(monkeypatch):
     monkeypatch.setenv("HPCTRAIN_LAUNCHER", "srun --mpi=pmix")
-    assert mpi_env.default_program() == ("srun", "--mpi=pmix")
-    assert mpi_env.detect() == Launcher("srun", ("srun", "--mpi=pmix"))
+    assert launch.default_program() == ("srun", "--mpi=pmix")
+    assert launch.detect() == Launcher("srun", ("srun", "--mpi=pmix"))
 
 
 def test_exports_for_a_shell():
     out = subprocess.run([sys.executable, "-m", "hpctrain.launch", "--exports"],
-                         cwd=mpi_env.ROOT, capture_output=True, text=True, check=True).stdout
+                         cwd=launch.ROOT, capture_output=True, text=True, check=True).stdout
     assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}" in out.splitlines()
 
 
@@ -77,7 +77,7 @@ def test_launcher_flags_live_in_one_module():
     test); the docs may describe them."""
     files = subprocess.run(["git", "grep", "-l", "-e", "OMPI_", "-e", "--oversubscribe", "--",
                             ":!*.md"],
-                           cwd=mpi_env.ROOT, capture_output=True, text=True).stdout.split()
+                           cwd=launch.ROOT, capture_output=True, text=True).stdout.split()
     assert set(files) <= {"hpctrain/launch.py", "tests/unit/test_launcher.py"}, files
 
 
@@ -87,20 +87,20 @@ def test_program_follows_the_library_mpi4py_links(monkeypatch, tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "lib" / "libmpi.so.12").touch()
     (tmp_path / "bin" / "mpiexec").touch()
-    monkeypatch.setattr(mpi_env.shutil, "which", lambda name: None)
-    monkeypatch.setattr(mpi_env, "mpi4py_library", lambda: str(tmp_path / "lib/libmpi.so.12"))
-    assert mpi_env.default_program() == (str(tmp_path / "bin" / "mpiexec"),)  # a site prefix
-    monkeypatch.setattr(mpi_env.shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(mpi_env, "mpi4py_library", lambda: "/lib/libmpich.so.12")
-    assert mpi_env.default_program() == ("mpiexec.mpich",)  # Debian, both families installed
-    monkeypatch.setattr(mpi_env, "mpi4py_library", lambda: "")  # the binary wheel
-    assert mpi_env.default_program() == ("mpirun",)
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)
+    monkeypatch.setattr(launch, "mpi4py_library", lambda: str(tmp_path / "lib/libmpi.so.12"))
+    assert launch.default_program() == (str(tmp_path / "bin" / "mpiexec"),)  # a site prefix
+    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(launch, "mpi4py_library", lambda: "/lib/libmpich.so.12")
+    assert launch.default_program() == ("mpiexec.mpich",)  # Debian, both families installed
+    monkeypatch.setattr(launch, "mpi4py_library", lambda: "")  # the binary wheel
+    assert launch.default_program() == ("mpirun",)
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m hpctrain ARGS`` as a user runs it, from the checkout."""
-    return subprocess.run([sys.executable, "-m", "hpctrain", *args], cwd=mpi_env.ROOT,
-                          env=mpi_env.with_checkout(env if env is not None else dict(os.environ)),
+    return subprocess.run([sys.executable, "-m", "hpctrain", *args], cwd=launch.ROOT,
+                          env=launch.with_checkout(env if env is not None else dict(os.environ)),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -110,7 +110,7 @@ def test_the_launch_command_describes_and_starts_a_command():
     defaults (OMP_NUM_THREADS=1 unless the caller sets it)."""
     described = _cli("launch", "--describe")
     assert described.returncode == 0, described.stderr
-    assert described.stdout.strip() == mpi_env.detect().describe()
+    assert described.stdout.strip() == launch.detect().describe()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     code = "import os, sys; print('started', os.environ['OMP_NUM_THREADS'], sys.argv[1:])"
     ran = _cli("launch", "-n", "1", "--", sys.executable, "-c", code, "x", env=env)
