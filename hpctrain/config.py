@@ -24,12 +24,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-
 REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
 # How overlapped reductions progress while backward computes (optim.overlap_progress).
 OVERLAP_PROGRESS = ("auto", "test", "thread", "poll", "wait")
-# model.arch: the spellings of hpctrain.model.families' registry (a unit test keeps them equal)
-ARCHS = ("gpt", "llama")
+ARCHS = ("gpt", "llama")  # model.arch: the families' registry's names (a unit test)
 DTYPES = ("float32", "float64", "bfloat16", "float16")  # model.dtype
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")  # schedule.kind
 
