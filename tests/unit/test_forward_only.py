@@ -59,6 +59,14 @@ def test_forward_only_schedule_is_sound_and_uses_the_training_links(kind, pp, v,
             assert 0 <= tag <= 2 * fwd.stages <= MPI_MIN_TAG_UB
 
 
+def test_runner_tags_are_small():
+    # The pipeline runner's tags (2 * stage + 1 at most) fit MPI's least TAG_UB for any
+    # stage count the trainer can build (pp * virtual_stages < 16384).
+    stages = 64 * 8
+    tags = [link(Action(k, 0), s, 64)[1] for s in range(stages) for k in ("SF", "RF", "SB", "RB")]
+    assert max(tags) <= 2 * stages <= MPI_MIN_TAG_UB
+
+
 def _renumbered(sched: Schedule, offset: int):
     return [[Action(a.kind, a.microbatch + offset, a.chunk) for a in acts]
             for acts in sched.ranks]
