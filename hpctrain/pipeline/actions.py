@@ -15,8 +15,8 @@ Every schedule here is built in two steps: the order of compute actions per rank
 (:func:`compute_order`), then :func:`with_comm` inserts the transfers (receives posted one
 compute action ahead of their use). A *forward-only* schedule (``build(..., forward_only=True)``,
 what evaluation runs) is the same kind's order without ``B``/``W``, with its ``RF``/``SF``.
-New kinds (e.g. expert dispatch ``D``/combine ``C``)
-are new ``kind`` strings; nothing here enumerates kinds except :data:`COMPUTE`.
+New kinds (e.g. expert dispatch ``D``/combine ``C``) are new ``kind`` strings; nothing here
+enumerates kinds except :data:`COMPUTE`.
 """
 
 from __future__ import annotations
