@@ -19,7 +19,7 @@ from hpctrain.model import DecoderStage, init_parameters, weight_grad
 from hpctrain.model.stage import DTYPES
 from hpctrain.optim import lr_at
 from hpctrain.parallel.pipeline import partition
-from hpctrain.pipeline import zero_bubble
+from hpctrain.pipeline.runner import input_grad
 
 from .abtest import interleave, loadavg, paired
 from .common import (
@@ -131,9 +131,9 @@ def split_cost(cfg, rounds: int) -> list[dict]:
                     torch.autograd.backward(out, dy)
                     back.append(time.perf_counter() - t0)
                     continue
-                _, pending = zero_bubble.input_grad(out, dy, x)
+                _, pending = input_grad(out, dy, x)
                 t1 = time.perf_counter()
-                zero_bubble.weight_grad(pending)
+                pending.apply()
                 b_pass.append(t1 - t0)
                 w_pass.append(time.perf_counter() - t1)
     back, b_pass, w_pass = back[1:], b_pass[1:], w_pass[1:]  # without the warm-up

@@ -77,3 +77,13 @@ def layer_ranges(cfg) -> list[range]:
         return partition(cfg.model.n_layers, cfg.topology.pp * v, cuts)
     except ValueError as e:
         raise ValueError(f"schedule.boundaries={text!r}: {e}") from None
+
+
+def activation_shape(cfg, topo) -> tuple[int, int, int]:
+    """What crosses a stage boundary, in training and evaluation alike: (micro batch size,
+    this rank's tokens, d_model). The tokens are ``seq_len / cp``, divided by tp too under
+    sequence parallelism (each tp rank holds a slice of the sequence between blocks)."""
+    T = cfg.train.seq_len // topo.cp_size
+    if cfg.topology.sequence_parallel:
+        T //= topo.tp_size
+    return (cfg.train.micro_batch_size, T, cfg.model.d_model)

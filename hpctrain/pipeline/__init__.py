@@ -1,11 +1,12 @@
 """Stage 2's order of work: pipeline schedules as data, checked and executed.
 
 - ``actions.py``: :class:`Action` (``F3``, ``B3``, ``W3``, ``SF3``...) and the schedule
-  builders (gpipe, 1f1b, interleaved, zb-h1, zbv), pure functions.
+  builders (gpipe, 1f1b, interleaved, zb-h1, zbv; each also forward-only), pure functions.
 - ``simulate.py``: all ranks' lists in one process: matching, order, deadlock, bubble.
 - ``runner.py``: one rank's list executed with nonblocking p2p over ``pp_comm``; a receive
-  is waited for by polling, then sleeping (``schedule.p2p_wait``).
-- ``zero_bubble.py``: the backward split into B (all but the weight matmuls) and W (their
+  is waited for by polling, then sleeping (``schedule.p2p_wait``). Training steps
+  (``run_step``) and evaluation (``run_forward``, the forward-only schedule) alike; a
+  zero-bubble backward splits into B (``input_grad``: all but the weight matmuls) and W (their
   weight gradients, from ``model.weight_grad``'s store).
 - ``moe_overlap.py``: the pure planner that adds expert all-to-all actions (D/E/C/G...).
 - ``moe_executor.py``: the runner's handlers for those actions.

@@ -13,8 +13,10 @@ Receives (``R*``) *post* a nonblocking receive; the compute action that needs th
 for it. Sends (``S*``) post a nonblocking send right after the compute that produced the data.
 Every schedule here is built in two steps: the order of compute actions per rank
 (:func:`compute_order`), then :func:`with_comm` inserts the transfers (receives posted one
-compute action ahead of their use). New kinds (e.g. expert dispatch ``D``/combine ``C``)
-are new ``kind`` strings; nothing here enumerates kinds except :data:`COMPUTE`.
+compute action ahead of their use). A *forward-only* schedule (``build(..., forward_only=True)``,
+what evaluation runs) is the same kind's order without ``B``/``W``, with its ``RF``/``SF``.
+New kinds (e.g. expert dispatch ``D``/combine ``C``) are new ``kind`` strings; nothing here
+enumerates kinds except :data:`COMPUTE`.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Schedule:
     virtual: int
     microbatches: int
     ranks: tuple[tuple[Action, ...], ...]
+    forward_only: bool = False  # F and its transfers only: evaluation, no backward
 
     @property
     def stages(self) -> int:
@@ -267,17 +270,25 @@ def with_comm(orders: list[list[Action]], pp: int, virtual: int,
     return out
 
 
-def build(kind: str, pp: int, microbatches: int, virtual: int | None = None) -> Schedule:
+def build(kind: str, pp: int, microbatches: int, virtual: int | None = None,
+          forward_only: bool = False) -> Schedule:
     """The schedule ``kind`` for ``pp`` ranks, ``microbatches`` per step and ``virtual``
     chunks per rank (interleaved: any, zbv: 2, the default; others 1). Pure; raises
-    ValueError when it does not fit."""
+    ValueError when it does not fit.
+
+    ``forward_only``: each rank's forwards in the kind's order, without ``B``/``W`` (an
+    evaluation pass: same placement, same links and tags). Dropping actions from a sound
+    order only removes waits, so the forward-only order cannot deadlock either."""
     if virtual is None:
         virtual = 2 if kind == "zbv" else 1
     orders = compute_order(kind, pp, microbatches, virtual)
+    if forward_only:
+        orders = [[a for a in o if a.kind == "F"] for o in orders]
     if virtual == 1:
         orders = [[Action(a.kind, a.microbatch) for a in o] for o in orders]
     ranks = with_comm(orders, pp, virtual, style_of(kind))
-    return Schedule(kind, pp, virtual, microbatches, tuple(tuple(r) for r in ranks))
+    return Schedule(kind, pp, virtual, microbatches, tuple(tuple(r) for r in ranks),
+                    forward_only)
 
 
 def from_config(cfg, microbatches: int) -> Schedule:

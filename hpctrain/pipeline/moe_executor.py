@@ -4,14 +4,15 @@ Forward ``F``: :func:`stage_steps` runs the model's own stepped forward (``Decod
 ``model/steps.py``) to its first exchange request; ``D``/``C`` post the request nonblocking
 (``ExpertExchange.post``), ``E``/``G`` wait for it and run on to the next.
 
-When the backward is segmented too (no ``W`` in the schedule), the forward graph is cut at
-every MoE layer: the layer input ``xs`` and the residual ``h`` become leaves, and so do the
-rows each exchange delivers (``got``: dispatched tokens on the experts' rank, ``comb``: their
-outputs back home). Backward ``B`` then runs the graph from the stage output down to the last
-MoE layer's leaves; per MoE layer, last first: ``CB`` posts the gradient of ``comb`` back to
-the experts, ``XB`` waits and back-propagates through the experts (gradient of ``got``),
-``DB`` posts that home, ``YB`` waits, back-propagates it into ``xs`` and runs the graph down to
-the next cut. Every graph node runs once; parameter gradients accumulate as in one pass.
+When the backward is segmented too (training, no ``W`` in the schedule), the forward graph is
+cut at every MoE layer: the layer input ``xs`` and the residual ``h`` become leaves, and so do
+the rows each exchange delivers (``got``: dispatched tokens on the experts' rank, ``comb``:
+their outputs back home); a forward-only pass (evaluation) cuts nothing. Backward ``B`` then
+runs the graph from the stage output down to the last MoE layer's leaves; per MoE layer, last
+first: ``CB`` posts the gradient of ``comb`` back to the experts, ``XB`` waits and
+back-propagates through the experts (gradient of ``got``), ``DB`` posts that home, ``YB``
+waits, back-propagates it into ``xs`` and runs the graph down to the next cut. Every graph
+node runs once; parameter gradients accumulate as in one pass.
 """
 
 from __future__ import annotations
@@ -89,22 +90,19 @@ def backward_steps(cuts: list, out: torch.Tensor, grad, exchange):
 
 
 # -- handlers -----------------------------------------------------------------------------
+def _segmented_backward(st) -> bool:
+    """Whether the forward records its cuts for a segmented backward (training without a
+    B/W split; a forward-only pass keeps nothing)."""
+    return st.training and not st.split
+
+
 def _states(st) -> dict:
     if not hasattr(st, "moe_steps"):
         st.moe_steps, st.moe_cuts = {}, {}
     return st.moe_steps
 
 
-def _finish_forward(st, a: Action, out) -> None:
-    key = (a.microbatch, a.c)
-    if st.is_last(a):
-        st.loss_sum += float(out.detach())
-        out = out * st.loss_scale
-    st.outputs[key] = out
-    st.peak_inflight = max(st.peak_inflight, len(st.outputs))
-
-
-def _finish_backward(st, a: Action, _) -> None:
+def _finish_backward(st, a: Action) -> None:
     key = (a.microbatch, a.c)
     x = st.inputs.get(key)
     if x is not None:
@@ -121,7 +119,10 @@ def _advance(st, a: Action, value=None) -> None:
         state["req"] = state["gen"].send(value)
     except StopIteration as stop:
         del st.moe_steps[skey]
-        (_finish_backward if skey[2] else _finish_forward)(st, a, stop.value)
+        if skey[2]:
+            _finish_backward(st, a)
+        else:
+            st.forwarded(a, stop.value)
 
 
 def check_ep_comm(st) -> None:
@@ -140,10 +141,11 @@ def _forward(st, a: Action) -> None:
     check_ep_comm(st)
     x, y = st.microbatches[a.microbatch]
     if st.stage(a) > 0:
-        x = st.take("RF", a).requires_grad_(True)
-        st.inputs[key] = x
+        x = st.take("RF", a)
+        if st.training:
+            st.inputs[key] = x.requires_grad_(True)
     _states(st)
-    cuts = None if st.split else st.moe_cuts.setdefault(key, [])
+    cuts = st.moe_cuts.setdefault(key, []) if _segmented_backward(st) else None
     gen = stage_steps(st.chunks[a.c], x, y if st.is_last(a) else None, cuts,
                       exchange_of(st.chunks))
     st.moe_steps[(*key, False)] = {"gen": gen}
@@ -183,7 +185,7 @@ def _resume(st, a: Action) -> None:
         st.waited += time.perf_counter() - t0
     got = finish()
     rows, send_rows, recv_rows = state.pop("sent")
-    if not backward and not st.split:  # remember the cut for the segmented backward
+    if not backward and _segmented_backward(st):  # remember the cut for the backward
         cut = st.moe_cuts[(a.microbatch, a.c)][-1]
         if a.kind == "E":
             cut.update(rows=rows, got=got, dispatch_rows=(send_rows, recv_rows))

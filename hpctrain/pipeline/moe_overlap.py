@@ -29,6 +29,7 @@ Evidence: each action is a ``timers.action`` span in the trace (``D3``/``E3``...
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from ..model.moe import is_moe_layer
@@ -119,7 +120,7 @@ def expand(sched: Schedule, moe_per_stage: list[int]) -> Schedule:
     def build_with(pairs) -> Schedule:
         ranks = tuple(tuple(_expand_rank(acts, lambda a, r=r: moe_per_stage[sched.stage(r, a)],
                                          pairs[r])) for r, acts in enumerate(sched.ranks))
-        return Schedule(sched.kind, sched.pp, sched.virtual, sched.microbatches, ranks)
+        return dataclasses.replace(sched, ranks=ranks)
 
     best = build_with(pairs)
     simulate(best)  # the eager expansion must run

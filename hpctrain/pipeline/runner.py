@@ -2,12 +2,24 @@
 
 The schedule (``pipeline.actions``) is a list of actions; :data:`HANDLERS` maps each action
 kind to the function that runs it, so a new kind (e.g. expert dispatch ``D``) is one more
-entry. Transfers go over ``topo.pp_comm`` with nonblocking ``isend``/``irecv``: a receive
+entry. Training runs :func:`run_step`; evaluation runs :func:`run_forward`, the same handlers on
+the kind's forward-only schedule (``build(..., forward_only=True)``) under ``torch.no_grad()``:
+the same peers and tags (``actions.link``), no autograd leaves, an activation dropped once sent.
+Transfers go over ``topo.pp_comm`` with nonblocking ``isend``/``irecv``: a receive
 (``RF``/``RB``) only *posts* the request into a fresh buffer, the compute that needs the tensor
 waits for it; sends are posted right after the compute and completed at the end of the step.
 Stage inputs are received buffers turned into autograd leaves (``requires_grad``), so each
 stage's graph ends at its boundary; a microbatch's tensors are dropped after its last backward
 action, so only in-flight microbatches hold activations.
+
+Zero-bubble schedules split the backward (:func:`input_grad`): ``B`` is one ordinary backward
+from the stage output while a ``weight_grad.Pending`` collects the weight matmuls (each computes
+only its input gradient and keeps its input and output gradient), so the small parameters
+(norm weights, the embedding, the MoE router) get their gradient in ``B``; ``W`` is
+``Pending.apply``: the kept matmuls' weight gradients, accumulated through autograd at the
+weights, so ``.grad`` views into flat buffers and post-accumulate hooks (overlapped reductions,
+ZeRO-2/3 staging) behave as in one backward. ``W`` reads no weight (ZeRO-3 gathers nothing for
+it). The first stage (no differentiable input) splits the same way: its ``B`` sends nothing.
 
 Evidence: every action is a ``timers.action`` span (the tracer sees ``F3``, ``SB2``...);
 :func:`run_step` returns this rank's compute seconds per action kind, idle (bubble) seconds
@@ -28,20 +40,31 @@ import torch
 from ..config import microbatches as microbatch_count
 from ..model import weight_grad
 from ..model.stage import DTYPES
-from ..parallel.pipeline import virtual_stages
-from . import moe_executor, moe_overlap, zero_bubble
+from ..parallel.pipeline import activation_shape, virtual_stages
+from . import moe_executor, moe_overlap
 from .actions import Action, Schedule, build
 from .simulate import simulate
 
 
 @functools.lru_cache(maxsize=16)
-def _schedule(kind: str, pp: int, m: int, v: int) -> Schedule:
-    return build(kind, pp, m, v)
+def _schedule(kind: str, pp: int, m: int, v: int, forward_only: bool) -> Schedule:
+    return build(kind, pp, m, v, forward_only)
 
 
-def schedule_for(cfg, m: int) -> Schedule:
-    """The (cached) schedule of this config for ``m`` microbatches per step."""
-    return _schedule(cfg.schedule.kind, cfg.topology.pp, m, virtual_stages(cfg))
+def schedule_for(cfg, m: int, forward_only: bool = False) -> Schedule:
+    """The (cached) schedule of this config for ``m`` microbatches per step; with
+    ``forward_only`` its evaluation pass (no ``B``/``W``)."""
+    return _schedule(cfg.schedule.kind, cfg.topology.pp, m, virtual_stages(cfg), forward_only)
+
+
+def input_grad(out: torch.Tensor, grad, x: torch.Tensor | None):
+    """``B`` of a split backward: (gradient of ``x`` or None, the ``weight_grad.Pending``
+    whose ``apply()`` is ``W``). ``grad``: gradient of ``out`` (None for a scalar loss). Not
+    collective (model-internal tp/ep ops may be)."""
+    pending = weight_grad.Pending()
+    with weight_grad.deferring(pending):
+        torch.autograd.backward(out, grad)
+    return (None if x is None else x.grad), pending
 
 
 class StepState:
@@ -54,10 +77,8 @@ class StepState:
         self.loss_scale, self.sched = loss_scale, sched
         self.rank = topo.pp_rank
         self.split = any(a.kind == "W" for a in sched.ranks[self.rank])
-        mbs, T = cfg.train.micro_batch_size, cfg.train.seq_len // topo.cp_size
-        if cfg.topology.sequence_parallel and topo.tp_size > 1:
-            T //= topo.tp_size  # activations between stages are this rank's sequence slice
-        self.boundary = (mbs, T, cfg.model.d_model)  # (B, T/cp[/tp], C)
+        self.training = not sched.forward_only  # False: no graph, nothing kept for a backward
+        self.boundary = activation_shape(cfg, topo)  # (B, T/cp[/tp], C)
         self.dtype = DTYPES[cfg.model.dtype]
         self.device = torch.device(cfg.model.device)
         self.inputs: dict = {}  # (mb, chunk) -> stage input (leaf, requires_grad)
@@ -95,20 +116,26 @@ class StepState:
         for d in (self.inputs, self.outputs, self.grad_out):
             d.pop(key, None)
 
+    def forwarded(self, a: Action, out: torch.Tensor) -> None:
+        """Take the output of ``a``'s forward: on the last stage its loss is summed (and, in
+        training, scaled for the backward); an activation is kept for its send."""
+        if self.is_last(a):
+            self.loss_sum += float(out.detach())
+            if not self.training:
+                return
+            out = out * self.loss_scale
+        self.outputs[(a.microbatch, a.c)] = out
+        self.peak_inflight = max(self.peak_inflight, len(self.outputs))
+
 
 # -- handlers: one per action kind -------------------------------------------------------
 def _forward(st: StepState, a: Action) -> None:
-    key = (a.microbatch, a.c)
     x, y = st.microbatches[a.microbatch]  # token ids (B, T), targets (B, T)
     if st.stage(a) > 0:
-        x = st.take("RF", a).requires_grad_(True)  # (B, T[/tp], C), a leaf: graph ends here
-        st.inputs[key] = x
-    out = st.chunks[a.c](x, y if st.is_last(a) else None)
-    if st.is_last(a):
-        st.loss_sum += float(out.detach())
-        out = out * st.loss_scale
-    st.outputs[key] = out
-    st.peak_inflight = max(st.peak_inflight, len(st.outputs))
+        x = st.take("RF", a)  # (B, T[/tp], C)
+        if st.training:  # a leaf: the graph ends here
+            st.inputs[(a.microbatch, a.c)] = x.requires_grad_(True)
+    st.forwarded(a, st.chunks[a.c](x, y if st.is_last(a) else None))
 
 
 def _backward(st: StepState, a: Action) -> None:
@@ -116,10 +143,10 @@ def _backward(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     grad = None if st.is_last(a) else st.take("RB", a)
     out, x = st.outputs[key], st.inputs.get(key)
-    if st.split:  # B: all but the weight matmuls (pipeline/zero_bubble.py); W follows later
+    if st.split:  # B: all but the weight matmuls (input_grad); W follows later
         chunk = st.chunks[a.c]
         with (st.sharded.input_pass(chunk) if st.sharded else contextlib.nullcontext()):
-            gx, st.grad_out[key] = zero_bubble.input_grad(out, grad, x)
+            gx, st.grad_out[key] = input_grad(out, grad, x)
         if gx is not None:
             st.grad_in[key] = gx
         return
@@ -133,7 +160,7 @@ def _weight(st: StepState, a: Action) -> None:
     """Weight gradient of a split backward: the matmuls ``B`` kept, into the chunk's
     ``.grad`` (no weight is read: nothing to gather under ZeRO-3)."""
     key = (a.microbatch, a.c)
-    zero_bubble.weight_grad(st.grad_out[key])
+    st.grad_out[key].apply()
     st.drop(key)
 
 
@@ -148,7 +175,10 @@ def _post_recv(st: StepState, a: Action) -> None:
 
 def _post_send(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
-    t = st.outputs[key].detach() if a.kind == "SF" else st.grad_in.pop(key)
+    if a.kind == "SB":
+        t = st.grad_in.pop(key)
+    else:  # forward-only: the activation is not needed after its send
+        t = (st.outputs[key] if st.training else st.outputs.pop(key)).detach()
     peer, tag = st.sched.peer(st.rank, a)
     if peer == st.rank:
         st.local[(tag, a.microbatch)] = t
@@ -194,6 +224,17 @@ def execute(st: StepState, timers=None) -> dict[str, float]:
             "pp_idle": wall - sum(busy.values()), "pp_peak_inflight": st.peak_inflight}
 
 
+def _state(chunks, microbatches, topo, cfg, loss_scale: float, sched: Schedule,
+           sharded=None) -> StepState:
+    """The step's state for ``sched``, expanded with the expert exchange actions when
+    ``schedule.moe_overlap`` applies (their handlers added)."""
+    expanded = moe_overlap.overlapped(cfg, sched)  # MoE: D/E/C/G actions
+    st = StepState(chunks, microbatches, topo, cfg, loss_scale, expanded, sharded)
+    if expanded is not sched:
+        st.handlers = {**HANDLERS, **moe_executor.handlers_for(expanded)}
+    return st
+
+
 def run_step(chunks, microbatches, topo, cfg, loss_scale: float,
              timers=None, sharded=None) -> tuple[float, dict[str, float]]:
     """Forward and backward of every microbatch by this rank's schedule; gradients accumulate
@@ -202,14 +243,24 @@ def run_step(chunks, microbatches, topo, cfg, loss_scale: float,
     ``loss_scale`` = 1 / tokens in the global batch. Point-to-point over ``topo.pp_comm`` only
     (no collective of its own; tp/ep ops inside the model are, and so are ZeRO-3's gathers:
     ``sharded``, the ``ShardedParams`` whose hooks a split backward's B steers)."""
-    sched = schedule_for(cfg, len(microbatches))
-    expanded = moe_overlap.overlapped(cfg, sched)  # MoE: D/E/C/G actions
-    st = StepState(chunks, microbatches, topo, cfg, loss_scale, expanded, sharded)
-    if expanded is not sched:
-        st.handlers = {**HANDLERS, **moe_executor.handlers_for(expanded)}
+    st = _state(chunks, microbatches, topo, cfg, loss_scale,
+                schedule_for(cfg, len(microbatches)), sharded)
     with weight_grad.armed(st.split):  # the model's weight matmuls can defer to W
         timing = execute(st, timers)
     return st.loss_sum, timing
+
+
+@torch.no_grad()
+def run_forward(chunks, microbatches, topo, cfg, timers=None) -> float:
+    """Forward of every microbatch by this config's forward-only schedule (evaluation):
+    returns the sum of token losses this rank computed (non-zero only on the last stage,
+    unscaled). Point-to-point over ``topo.pp_comm`` with the training links and tags; it
+    waits for its own sends before returning, like :func:`run_step`, so the two never
+    share a message. No gradient, no graph."""
+    st = _state(chunks, microbatches, topo, cfg, 1.0,
+                schedule_for(cfg, len(microbatches), forward_only=True))
+    execute(st, timers)
+    return st.loss_sum
 
 
 def pipeline_metrics(topo, cfg, timing: dict) -> dict:

@@ -4,8 +4,9 @@
   * every receive is met by a send on the same link (peer, tag) in posting order, with the
     same microbatch, and every send by a receive;
   * each (microbatch, chunk) runs F once, then B once, then W once if the rank splits its
-    backward; a send comes after the compute that produced its tensor and a compute that
-    needs a received tensor comes after the receive was posted;
+    backward (a forward-only schedule: F once, no B or W); a send comes after the compute
+    that produced its tensor and a compute that needs a received tensor comes after the
+    receive was posted;
   * nothing deadlocks (a compute waits only for a send some rank can still reach);
 and returns the makespan and bubble (idle) fraction for given per-action costs. Sends never
 block (they are nonblocking in the runner); a compute starts when its rank is free and its
@@ -144,22 +145,28 @@ def _check_order(sched: Schedule) -> None:
             if need and (need, a.microbatch, a.c) not in seen:
                 raise ScheduleError(f"{_where(r, i, a)}: its input is never received before "
                                     f"it (no {Action(need, a.microbatch, a.chunk)} earlier)")
+        if sched.forward_only and any(a.kind in ("B", "W") for a in actions):
+            raise ScheduleError(f"rank {r}: a forward-only schedule has a backward action")
+        kinds = ("F",) if sched.forward_only else ("F", "B") + (("W",) if split else ())
         for mb in range(sched.microbatches):
             for c in range(sched.virtual):
                 chunk = c if sched.virtual > 1 else None
-                for kind in ("F", "B") + (("W",) if split else ()):
+                for kind in kinds:
                     if (kind, mb, c) not in seen:
                         raise ScheduleError(f"rank {r}: {Action(kind, mb, chunk)} is missing")
 
 
 def _peak_inflight(actions) -> int:
-    last = "W" if any(a.kind == "W" for a in actions) else "B"
+    """Most chunk-microbatches between their F and their last backward action (forward-only:
+    an activation lives from its F to its send, 1)."""
+    kinds = {a.kind for a in actions}
+    last = "W" if "W" in kinds else "B" if "B" in kinds else "F"
     live, peak = 0, 0
     for a in actions:
         if a.kind == "F":
             live += 1
             peak = max(peak, live)
-        elif a.kind == last:
+        if a.kind == last:
             live -= 1
     return peak
 

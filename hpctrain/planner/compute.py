@@ -211,12 +211,11 @@ def ring_cost(cfg: Config, alone, repeats: int = 5) -> float:
 
 
 def split_cost(cfg: Config, repeats: int = 5) -> dict:
-    """Zero-bubble's split backward on the whole model (``pipeline/zero_bubble.py``): B
+    """Zero-bubble's split backward on the whole model (``pipeline.runner.input_grad``): B
     (input gradients, the weight matmuls kept) and W (their weight gradients) each over one
     ordinary backward of the same forward, interleaved, medians: ``split_b``, ``split_w``."""
     from ..model import weight_grad
-    from ..pipeline.zero_bubble import input_grad
-    from ..pipeline.zero_bubble import weight_grad as apply_w
+    from ..pipeline.runner import input_grad
 
     stage = whole_model(cfg)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
@@ -235,7 +234,7 @@ def split_cost(cfg: Config, repeats: int = 5) -> dict:
             t0 = time.perf_counter()
             _, pending = input_grad(out, None, None)
             t1 = time.perf_counter()
-            apply_w(pending)
+            pending.apply()
         return time.perf_counter() - t1, t1 - t0
     rounds = [(plain(), split()) for _ in range(repeats + 1)][1:]
     back = statistics.median(p[0] for p, _ in rounds)

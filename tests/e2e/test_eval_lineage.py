@@ -37,12 +37,18 @@ def test_validation_loss_equals_one_rank(tmp_path, session_dir, name, n, layout)
     assert out.stdout.startswith("def ") and len(out.stdout) > 10
 
 
-def test_validation_loss_with_experts(tmp_path, session_dir):
+# the expert all-to-alls as schedule actions: evaluation runs the expanded forward-only schedule
+OVERLAP_PP = ("topology.pp=2", "schedule.kind=\"1f1b\"", "schedule.moe_overlap=true")
+
+
+@pytest.mark.parametrize("name,n,extra", [("ep2", 2, ()), ("ep2_pp2_overlap", 4, OVERLAP_PP)],
+                         ids=["ep2", "ep2_pp2_overlap"])
+def test_validation_loss_with_experts(tmp_path, session_dir, name, n, extra):
     moe = ("model.num_experts=4", "model.top_k=2")
     # MoE balance statistics are per global microbatch: one rank takes the dp ranks'
     # microbatches together (micro_batch_size = dp * 1) to see the same groups.
     ref = baseline(session_dir, *EVAL, *moe, "train.micro_batch_size=2")
-    run = train_cli(tmp_path / "ep2", 2, "topology.dp=2", "topology.ep=2", *EVAL, *moe)
+    run = train_cli(tmp_path / name, n, "topology.dp=2", "topology.ep=2", *extra, *EVAL, *moe)
     assert rel_err(val_losses(run), val_losses(ref)) <= 1e-9
 
 

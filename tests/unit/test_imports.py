@@ -26,7 +26,7 @@ ALLOWED = {
     "telemetry": {"comm", "config", "model", "parallel", "topology"},
     "data": set(),
     "checks": {"config", "data", "interchange", "model", "parallel", "pipeline"},
-    "evaluate": {"data", "parallel"},
+    "evaluate": {"data", "pipeline"},
     "interchange": {"checkpoint", "config", "data", "model"},
     "slurm": {"comm"},
     "stopping": {"slurm"},

@@ -1,4 +1,4 @@
-"""The zero-bubble split backward (``model/weight_grad.py``, ``pipeline/zero_bubble.py``) on
+"""The zero-bubble split backward (``model/weight_grad.py``, ``pipeline.runner.input_grad``) on
 one process, float64: B (everything but the weight matmuls) then W (the matmuls), for several
 microbatches interleaved as a zero-bubble schedule runs them, gives the gradients of one plain
 backward per microbatch (1e-12), accumulated in place into existing ``.grad`` tensors; B leaves
@@ -11,7 +11,7 @@ from hpctrain.config import ModelConfig
 from hpctrain.model import weight_grad
 from hpctrain.model.moe import LocalExchange, MoE
 from hpctrain.model.stage import DecoderStage, LocalOps, init_parameters
-from hpctrain.pipeline import zero_bubble
+from hpctrain.pipeline.runner import input_grad
 
 MATMULS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "head")
 ORDER = ["B0", "B1", "W0", "B2", "W2", "W1"]  # each B before its W, W out of order
@@ -64,12 +64,12 @@ def _run(stage, data, where: str, split: bool):
         for act in ORDER if split else [f"B{k}" for k in range(len(data))]:
             k = int(act[1:])
             if act[0] == "W":
-                zero_bubble.weight_grad(pending.pop(k))
+                pending.pop(k).apply()
                 continue
             x = None if where == "first" else xs[k]
             if split:
                 before = {n: p.grad.clone() for n, p in named if n.split(".")[-1] in MATMULS}
-                gx[k], pending[k] = zero_bubble.input_grad(outs[k], data[k][2], x)
+                gx[k], pending[k] = input_grad(outs[k], data[k][2], x)
                 for n, p in named:
                     if n in before:
                         assert torch.equal(p.grad, before[n]), f"B touched {n}"

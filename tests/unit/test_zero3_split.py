@@ -14,7 +14,7 @@ from hpctrain.model import weight_grad
 from hpctrain.model.layers import ParamMeta
 from hpctrain.parallel.grad_sync.buffers import GradBuffers
 from hpctrain.parallel.grad_sync.zero3 import shard_parameters, units_of
-from hpctrain.pipeline import zero_bubble
+from hpctrain.pipeline.runner import input_grad
 
 D = 6
 
@@ -96,11 +96,11 @@ def test_split_backward_gathers_unit_by_unit_and_matches_one_backward():
     with weight_grad.armed():
         out = stage(x)  # F: the root, then each block: 5 gathers
         with sharded.input_pass(stage):
-            gx, pending = zero_bubble.input_grad(out, None, x)
+            gx, pending = input_grad(out, None, x)
     assert gx is not None and len(pending.items) == 5
     assert sharded.live == 0 and sharded.take_peak() <= root + 2 * block
     assert group.gathers == 10  # B: the root and each block again
-    zero_bubble.weight_grad(pending)
+    pending.apply()
     assert group.gathers == 10 and sharded.live == 0  # W: no gather
     grads.reduce()
     for b in grads.buckets:

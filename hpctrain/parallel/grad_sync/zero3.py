@@ -32,7 +32,7 @@ the blocks it runs and frees them after (two all-gathers of the stage per microb
 memory of one unit at a time); see docs/parallelism.md for the choice.
 
 Zero-bubble schedules split a stage's backward into ``B`` (everything but the weight
-matmuls) and ``W`` (those matmuls' weight gradients, later; ``pipeline/zero_bubble.py``). B
+matmuls) and ``W`` (those matmuls' weight gradients, later; ``pipeline.runner.input_grad``). B
 delivers no gradient to the matmul weights, so the "all gradients arrived" rule above never
 frees a unit during B; the runner therefore wraps B in :meth:`ShardedParams.input_pass`: the
 output hooks gather each unit as before and free the unit the input gradient has just left
