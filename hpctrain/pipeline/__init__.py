@@ -4,7 +4,7 @@
   builders (gpipe, 1f1b, interleaved, zb-h1, zbv; each also forward-only), pure functions.
 - ``simulate.py``: all ranks' lists in one process: matching, order, deadlock, bubble.
 - ``runner.py``: one rank's list executed with nonblocking p2p over ``pp_comm``; a receive
-  is waited for by polling, then sleeping (``schedule.p2p_wait``). Training steps
+  is waited for by polling, then sleeping (``experimental.p2p_wait``). Training steps
   (``run_step``) and evaluation (``run_forward``, the forward-only schedule) alike; a
   zero-bubble backward splits into B (``input_grad``: all but the weight matmuls) and W (their
   weight gradients, from ``model.weight_grad``'s store).
