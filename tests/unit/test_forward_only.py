@@ -158,8 +158,8 @@ class Stage(torch.nn.Module):
 
 def _cfg(kind, pp, v, mbs=2, seq=3, d=4):
     return SimpleNamespace(
-        schedule=SimpleNamespace(kind=kind, virtual_stages=v, moe_overlap=False,
-                                 p2p_wait="spin"),
+        schedule=SimpleNamespace(kind=kind, virtual_stages=v, moe_overlap=False),
+        experimental=SimpleNamespace(p2p_wait="spin"),
         topology=SimpleNamespace(pp=pp, sequence_parallel=False),
         model=SimpleNamespace(d_model=d, dtype="float64", device="cpu", num_experts=0),
         train=SimpleNamespace(micro_batch_size=mbs, seq_len=seq))
