@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from hpctrain.config import OptimConfig
-from hpctrain.parallel.grad_sync import buffers as data
+from hpctrain.parallel.grad_sync import choice as data
 
 
 def topo(dp_within_node: bool):

@@ -13,8 +13,7 @@ from torch import nn
 
 from hpctrain.model import weight_grad
 from hpctrain.model.layers import ParamMeta
-from hpctrain.parallel.grad_sync.buffers import GradBuffers
-from hpctrain.parallel.grad_sync.zero3 import shard_parameters, units_of
+from hpctrain.parallel import grad_sync
 from hpctrain.pipeline import zero_bubble
 
 D = 6
@@ -88,8 +87,8 @@ def test_split_backward_gathers_unit_by_unit_and_matches_one_backward():
     group = OneRank()
     topo = SimpleNamespace(dpcp_comm=group, edpcp_comm=group, tp_size=1)
     named = list(stage.named_parameters())
-    grads = GradBuffers(named, topo, 1.0, zero=3, units=units_of([stage]))
-    sharded = shard_parameters([stage], grads)
+    grads = grad_sync.create(named, topo, 1.0, zero=3, chunks=[stage])
+    sharded = grads.sharded
     grads.zero()
     block, root = (sharded.units[0].nbytes, sharded.units[-1].nbytes)
     assert block == D * D * 8 and root == D * 3 * 8

@@ -1,0 +1,22 @@
+"""Blocking buckets, the default (``optim.reduction = "bucketed"``, zero 0, no overlap, flat
+dp): after backward, one blocking all-reduce per bucket, in bucket order.
+
+Nothing to overlap with: the blocking, tuned all-reduce is the fast path here. Measured with
+Open MPI (docs/multi-node.md), nonblocking collectives (libnbc) are slower over TCP with all
+buckets outstanding, and slower on shared memory too.
+"""
+
+from __future__ import annotations
+
+from .base import GradSync
+
+
+class BlockingBuckets(GradSync):
+    """Each bucket all-reduced in place, one after another."""
+
+    name = "blocking"
+
+    def _sum(self) -> None:
+        for b in self.buckets:
+            b.posted += 1
+            b.group.allreduce_(b.flat)
