@@ -12,10 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from hpctrain.config import load
-from hpctrain.model.layers import ParamMeta
 from hpctrain.parallel import grad_sync
 from hpctrain.parallel.grad_sync import factory, hierarchical
 from hpctrain.parallel.grad_sync.blocking import BlockingBuckets
@@ -24,69 +22,7 @@ from hpctrain.parallel.grad_sync.nonblocking import NonblockingBuckets, Overlapp
 from hpctrain.parallel.grad_sync.per_parameter import PerParameter
 from hpctrain.parallel.grad_sync.sharded import Zero1, Zero2
 from hpctrain.parallel.grad_sync.zero3 import Zero3
-
-D = 5
-
-
-class Done:
-    def __init__(self, fn=None):
-        self.fn = fn
-
-    def wait(self):
-        if self.fn is not None:
-            self.fn()
-            self.fn = None
-
-    def test(self):
-        self.wait()
-        return True
-
-
-class OneRank:
-    """A one-rank group: every collective leaves (or copies) the data as it is."""
-    size, rank, axis, recorder = 1, 0, "dp", None
-
-    def dup(self, axis, recorder):
-        return self
-
-    def allreduce_(self, t):
-        return t
-
-    def iallreduce_(self, t):
-        return Done()
-
-    def ireduce_scatter(self, send, recv):
-        return Done(lambda: recv.copy_(send))
-
-    def iallgather(self, send, recv):
-        return Done(lambda: recv.copy_(send))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = _param(D, D)
-
-    def forward(self, x):
-        return torch.tanh(x @ self.w)
-
-
-class Stage(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleDict({str(i): Block() for i in range(3)})
-        self.head = _param(2, D)
-
-    def forward(self, x):
-        for block in self.blocks.values():
-            x = block(x)
-        return (x @ self.head.T).square().sum()
-
-
-def _param(*shape):
-    p = nn.Parameter(torch.randn(*shape, dtype=torch.float64) / D)
-    p.hp = ParamMeta(shape)
-    return p
+from tests.grad_sync_fakes import D, OneRank, Stage
 
 
 def _topo(cfg, crosses_nodes: bool = False):
