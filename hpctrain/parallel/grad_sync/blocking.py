@@ -1,9 +1,9 @@
 """Blocking buckets, the default (``optim.reduction = "bucketed"``, zero 0, no overlap, flat
 dp): after backward, one blocking all-reduce per bucket, in bucket order.
 
-Nothing to overlap with: the blocking, tuned all-reduce is the fast path here. Measured with
-Open MPI (docs/multi-node.md), nonblocking collectives (libnbc) are slower over TCP with all
-buckets outstanding, and slower on shared memory too.
+Nothing to overlap with: the blocking, tuned all-reduce of the MPI library is the path here;
+docs/multi-node.md and docs/benchmarks.md ("Overlap and the naive baseline") compare it with
+nonblocking buckets (libnbc) and with overlap.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ def reduction_mode(ocfg) -> str:
 def progress_for(ocfg, topo) -> str:
     """``optim.overlap_progress`` with ``auto`` decided: the offload thread where the dp
     groups cross nodes (``topo.within_node``, the same on every rank) and MPI provides
-    ``MPI_THREAD_MULTIPLE`` (measured fastest over TCP on a quiet machine), else ``test``."""
+    ``MPI_THREAD_MULTIPLE``, else ``test`` (the comparison: docs/benchmarks.md, "Overlap and
+    the naive baseline")."""
     if ocfg.overlap_progress != "auto":
         return ocfg.overlap_progress
     crosses = not topo.within_node.get("dp", True)
@@ -29,8 +30,8 @@ def overlap_on(ocfg, topo, dp_reduction: str, progress: str) -> bool:
     """Whether this run overlaps the dp reduction with backward: ``optim.overlap``, or
     (``optim.overlap_across_nodes``) a flat bucketed reduction whose dp groups cross nodes
     (``topo.within_node``, the same answer on every rank; edp groups lie inside dp's) with a
-    progress that wins there: not ``auto``'s fallback ``test``, measured slower than
-    blocking buckets over TCP on a quiet machine (``progress``: :func:`progress_for`)."""
+    progress that wins there: not ``auto``'s fallback ``test``, which does not beat blocking
+    buckets over TCP (docs/benchmarks.md; ``progress``: :func:`progress_for`)."""
     if ocfg.overlap:
         return True
     wins = ocfg.overlap_progress != "auto" or progress != "test"
