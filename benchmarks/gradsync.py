@@ -1,7 +1,8 @@
 """Gradient synchronisation of a model with 100+ parameter tensors over the dp group:
-hpctrain's bucketed ``GradBuffers.reduce()`` against one MPI call per parameter
-(``reduce_per_parameter``, the naive baseline) and against one raw all-reduce of all
-gradient bytes in one buffer (the limit: same bytes, one call, nothing else)."""
+hpctrain's blocking buckets (``grad_sync.BlockingBuckets.reduce()``) against one MPI call
+per parameter (``per_parameter.reduce_per_parameter``, the naive baseline) and against one
+raw all-reduce of all gradient bytes in one buffer (the limit: same bytes, one call, nothing
+else)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import time
 import torch
 
 from hpctrain.config import load
-from hpctrain.parallel import build_model, named_parameters
-from hpctrain.parallel.grad_sync.buffers import GradBuffers
+from hpctrain.parallel import build_model, grad_sync, named_parameters
+from hpctrain.parallel.grad_sync.per_parameter import reduce_per_parameter
 from hpctrain.topology import Topology
 
 from .common import max_over_ranks, median, pair_ratios, pairs_of, ratio, result, row
@@ -28,7 +29,7 @@ def _setup(world, size: str):
                       "optim.bucket_mb=4.0"])
     topo = Topology(cfg.topology, world)
     params = named_parameters(build_model(cfg, topo))
-    grads = GradBuffers(params, topo, cfg.optim.bucket_mb)
+    grads = grad_sync.create(params, topo, cfg.optim.bucket_mb)
     (flat,) = grads.flats  # every gradient is a view into this buffer
     g = torch.Generator().manual_seed(1000 + world.rank)
     source = torch.randn(flat.numel(), generator=g, dtype=flat.dtype)
@@ -40,7 +41,7 @@ def run(world, size: str, repeats: int) -> dict:
     cfg, topo, params, grads, flat, source = _setup(world, size)
     variants = {
         "hpctrain bucketed": grads.reduce,
-        "per-parameter": grads.reduce_per_parameter,
+        "per-parameter": lambda: reduce_per_parameter(grads.layout),
         "limit: one Allreduce": lambda: topo.dp_comm.allreduce_(flat),
     }
     samples = {k: [] for k in variants}

@@ -2,8 +2,8 @@
 progress (``optim.overlap_progress``).
 
 Every variant is its own copy of the same model (same init) with its own
-``GradBuffers``; one step = forward and backward of every microbatch, then
-``GradBuffers.reduce()``; the slowest rank's time. Variants, interleaved step by step:
+``grad_sync.create``; one step = forward and backward of every microbatch, then
+the strategy's ``reduce()``; the slowest rank's time. Variants, interleaved step by step:
 
 - compute only: the same step without any reduction (the floor);
 - no overlap: one blocking all-reduce per bucket after backward (``optim.overlap=false``);
@@ -26,8 +26,7 @@ import time
 
 import torch
 
-from hpctrain.parallel import build_model, named_parameters
-from hpctrain.parallel.grad_sync.buffers import GradBuffers
+from hpctrain.parallel import build_model, grad_sync, named_parameters
 from hpctrain.topology import Topology
 
 from .common import (
@@ -48,7 +47,7 @@ MODELS = {"tiny": ["model.n_layers=4", "model.d_model=32", "train.seq_len=16",
           "small": ["model.n_layers=16", "model.d_model=128", "train.seq_len=64",
                     "train.micro_batch_size=4", "optim.bucket_mb=1.0"]}
 MICROBATCHES = 1  # the whole backward is the overlap window (as in DDP without accumulation)
-VARIANTS = {  # name -> GradBuffers keywords (None: no reduction at all)
+VARIANTS = {  # name -> grad_sync.create keywords (None: no reduction at all)
     "compute only (no sync)": None,
     "no overlap: blocking buckets after backward": {},
     "overlap, progress wait (libnbc)": {"overlap": True, "progress": "wait"},
@@ -71,7 +70,7 @@ class Side:
         chunks = build_model(cfg, topo)
         self.model = chunks[0]
         self.params = named_parameters(chunks)
-        self.grads = GradBuffers(self.params, topo, cfg.optim.bucket_mb,
+        self.grads = grad_sync.create(self.params, topo, cfg.optim.bucket_mb,
                                  microbatches=MICROBATCHES, **(kw or {}))
         g = torch.Generator().manual_seed(7 + world.rank)
         t, v = cfg.train, cfg.model.vocab_size
@@ -116,7 +115,7 @@ def run(world, size: str, repeats: int) -> dict:
     grads = sides[BLOCKING].grads
     nbytes = grads.flats[0].numel() * grads.flats[0].element_size()
     out = result("overlap", world, size, repeats,
-                 f"forward+backward of {MICROBATCHES} microbatches then GradBuffers.reduce(), "
+                 f"forward+backward of {MICROBATCHES} microbatches then reduce(), "
                  f"{len(sides[BLOCKING].params)} tensors, {nbytes / 2**20:.1f} MiB float32, "
                  f"{len(grads.buckets)} buckets, dp={world.size}")
     out["rows"] = [row(n, v, "s/step") for n, v in samples.items()]

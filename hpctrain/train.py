@@ -26,15 +26,11 @@ from .checkpoint import Checkpointer, lineage
 from .checks.validate import validate
 from .comm import gpu
 from .config import Config, dumps_toml
-from .config import microbatches as microbatches_per_rank
 from .data.dataset import Sampler, load_tokens
 from .evaluate import Evaluator
 from .interchange import init_from
 from .optim import NumericGuard, build_optimizer, lr_at
-from .parallel import build_model, named_parameters
-from .parallel.grad_sync import hierarchical
-from .parallel.grad_sync.buffers import GradBuffers, overlap_on, progress_for
-from .parallel.grad_sync.zero3 import shard_parameters, units_of
+from .parallel import build_model, grad_sync, named_parameters
 from .parallel.moe_exchange import set_loss_scale, step_metrics
 from .pipeline.runner import pipeline_metrics, run_step
 from .stopping import StopRules
@@ -59,7 +55,7 @@ class Trainer:
     job: slurm.Job
     chunks: list  # this rank's model pieces, one per (virtual) pipeline stage
     params: list  # [(global name, parameter)]
-    grads: GradBuffers
+    grads: grad_sync.GradSync  # the strategy chosen for this config
     optimizer: object  # AdamW or ZeroAdamW
     sampler: Sampler
     global_tokens: int
@@ -99,17 +95,9 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     params = named_parameters(chunks)
     if cfg.checkpoint.init_from:  # parameters from another model; a resume overrides them
         log.info(f"parameters from {init_from.load(cfg, topo, params)} (checkpoint.init_from)")
-    progress = progress_for(cfg.optim, topo)  # how overlapped reductions advance
-    grads = GradBuffers(params, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero,
-                        overlap=overlap_on(cfg.optim, topo, cfg.topology.dp_reduction, progress),
-                        hierarchical=hierarchical.reducer(topo),
-                        microbatches=microbatches_per_rank(cfg), mode=cfg.experimental.reduction,
-                        progress=progress,
-                        units=units_of(chunks) if cfg.optim.zero == 3 else None)
+    grads = grad_sync.build(cfg, topo, chunks, params)  # ZeRO-3 shards the parameters here
     if grads.overlap:
-        log.info(f"gradient reduction overlapped with backward (progress: {progress})")
-    if cfg.optim.zero == 3:  # parameters sharded too, gathered per block
-        shard_parameters(chunks, grads)
+        log.info(f"gradient reduction overlapped with backward (progress: {grads.progress})")
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)
     d = cfg.data
     tokens = load_tokens(d.path, "train", d.corpus_mb, d.val_fraction, d.tokenizer)

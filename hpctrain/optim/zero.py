@@ -1,6 +1,7 @@
 """ZeRO-1/2/3: AdamW on this rank's shard of every gradient bucket.
 
-:class:`~.grad_sync.buffers.GradBuffers` (``zero`` = 1 or 2) leaves in each bucket the
+A sharded gradient sync (:class:`~hpctrain.parallel.grad_sync.GradSync` with ``zero_level``
+1-3: ``grad_sync/sharded.py``, ``grad_sync/zero3.py``) leaves in each bucket the
 reduced gradient of this rank's contiguous shard (``bucket.shard``, float32, or float64 for
 float64 models). :class:`ZeroAdamW` keeps, for that shard only, the Adam moments and, for
 16-bit parameters, the float32 master weights, updates the shard, and all-gathers the updated
@@ -33,16 +34,17 @@ import math
 
 import torch
 
-from ..parallel.grad_sync.buffers import GradBuffers, shard_dtype
+from ..parallel.grad_sync import GradSync, shard_dtype
 from .adamw import AdamW, LossScaler, ScaledOptimizer, counted_here
 
 _LOW = (torch.bfloat16, torch.float16)
 
 
-def build_optimizer(named_params, ocfg, topo, grads: GradBuffers, dtype: str):
-    """AdamW (zero 0) or ZeroAdamW (zero 1/2) with the dtype's loss scaler."""
+def build_optimizer(named_params, ocfg, topo, grads: GradSync, dtype: str):
+    """AdamW (the grad sync's ``zero_level`` 0) or ZeroAdamW (1-3, on its shards) with the
+    dtype's loss scaler."""
     scaler = LossScaler(enabled=(dtype == "float16"), init_scale=ocfg.loss_scale)
-    if ocfg.zero:
+    if grads.zero_level:
         return ZeroAdamW(grads, ocfg, topo, scaler)
     return AdamW(named_params, ocfg, topo=topo, scaler=scaler)
 
@@ -51,7 +53,7 @@ class ZeroAdamW(ScaledOptimizer):
     """Sharded AdamW. Checkpoints read and write each rank's shards in place
     (:meth:`local_state`, :meth:`flat_shard`); ``state`` is a gathered copy (collective)."""
 
-    def __init__(self, grads: GradBuffers, ocfg, topo, scaler: LossScaler | None = None):
+    def __init__(self, grads: GradSync, ocfg, topo, scaler: LossScaler | None = None):
         self.cfg, self.grads, self.topo = ocfg, grads, topo
         self.scaler = scaler or LossScaler(enabled=False)
         self.params = grads.named
@@ -145,7 +147,7 @@ class ZeroAdamW(ScaledOptimizer):
     # -- checkpoint interface ---------------------------------------------------------
     def _overlaps(self):
         """(bucket state, name, shard lo, shard hi, param lo, param hi) for each parameter
-        that overlaps this rank's shard (see GradBuffers.segments)."""
+        that overlaps this rank's shard (see GradSync.segments)."""
         for b, st in zip(self.grads.buckets, self.shards):
             names = {id(p): n for n, p in zip(b.names, b.params)}
             for p, lo, hi, plo, phi in self.grads.segments(b):

@@ -7,9 +7,10 @@
   balancing, log-sum-exp merge, key/value gradients returned around the ring).
 - ``pipeline.py``: which layers live on which (virtual) stage.
 - ``moe_exchange.py``: expert parallelism, the token all-to-all over ``ep_comm``.
-- ``grad_sync/``: :class:`GradBuffers`, gradients in flat buckets summed over ``dpcp_comm`` /
-  ``edpcp_comm`` (dp, and cp when > 1; ZeRO shards, overlap).
-- ``grad_sync/hierarchical.py``: the two-level (within node, across nodes) dp reduction.
+- ``grad_sync/``: gradients summed over ``dpcp_comm`` / ``edpcp_comm`` (dp, and cp when > 1)
+  by one strategy behind one interface (:class:`~.grad_sync.GradSync`, chosen by
+  ``grad_sync.build``): buckets blocking, nonblocking or overlapped, per parameter,
+  hierarchical (within node, across nodes), ZeRO-1/2/3 shards.
 """
 
 from .build import build_model, named_parameters, virtual_stages

@@ -18,9 +18,9 @@ exit_tp  (SP)          reduce-scatter along T        all-gather along T
 
 With sequence parallelism the residual stream between blocks is ``(B, T/tp, C)``: norms and
 residual adds run on a slice of the sequence (their weights get partial gradients, summed
-over tp by ``parallel.data.GradBuffers.reduce`` via ``ParamMeta.sp_partial``). The embedding
-output passes through ``exit_tp`` (its vocab-partial sums become sequence slices) and the head
-through ``enter_tp``.
+over tp by the gradient sync's ``reduce`` in ``parallel/grad_sync/``, via
+``ParamMeta.sp_partial``). The embedding output passes through ``exit_tp`` (its vocab-partial
+sums become sequence slices) and the head through ``enter_tp``.
 
 Every collective here goes through ``comm.Group`` (axis ``"tp"``), so its time lands in
 the run's ``comm.Recorder`` and in ``metrics.jsonl`` under ``comm_s["tp"]``.

@@ -19,7 +19,7 @@ all-reduces and is 0 in the published descriptions. Calls counted per layer and 
 
 And what the gradient hooks and the dp reduction see: a rank's parameter tensors in the
 model's order (:func:`rank_sizes`, from the modules built on the meta device) and the
-buckets ``parallel/grad_sync/buffers.py`` cuts from them (:func:`buckets`).
+buckets ``parallel/grad_sync/layout.py`` cuts from them (:func:`buckets`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import functools
 import math
 
 from ..config import Config
+from ..parallel.grad_sync.layout import cut
 from ..telemetry.memory import DTYPE_BYTES
 from .cluster import Cluster, Link
 
@@ -169,12 +170,6 @@ def rank_sizes(cfg: Config, stages: list, ranges: list) -> list[int]:
 
 
 def buckets(sizes: list, limit: float) -> int:
-    """How many reduction buckets ``parallel/grad_sync/buffers.py`` cuts from tensors of
-    ``sizes`` bytes (in the model's order; cut in reverse, a bucket closes once it reaches
-    ``limit``)."""
-    n, acc = 0, 0
-    for b in reversed(sizes):
-        acc += b
-        if acc >= limit:
-            n, acc = n + 1, 0
-    return n + (acc > 0)
+    """How many reduction buckets the gradient sync cuts from tensors of ``sizes`` bytes (in
+    the model's order): ``parallel/grad_sync/layout.py``'s :func:`cut`."""
+    return len(cut(sizes, limit))

@@ -55,19 +55,19 @@ def step_seconds(stage, x, times: int = 1) -> float:
 
 def zero2_backwards(cfg: Config, group, alone, microbatches: int):
     """A timer of ``microbatches`` forwards + backwards of the whole model with ZeRO-2's
-    gradient hooks (``parallel/grad_sync/buffers.py``: the staging copy, the counts, posting a
+    gradient hooks (``parallel/grad_sync/sharded.py``: the staging copy, the counts, posting a
     reduce-scatter per bucket over ``group``, the tests that drive them) and the wait for
     the reductions at the end: (the timer, the model's parameter tensors). Collective over
     ``group`` (``alone``, a one-rank group: nothing travels)."""
     from types import SimpleNamespace
 
-    from ..parallel.grad_sync.buffers import GradBuffers
+    from ..parallel import grad_sync
 
     stage = whole_model(cfg)
     named = list(stage.named_parameters())
     topo = SimpleNamespace(dpcp_comm=group, edpcp_comm=group, tp_comm=alone, tp_size=1)
-    grads = GradBuffers(named, topo, cfg.optim.bucket_mb, zero=2,
-                        microbatches=microbatches, progress="test")
+    grads = grad_sync.create(named, topo, cfg.optim.bucket_mb, zero=2,
+                             microbatches=microbatches, progress="test")
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
 
     def run() -> float:

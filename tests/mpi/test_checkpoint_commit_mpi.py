@@ -19,7 +19,7 @@ from hpctrain.cli import inspect
 from hpctrain.config import CheckpointConfig, OptimConfig
 from hpctrain.model.stage import ParamMeta
 from hpctrain.optim import build_optimizer
-from hpctrain.parallel.grad_sync.buffers import GradBuffers
+from hpctrain.parallel import grad_sync
 
 pytestmark = pytest.mark.mpi
 
@@ -39,7 +39,7 @@ def _zero(topo):
         p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))
         p.hp = ParamMeta(shape)
         named.append((name, p))
-    grads = GradBuffers(named, topo, 300 / 2**20, zero=1)
+    grads = grad_sync.create(named, topo, 300 / 2**20, zero=1)
     return named, build_optimizer(named, OptimConfig(zero=1), topo, grads, "float64")
 
 
@@ -121,7 +121,8 @@ def test_site_hints_pass_through_unchanged_and_inspect_shows_them(topo, mpi_tmp_
         p = torch.nn.Parameter(torch.randn(shape, dtype=torch.float64))
         p.hp = ParamMeta(shape)
         named.append((name, p))
-    opt = build_optimizer(named, OptimConfig(), topo, GradBuffers(named, topo, 1.0), "float64")
+    opt = build_optimizer(named, OptimConfig(), topo, grad_sync.create(named, topo, 1.0),
+                          "float64")
     cfg = CheckpointConfig(mpi_hints=LUSTRE_GPFS_HINTS, alignment=1 << 20,
                            collective_io=collective_io)
     saver = store.Checkpointer(cfg, topo, mpi_tmp_path)

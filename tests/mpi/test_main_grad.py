@@ -16,7 +16,7 @@ from hpctrain import comm
 from hpctrain.config import OptimConfig
 from hpctrain.model.stage import ParamMeta, _param
 from hpctrain.optim import build_optimizer
-from hpctrain.parallel.grad_sync.buffers import GradBuffers
+from hpctrain.parallel import grad_sync
 
 pytestmark = pytest.mark.mpi
 
@@ -58,7 +58,7 @@ def one_step(topo, dtype, zero: int, overlap: bool, clip_to: float = 0.0,
         torch.nn.init.normal_(p.data)
     ocfg = OptimConfig(zero=zero, overlap=overlap, grad_clip=clip_to, weight_decay=0.0,
                        bucket_mb=200 / 2**20)
-    grads = GradBuffers(named, topo, ocfg.bucket_mb, zero=zero, overlap=overlap,
+    grads = grad_sync.create(named, topo, ocfg.bucket_mb, zero=zero, overlap=overlap,
                         microbatches=MICROBATCHES, progress=progress)
     opt = build_optimizer(named, ocfg, topo, grads, str(dtype).removeprefix("torch."))
     grads.zero()

@@ -14,7 +14,7 @@ from hpctrain.config import ModelConfig
 from hpctrain.model.layers import MLP, Attention, Rotary
 from hpctrain.model.stage import DecoderStage, LocalOps, init_parameters, local_slice
 from hpctrain.optim.adamw import global_grad_norm
-from hpctrain.parallel.grad_sync.buffers import GradBuffers
+from hpctrain.parallel import grad_sync
 from hpctrain.parallel.tensor import TensorParallelOps
 
 pytestmark = pytest.mark.mpi
@@ -121,7 +121,7 @@ def test_parallel_layer(tp, layer, sp, arch):
 def test_vocab_parallel_embedding_head_and_norm(tp, vocab, tie, sp):
     """Embedding -> final norm -> head -> vocab-parallel cross-entropy (vocab 11 and 5 pad
     the last rank; 5 over 4 ranks leaves one rank with padding only). The norm weight's
-    SP-partial gradient is summed by GradBuffers; the global grad norm counts each
+    SP-partial gradient is summed by the grad sync; the global grad norm counts each
     parameter once."""
     fits(tp, sp)
     cfg = ModelConfig(**{**CFG.__dict__, "vocab_size": vocab, "tie_embeddings": tie})
@@ -136,7 +136,7 @@ def test_vocab_parallel_embedding_head_and_norm(tp, vocab, tie, sp):
     ref = full(idx, targets)
     ref.backward()
     named = list(par.named_parameters())
-    grads = GradBuffers(named, fake_topo(tp), bucket_mb=1.0)  # .grad views, zeroed
+    grads = grad_sync.create(named, fake_topo(tp), bucket_mb=1.0)  # .grad views, zeroed
     loss = par(idx, targets)
     torch.testing.assert_close(loss, ref.detach(), **TOL)
     loss.backward()
@@ -170,7 +170,7 @@ def test_whole_stage(tp, sp, recompute, arch):
     idx, targets = torch.randint(0, cfg.vocab_size, (2, B, T), generator=g)
     ref = full(idx, targets)
     ref.backward()
-    grads = GradBuffers(list(par.named_parameters()), fake_topo(tp), bucket_mb=1.0)
+    grads = grad_sync.create(list(par.named_parameters()), fake_topo(tp), bucket_mb=1.0)
     loss = par(idx, targets)
     torch.testing.assert_close(loss, ref.detach(), **TOL)
     loss.backward()

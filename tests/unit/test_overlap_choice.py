@@ -8,7 +8,7 @@ import pytest
 from fakes import fake_topology
 
 from hpctrain.config import OptimConfig
-from hpctrain.parallel.grad_sync import buffers as data
+from hpctrain.parallel.grad_sync import choice as data
 
 
 def topo(dp_within_node: bool):
@@ -46,12 +46,13 @@ def test_an_explicit_choice_is_kept(multiple):
     assert data.overlap_on(OptimConfig(overlap=True), topo(True), "flat", "test")
 
 
-@pytest.mark.parametrize("change", [{"overlap_across_nodes": False},
-                                    {"reduction": "per-parameter"}])
-def test_no_automatic_overlap_when_turned_off_or_naive(multiple, change):
+@pytest.mark.parametrize("change, reduction", [({"overlap_across_nodes": False}, "bucketed"),
+                                               ({}, "per-parameter")])
+def test_no_automatic_overlap_when_turned_off_or_naive(multiple, change, reduction):
     multiple(True)
     ocfg = OptimConfig(**change)
-    assert not data.overlap_on(ocfg, topo(False), "flat", data.progress_for(ocfg, topo(False)))
+    assert not data.overlap_on(ocfg, topo(False), "flat", data.progress_for(ocfg, topo(False)),
+                               reduction)
 
 
 def test_not_with_hierarchical_reduction(multiple):

@@ -158,11 +158,11 @@ def test_trimmed_mean_drops_the_tails():
 ])
 def test_bucket_count_is_the_reduction_buckets_cut(overrides):
     """``collectives.buckets`` over ``rank_work``'s tensor sizes: as many buckets as
-    ``parallel/grad_sync/buffers.py`` cuts from the same stage's parameters."""
+    ``parallel/grad_sync/layout.py`` cuts from the same stage's parameters."""
     from fakes import fake_topology
 
     from hpctrain.model import DecoderStage
-    from hpctrain.parallel.grad_sync.buffers import GradBuffers
+    from hpctrain.parallel import grad_sync
     from hpctrain.parallel.pipeline import layer_ranges
     cfg = load(TINY, overrides)
     ranges = layer_ranges(cfg)
@@ -170,7 +170,7 @@ def test_bucket_count_is_the_reduction_buckets_cut(overrides):
     for r, w in enumerate(rank_work(cfg)):
         stage = DecoderStage(cfg.model, ranges[r], first=r == 0, last=r == len(ranges) - 1)
         named = list(stage.named_parameters())
-        real = GradBuffers(named, topo, cfg.optim.bucket_mb)
+        real = grad_sync.create(named, topo, cfg.optim.bucket_mb)
         assert w["tensors"] == len(named)
         assert sorted(w["sizes"]) == sorted(p.numel() for _, p in named)
         ps = named[0][1].element_size()

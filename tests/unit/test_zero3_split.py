@@ -8,74 +8,11 @@ one plain backward's (float64, 1e-12).
 
 import torch
 from fakes import fake_topology
-from torch import nn
+from grad_sync_fakes import D, OneRank, Stage
 
 from hpctrain.model import weight_grad
-from hpctrain.model.layers import ParamMeta
-from hpctrain.parallel.grad_sync.buffers import GradBuffers
-from hpctrain.parallel.grad_sync.zero3 import shard_parameters, units_of
+from hpctrain.parallel import grad_sync
 from hpctrain.pipeline.runner import input_grad
-
-D = 6
-
-
-class Done:
-    def __init__(self, fn=None):
-        self.fn = fn
-
-    def wait(self):
-        if self.fn is not None:
-            self.fn()
-            self.fn = None
-
-    def test(self):
-        self.wait()
-        return True
-
-
-class OneRank:
-    """A one-rank group: gathers copy the shard when waited for, and are counted."""
-    size, rank, axis, recorder = 1, 0, "dp", None
-
-    def __init__(self):
-        self.gathers = 0
-
-    def dup(self, axis, recorder):
-        return self
-
-    def iallgather(self, send, recv):
-        self.gathers += 1
-        return Done(lambda: recv.copy_(send))
-
-    def ireduce_scatter(self, send, recv):
-        return Done(lambda: recv.copy_(send))
-
-
-def _param(*shape):
-    p = nn.Parameter(torch.randn(*shape, dtype=torch.float64) / D)
-    p.hp = ParamMeta(shape)
-    return p
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = _param(D, D)
-
-    def forward(self, x):
-        return x + torch.tanh(weight_grad.linear(x, self.w))
-
-
-class Stage(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleDict({str(i): Block() for i in range(4)})
-        self.head = _param(3, D)
-
-    def forward(self, x):
-        for block in self.blocks.values():
-            x = block(x)
-        return weight_grad.linear(x, self.head).square().sum()
 
 
 def test_split_backward_gathers_unit_by_unit_and_matches_one_backward():
@@ -87,8 +24,8 @@ def test_split_backward_gathers_unit_by_unit_and_matches_one_backward():
     group = OneRank()
     topo = fake_topology(group=group)
     named = list(stage.named_parameters())
-    grads = GradBuffers(named, topo, 1.0, zero=3, units=units_of([stage]))
-    sharded = shard_parameters([stage], grads)
+    grads = grad_sync.create(named, topo, 1.0, zero=3, chunks=[stage])
+    sharded = grads.sharded
     grads.zero()
     block, root = (sharded.units[0].nbytes, sharded.units[-1].nbytes)
     assert block == D * D * 8 and root == D * 3 * 8

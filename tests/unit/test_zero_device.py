@@ -16,7 +16,7 @@ from hpctrain.config import OptimConfig
 from hpctrain.model.stage import ParamMeta
 from hpctrain.optim.adamw import LossScaler
 from hpctrain.optim.zero import ZeroAdamW
-from hpctrain.parallel.grad_sync.buffers import GradBuffers
+from hpctrain.parallel import grad_sync
 
 
 class DeviceRecorder(TorchDispatchMode):
@@ -48,7 +48,7 @@ def _meta_zero(tp_rank: int, scaler: bool) -> ZeroAdamW:
         p = torch.nn.Parameter(torch.empty(shape, device="meta"))
         p.hp = ParamMeta(shape, tp_dim=tp_dim)
         named.append((f"p{i}", p))
-    grads = GradBuffers(named, topo, bucket_mb=40 / 2**20, zero=1)
+    grads = grad_sync.create(named, topo, bucket_mb=40 / 2**20, zero=1)
     ocfg = OptimConfig(zero=1)
     return ZeroAdamW(grads, ocfg, topo, LossScaler(enabled=scaler, init_scale=8.0))
 

@@ -4,8 +4,9 @@
 spans nodes is reduced in three steps: reduce-scatter within the node, all-reduce of each
 shard across nodes (between ranks with the same node-local rank), all-gather within the
 node. Each node's link then carries one copy of the bucket per node rather than one per
-rank. The two-level groups are built with the gradient buffers (:func:`reducer`); nodes
-holding unequal numbers of a group's ranks fall back to the flat all-reduce.
+rank. The two-level groups are built at set-up (:func:`levels`); nodes holding unequal
+numbers of a group's ranks fall back to the flat all-reduce. :class:`HierarchicalBuckets` is
+the strategy (zero 0, no overlap): each bucket reduced this way after backward, in order.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import comm
+from .base import GradSync
 
 
 @dataclass
@@ -71,10 +73,16 @@ def levels(topo) -> dict[str, Hierarchy] | None:
     return {g.axis: build_hierarchy(g) for g in (topo.dpcp_comm, topo.edpcp_comm)}
 
 
-def reducer(topo):
-    """The per-bucket callable for ``GradBuffers(hierarchical=...)``, or None (flat dp).
-    Collective over dp_comm and edp_comm (builds :func:`levels`)."""
-    split = levels(topo)
-    if split is None:
-        return None
-    return lambda bucket: reduce_hierarchical(split[bucket.group.axis], bucket.flat)
+class HierarchicalBuckets(GradSync):
+    """Each bucket summed by :func:`reduce_hierarchical` over its group's two levels
+    (``split``: :func:`levels`), one after another."""
+
+    name = "hierarchical"
+
+    def __init__(self, layout, split: dict[str, Hierarchy]):
+        self.split = split
+        super().__init__(layout)
+
+    def _sum(self) -> None:
+        for b in self.buckets:
+            reduce_hierarchical(self.split[b.group.axis], b.flat)

@@ -1,6 +1,6 @@
 """ZeRO-3: parameters sharded like their gradients and optimizer state, gathered per block.
 
-With ``optim.zero = 3`` :class:`~.buffers.GradBuffers` cuts one bucket per
+With ``optim.zero = 3`` the strategy :class:`Zero3` cuts one bucket per
 *unit* and reduction group (:func:`units_of`: every block of a stage, and the stage's
 embedding / final norm / head as its "root" unit; a block's expert weights form a second
 bucket over ``edp_comm``). :class:`ShardedParams` then keeps, per bucket, only this rank's
@@ -19,9 +19,10 @@ Events (module hooks, no model change; the forward of a stage is always a module
   gradient is complete, i.e. just before the unit's backward: gather the unit again and
   prefetch the unit whose backward comes next (the previous block);
 - every parameter's post-accumulate-grad hook: once all parameters of a unit have their
-  gradient of this backward, the unit is freed. :class:`GradBuffers` (zero 2 logic) has
-  already moved the gradient into the unit's staging bucket and reduce-scatters it as soon
-  as the whole unit is done. :meth:`GradBuffers.reduce` frees whatever is left.
+  gradient of this backward, the unit is freed. :class:`Zero3` (ZeRO-2's hooks,
+  ``sharded.Zero2``) has already moved the gradient into the unit's staging bucket and
+  reduce-scatters it as soon as the whole unit is done. :meth:`Zero3.reduce` frees whatever
+  is left.
 
 Every gather is issued on every rank of the group at the same point of the same program
 (forward calls and gradient-ready hooks of the same graph), on a duplicate of the group's
@@ -48,6 +49,8 @@ import contextlib
 import functools
 
 import torch
+
+from .sharded import Zero2
 
 
 def units_of(chunks) -> list[list[str]]:
@@ -243,7 +246,14 @@ class ShardedParams:
                 unit.waiting = set()
 
 
-def shard_parameters(chunks, grads) -> ShardedParams:
-    """ZeRO-3 (``optim.zero = 3``): shard the parameters of ``grads``' buckets (built with
-    :func:`units_of`) and install the gather/free hooks on ``chunks``."""
-    return ShardedParams(chunks, grads)
+class Zero3(Zero2):
+    """ZeRO-2's gradient shards over one bucket per unit (a layout built with
+    :func:`units_of`), and the parameters sharded too: set-up shards them and installs the
+    gather/free hooks on ``chunks`` (:class:`ShardedParams`, ``self.sharded``)."""
+
+    name = "zero3"
+    zero_level = 3
+
+    def __init__(self, layout, chunks, *, microbatches: int = 1, progress: str = "test"):
+        super().__init__(layout, microbatches=microbatches, progress=progress)
+        ShardedParams(chunks, self)  # sets self.sharded
