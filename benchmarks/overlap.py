@@ -11,7 +11,7 @@ the strategy's ``reduce()``; the slowest rank's time. Variants, interleaved step
   by the final wait;
 - overlap, progress ``test``: the same, plus ``MPI_Test`` on every outstanding request from
   each gradient hook;
-- overlap, progress ``thread``: the offload thread runs each bucket's blocking all-reduce on
+- overlap, progress ``thread``: the progress thread runs each bucket's blocking all-reduce on
   a duplicate communicator while backward goes on (``comm/progress.py``);
 - per-parameter: one blocking all-reduce per parameter after backward (the naive baseline).
 
@@ -53,13 +53,13 @@ VARIANTS = {  # name -> grad_sync.create keywords (None: no reduction at all)
     "overlap, progress wait (libnbc)": {"overlap": True, "progress": "wait"},
     "overlap, progress test (libnbc + MPI_Test in hooks)": {"overlap": True,
                                                             "progress": "test"},
-    "overlap, progress thread (offload)": {"overlap": True, "progress": "thread"},
-    "overlap, progress poll (offload thread, libnbc + MPI_Test)": {"overlap": True,
+    "overlap, progress thread": {"overlap": True, "progress": "thread"},
+    "overlap, progress poll (progress thread, libnbc + MPI_Test)": {"overlap": True,
                                                                    "progress": "poll"},
     "per-parameter (naive)": {"mode": "per-parameter"},
 }
 BLOCKING, THREAD = "no overlap: blocking buckets after backward", \
-    "overlap, progress thread (offload)"
+    "overlap, progress thread"
 
 
 class Side:
@@ -123,13 +123,13 @@ def run(world, size: str, repeats: int) -> dict:
         ratio(f"step: no overlap / {label}", 0.0, ">= 1.0",
               pair_ratios(samples[BLOCKING], samples[n]))
         for label, n in (("thread", THREAD),
-                         ("poll", "overlap, progress poll (offload thread, libnbc + MPI_Test)"),
+                         ("poll", "overlap, progress poll (progress thread, libnbc + MPI_Test)"),
                          ("test", "overlap, progress test (libnbc + MPI_Test in hooks)"),
                          ("wait", "overlap, progress wait (libnbc)"))]
     out["ratios"].append(ratio("step: per-parameter / no overlap", 0.0, ">= 1.0",
                                pair_ratios(samples["per-parameter (naive)"], samples[BLOCKING])))
     exposed = {n: (median(v) - floor) * 1e3 for n, v in samples.items()}
-    for q, n in zip(out["ratios"], [THREAD, "overlap, progress poll (offload thread, libnbc + "
+    for q, n in zip(out["ratios"], [THREAD, "overlap, progress poll (progress thread, libnbc + "
                                     "MPI_Test)", "overlap, progress test (libnbc + MPI_Test "
                                     "in hooks)", "overlap, progress wait (libnbc)",
                                     "per-parameter (naive)"]):

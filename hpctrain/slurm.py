@@ -170,7 +170,7 @@ def attach(world, info) -> Job:
 
 
 def parse_end_time(value) -> float | None:
-    """SLURM end time as epoch seconds ('1764460800' or '2026-11-30T01:00:00')."""
+    """SLURM end time as epoch seconds; given as epoch seconds or as 'YYYY-MM-DDTHH:MM:SS'."""
     if not value:
         return None
     text = str(value).strip()

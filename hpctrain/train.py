@@ -231,7 +231,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
         if end_of_step(tr, record, t0):
             break
     tr.saver.wait()  # no save left in flight
-    tr.grads.close()  # the overlap's offload thread
+    tr.grads.close()  # the overlap's progress thread
     tr.tel.close()
     tr.log.close()
     tr.job.exit_if_stopped()  # preempted: exit 75, the job script requeues (slurm.py)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 class _ThreadRequest:
-    """What :class:`Handle` needs of a request, completed by the offload thread."""
+    """What :class:`Handle` needs of a request, completed by the progress thread."""
 
     def __init__(self):
         self.event = threading.Event()
@@ -40,7 +40,8 @@ class _ThreadRequest:
 
     def _check(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"offloaded collective failed: {self.error}") from self.error
+            raise RuntimeError(f"collective on the progress thread failed: "
+                               f"{self.error}") from self.error
 
     def Test(self) -> bool:  # noqa: N802 - mirrors MPI.Request
         done = self.event.is_set()
@@ -65,14 +66,14 @@ class ProgressThread:
     def __init__(self, groups: list[Group], poll_s: float = 0.0):
         provided = MPI.Query_thread()
         if provided != MPI.THREAD_MULTIPLE:
-            raise RuntimeError("the offload thread needs MPI_THREAD_MULTIPLE "
+            raise RuntimeError("the progress thread needs MPI_THREAD_MULTIPLE "
                                f"(MPI provides level {provided})")
         quiet = Recorder()  # the thread's own calls; the caller's recorder gets the waits
-        self._dups = {id(g): g.dup(f"{g.axis}-offload", quiet) for g in groups}
+        self._dups = {id(g): g.dup(f"{g.axis}-progress", quiet) for g in groups}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.poll_s = poll_s
         self._thread = threading.Thread(target=self._poll if poll_s else self._run,
-                                        daemon=True, name="hpctrain-offload")
+                                        daemon=True, name="hpctrain-progress")
         self._thread.start()
 
     def _run(self) -> None:
@@ -119,13 +120,13 @@ class ProgressThread:
     def allreduce_(self, group: Group, t: torch.Tensor) -> Handle:
         """In-place sum over ``group``; ``t`` is valid after ``wait()``."""
         dup = self._dups[id(group)]
-        return self._post(group, "allreduce (offload)", t.nbytes, lambda: dup.allreduce_(t),
+        return self._post(group, "allreduce (progress thread)", t.nbytes, lambda: dup.allreduce_(t),
                           lambda: dup.iallreduce_(t), t)
 
     def reduce_scatter(self, group: Group, send: torch.Tensor, recv: torch.Tensor) -> Handle:
         """:meth:`Group.reduce_scatter` of ``send`` into ``recv`` over ``group``."""
         dup = self._dups[id(group)]
-        return self._post(group, "reduce_scatter (offload)", send.nbytes,
+        return self._post(group, "reduce_scatter (progress thread)", send.nbytes,
                           lambda: dup.reduce_scatter(send, recv),
                           lambda: dup.ireduce_scatter(send, recv), (send, recv))
 

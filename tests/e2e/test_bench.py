@@ -21,8 +21,8 @@ PAIRS = {  # benchmark -> (ranks, variants that must both appear)
     "overlap": ((2, 4), ("compute only (no sync)", "no overlap: blocking buckets after backward",
                          "overlap, progress wait (libnbc)",
                          "overlap, progress test (libnbc + MPI_Test in hooks)",
-                         "overlap, progress thread (offload)",
-                         "overlap, progress poll (offload thread, libnbc + MPI_Test)",
+                         "overlap, progress thread",
+                         "overlap, progress poll (progress thread, libnbc + MPI_Test)",
                          "per-parameter (naive)")),
 }
 

@@ -73,7 +73,7 @@ def one_step(topo, dtype, zero: int, overlap: bool, clip_to: float = 0.0,
     return named, grads, norm, used
 
 
-# Overlapped reductions progress through the offload thread (default), MPI_Test from the
+# Overlapped reductions progress through the progress thread (default), MPI_Test from the
 # hooks, or the final wait alone: the same sums every way.
 @pytest.mark.parametrize("zero,overlap,progress", [
     (0, False, "thread"), (0, True, "thread"), (0, True, "test"), (0, True, "wait"),

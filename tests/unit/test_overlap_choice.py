@@ -24,7 +24,7 @@ def multiple(monkeypatch):
 
 
 @pytest.mark.parametrize("crosses, has_multiple, progress, overlap", [
-    (True, True, "thread", True),    # across nodes with a thread-safe MPI: offload thread
+    (True, True, "thread", True),    # across nodes with a thread-safe MPI: progress thread
     (True, False, "test", False),    # no THREAD_MULTIPLE: test loses over TCP, no overlap
     (False, True, "test", False),    # inside a node: blocking buckets (overlap measured slower)
     (False, False, "test", False),

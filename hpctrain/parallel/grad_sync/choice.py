@@ -16,7 +16,7 @@ def reduction_mode(cfg) -> str:
 
 
 def progress_for(ocfg, topo) -> str:
-    """``optim.overlap_progress`` with ``auto`` decided: the offload thread where the dp
+    """``optim.overlap_progress`` with ``auto`` decided: the progress thread where the dp
     groups cross nodes (``topo.within_node``, the same on every rank) and MPI provides
     ``MPI_THREAD_MULTIPLE``, else ``test`` (the comparison: docs/benchmarks.md, "Overlap and
     the naive baseline")."""

@@ -40,9 +40,9 @@ class PostedSync(GradSync):
         self._tested = 0  # _pending[:_tested] are complete (progress: test)
         self._next = 0  # reductions posted this step: the next is (k, bucket) = divmod
         super().__init__(layout)
-        self.offload = self._offload()
+        self.progress_thread = self._progress_thread()
 
-    def _offload(self) -> comm.ProgressThread | None:
+    def _progress_thread(self) -> comm.ProgressThread | None:
         """The thread that runs overlapped reductions (``progress`` thread or poll), over the
         groups with more than one rank. Collective over them (each is duplicated)."""
         if not self.overlap or self.progress not in ("thread", "poll"):
@@ -53,10 +53,10 @@ class PostedSync(GradSync):
         return comm.ProgressThread(used, poll_s) if used else None
 
     def close(self) -> None:
-        """Stop the offload thread, if any (after the reductions already posted)."""
-        if self.offload is not None:
-            self.offload.close()
-            self.offload = None
+        """Stop the progress thread, if any (after the reductions already posted)."""
+        if self.progress_thread is not None:
+            self.progress_thread.close()
+            self.progress_thread = None
 
     def zero(self) -> None:
         super().zero()
@@ -108,7 +108,7 @@ class PostedSync(GradSync):
     def _post(self, b: Bucket) -> None:
         b.posted += 1
         self._next += 1
-        thread = self.offload if b.group.size > 1 else None
+        thread = self.progress_thread if b.group.size > 1 else None
         started = self._start(b, thread)
         if started is not None:
             self._pending.append((started[0], b, started[1]))
