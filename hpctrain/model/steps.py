@@ -42,19 +42,36 @@ class Exchange(NamedTuple):
     recv_rows: Any  # rows from each peer
 
 
-def drive(gen):
-    """Run a stepped forward with module calls and blocking exchanges; return its result."""
+def answer(gen, respond):
+    """Generator: run ``gen``, sending back what ``respond(request)`` returns for each of its
+    requests, and return ``gen``'s result. ``respond`` is a generator function: it may step
+    into further generators or pass a request further up (``yield``)."""
     value = None
     while True:
         try:
             req = gen.send(value)
         except StopIteration as stop:
             return stop.value
-        if isinstance(req, RunBlock):
-            value = req.block(req.x)
-        elif isinstance(req, RunExperts):
-            value = (req.h, req.layer(req.xs))
-        else:
-            ex = req.layer.exchange
-            move = ex.dispatch if req.kind == "dispatch" else ex.combine
-            value = move(req.rows, req.send_rows, req.recv_rows)
+        value = yield from respond(req)
+
+
+def drive(gen):
+    """Run a stepped forward with module calls and blocking exchanges; return its result."""
+    run = answer(gen, _blocking)
+    try:
+        next(run)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a blocking forward passed a request up")  # _blocking never yields
+
+
+def _blocking(req):
+    """The plain answer to a request: a module call, the layer, the blocking exchange."""
+    if isinstance(req, RunBlock):
+        return req.block(req.x)
+    if isinstance(req, RunExperts):
+        return (req.h, req.layer(req.xs))
+    ex = req.layer.exchange
+    move = ex.dispatch if req.kind == "dispatch" else ex.combine
+    return move(req.rows, req.send_rows, req.recv_rows)
+    yield  # a generator function that never pauses (see answer)

@@ -22,6 +22,7 @@ import time
 import torch
 
 from ..model import RunBlock, RunExperts
+from ..model.steps import answer
 from ..parallel.moe_exchange import exchange_of
 from .actions import Action, parse
 from .moe_overlap import check_ep_order
@@ -40,24 +41,22 @@ def stage_steps(stage, x, targets, cuts: list | None, exchange):
 def _relay(gen, cuts: list | None, exchange):
     """Answer ``gen``'s RunBlock/RunExperts requests by stepping into them; pass its
     Exchange requests up to the schedule's D/C/... actions. Returns ``gen``'s result."""
-    value = None
-    while True:
-        try:
-            req = gen.send(value)
-        except StopIteration as stop:
-            return stop.value
-        if isinstance(req, RunBlock):
-            if req.block.stepped:
-                value = yield from _relay(req.block.steps(req.x), cuts, exchange)
-            else:
-                value = req.block(req.x)  # nothing to pause for
-            if exchange is not None:  # None: no MoE layer on this rank
-                exchange.progress()
-        elif isinstance(req, RunExperts):
-            h, xs = (req.h, req.xs) if cuts is None else _cut(req, cuts)
-            value = (h, (yield from _relay(req.layer.steps(xs), cuts, exchange)))
+    return (yield from answer(gen, lambda req: _respond(req, cuts, exchange)))
+
+
+def _respond(req, cuts: list | None, exchange):
+    if isinstance(req, RunBlock):
+        if req.block.stepped:
+            value = yield from _relay(req.block.steps(req.x), cuts, exchange)
         else:
-            value = yield req
+            value = req.block(req.x)  # nothing to pause for
+        if exchange is not None:  # None: no MoE layer on this rank
+            exchange.progress()
+        return value
+    if isinstance(req, RunExperts):
+        h, xs = (req.h, req.xs) if cuts is None else _cut(req, cuts)
+        return (h, (yield from _relay(req.layer.steps(xs), cuts, exchange)))
+    return (yield req)
 
 
 def _cut(req: RunExperts, cuts: list):
