@@ -28,6 +28,7 @@ import functools
 import math
 
 from ..config import Config
+from ..model.moe import is_moe_layer
 from ..parallel.grad_sync.layout import cut
 from ..telemetry.memory import DTYPE_BYTES
 from .cluster import Cluster, Link
@@ -126,10 +127,6 @@ def zero3_exposed(cfg: Config, cluster: Cluster, w: dict, link: Link, fwd: float
 
 
 # -- parameter tensors: gradient hooks and reduction buckets ------------------------------
-def is_moe(m, i: int) -> bool:
-    return bool(m.num_experts) and (i + 1) % max(1, m.moe_every) == 0
-
-
 @functools.lru_cache(maxsize=64)
 def parameter_tensors(m) -> dict:
     """Element counts of the parameter tensors (each has a gradient hook), in the model's
@@ -147,8 +144,8 @@ def parameter_tensors(m) -> dict:
                 if not n.startswith("blocks.")]
         return (tuple(p.numel() for n, p in named if n.startswith("blocks.")),
                 tuple(e for pre, e in ends if pre), tuple(e for pre, e in ends if not pre))
-    dense = next((i for i in range(m.n_layers) if not is_moe(m, i)), None)
-    moe = next((i for i in range(m.n_layers) if is_moe(m, i)), None)
+    dense = next((i for i in range(m.n_layers) if not is_moe_layer(m, i)), None)
+    moe = next((i for i in range(m.n_layers) if is_moe_layer(m, i)), None)
     i = 0 if dense is None else dense
     out = {"dense": () if dense is None else sizes(i, False, False)[0],
            "moe": () if moe is None else sizes(moe, False, False)[0]}
@@ -164,7 +161,7 @@ def rank_sizes(cfg: Config, stages: list, ranges: list) -> list[int]:
     out = []
     for s in stages:
         pre, post = n[(s == 0, s == len(ranges) - 1)]
-        out += [*pre, *(e for i in ranges[s] for e in n["moe" if is_moe(m, i) else "dense"]),
+        out += [*pre, *(e for i in ranges[s] for e in n["moe" if is_moe_layer(m, i) else "dense"]),
                 *post]
     return [e // t.tp if e > m.d_model else e for e in out]
 

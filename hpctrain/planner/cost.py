@@ -56,13 +56,14 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..config import Config, microbatches
+from ..model.families import family_of
+from ..model.moe import is_moe_layer
 from ..telemetry.flops import train_flops_per_token
 from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate, stage_params
 from .cluster import Cluster, Link
 from .collectives import (
     allreduce,
     buckets,
-    is_moe,
     rank_sizes,
     ring_exposed,
     scatter,
@@ -171,11 +172,8 @@ def layer_flops(cfg: Config, i: int, full: bool = False) -> float:
     """Forward FLOPs per token of block ``i`` (``telemetry/flops.py``'s terms; ``full``: the
     keys a causal mask hides are computed too, as attention without a fused kernel does)."""
     m, T = cfg.model, cfg.train.seq_len
-    C, F = m.d_model, m.ffn_dim
-    attention = 2 * 4 * C * C + 2 * 2 * C * (T if full else (T + 1) / 2)
-    if is_moe(m, i):
-        return attention + 2 * C * m.num_experts + m.top_k * 2 * 2 * C * F
-    return attention + 2 * 2 * C * F
+    terms = family_of(m).flop_terms(m, T if full else (T + 1) / 2)
+    return terms.attention + (terms.moe_mlp if is_moe_layer(m, i) else terms.dense_mlp)
 
 
 def rank_work(cfg: Config, full: bool = False) -> list[dict]:
@@ -193,7 +191,7 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
         layers = [i for s in stages for i in ranges[s]]
         flops = sum(layer_flops(cfg, i, full) for i in layers)
         flops += 2 * m.d_model * m.vocab_size if S - 1 in stages else 0
-        moe = sum(1 for i in layers if is_moe(m, i))
+        moe = sum(1 for i in layers if is_moe_layer(m, i))
         first, last = 0 in stages, S - 1 in stages
         params = sum(stage_params(cfg, len(ranges[s]), s == 0, s == S - 1) for s in stages)
         sizes = rank_sizes(cfg, stages, ranges)

@@ -34,13 +34,12 @@ import torch
 
 from ..config import ModelConfig
 from ..model.families import family_of
+from ..model.moe import is_moe_layer
 
 
 def moe_layer_count(m: ModelConfig) -> int:
     """How many of the ``n_layers`` blocks carry a mixture of experts."""
-    if not m.num_experts:
-        return 0
-    return sum(1 for i in range(m.n_layers) if (i + 1) % max(1, m.moe_every) == 0)
+    return sum(1 for i in range(m.n_layers) if is_moe_layer(m, i))
 
 
 def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
