@@ -45,8 +45,7 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint import Checkpointer
-from hpctrain.checkpoint import checkpointer as store
+from hpctrain.checkpoint import Checkpointer, checkpointer
 from hpctrain.config import CheckpointConfig, TopologyConfig
 from hpctrain.model import ParamMeta, shard_range
 from hpctrain.topology import Topology
@@ -151,14 +150,14 @@ def _variants(s: _Setup, nbytes: int, step: int) -> dict:
     out["hdf5 save (hpctrain)"] = _timed(world, lambda: s.saver.save(step, s.params,
                                                                      _NoOptimizer, {}))
     out["hdf5 write phase"] = s.saver.take_metrics()["ckpt_write_s"]
-    path = d / "h5" / store.step_name(step)
+    path = d / "h5" / checkpointer.step_name(step)
     out["hdf5 load (hpctrain)"] = _timed(world, lambda: s.saver.load(path, s.params,
                                                                      _NoOptimizer))
     out["hdf5 load, another layout (columns)"] = _timed(
         world, lambda: s.saver.load(path, s.cols, _NoOptimizer))
     out["hdf5 save, fixed cost (8 x 4 KiB per rank)"] = _timed(
         world, lambda: s.small.save(step, s.tiny, _NoOptimizer, {}))
-    tiny = d / "tiny" / store.step_name(step)
+    tiny = d / "tiny" / checkpointer.step_name(step)
     out["hdf5 load, fixed cost (8 x 4 KiB per rank)"] = _timed(
         world, lambda: s.small.load(tiny, s.tiny, _NoOptimizer))
     # checkpoint.collective_io = true: collective MPI-IO for datasets >= 64 KiB.

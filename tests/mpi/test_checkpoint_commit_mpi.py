@@ -13,7 +13,7 @@ import torch
 from fakes import fake_topology
 
 from hpctrain import comm
-from hpctrain.checkpoint import checkpointer as store
+from hpctrain.checkpoint import checkpointer
 from hpctrain.checkpoint.integrity import describe
 from hpctrain.cli import inspect
 from hpctrain.config import CheckpointConfig, OptimConfig
@@ -44,9 +44,9 @@ def _zero(topo):
 
 
 def test_zero_shards_saved_in_place_and_synced_by_every_rank(topo, mpi_tmp_path, monkeypatch):
-    if not store.h5py_has_mpi():
+    if not checkpointer.h5py_has_mpi():
         pytest.fail("h5py without MPI: this test is about the MPI-IO writer")
-    monkeypatch.delenv(store.SERIAL_ENV, raising=False)
+    monkeypatch.delenv(checkpointer.SERIAL_ENV, raising=False)
     named, opt = _zero(topo)
     for st, b in zip(opt.shards, opt.grads.buckets):  # moments = global element index
         lo, hi = b.shard_range
@@ -62,7 +62,7 @@ def test_zero_shards_saved_in_place_and_synced_by_every_rank(topo, mpi_tmp_path,
         (time.monotonic(), "replace", Path(a).name)), real_replace(a, b)))
     monkeypatch.setattr(h5py.File, "close", lambda f: (events.append(
         (time.monotonic(), "close", "")), real_close(f)))
-    saver = store.Checkpointer(CheckpointConfig(), topo, mpi_tmp_path,
+    saver = checkpointer.Checkpointer(CheckpointConfig(), topo, mpi_tmp_path,
                                collective_min_bytes=64)
     final = saver.save(3, named, opt, {})
     every = topo.world.allgather_obj(events)
@@ -99,9 +99,9 @@ def test_site_hints_pass_through_unchanged_and_inspect_shows_them(topo, mpi_tmp_
     MPI.Info handed to HDF5), are recorded in the file with those MPI applied
     (MPI_File_get_info), and `inspect` shows both with the alignment: every dataset of >=
     64 KiB starts on a stripe (1 MiB) boundary."""
-    if not store.h5py_has_mpi():
+    if not checkpointer.h5py_has_mpi():
         pytest.fail("h5py without MPI: this test is about the MPI-IO writer")
-    monkeypatch.delenv(store.SERIAL_ENV, raising=False)
+    monkeypatch.delenv(checkpointer.SERIAL_ENV, raising=False)
     opened, applied = [], []
     real_info, real_applied = comm.mpi_info, comm.applied_hints
 
@@ -125,7 +125,7 @@ def test_site_hints_pass_through_unchanged_and_inspect_shows_them(topo, mpi_tmp_
                           "float64")
     cfg = CheckpointConfig(mpi_hints=LUSTRE_GPFS_HINTS, alignment=1 << 20,
                            collective_io=collective_io)
-    saver = store.Checkpointer(cfg, topo, mpi_tmp_path)
+    saver = checkpointer.Checkpointer(cfg, topo, mpi_tmp_path)
     final = saver.save(1, named, opt, {})
     assert opened and all(o == LUSTRE_GPFS_HINTS for o in opened), opened
     assert len(applied) == 1 and applied[0], applied  # probed once, at the first save

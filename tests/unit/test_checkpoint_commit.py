@@ -9,7 +9,7 @@ import pytest
 import torch
 from fakes import fake_topology
 
-from hpctrain.checkpoint import checkpointer as store
+from hpctrain.checkpoint import checkpointer
 from hpctrain.checkpoint.integrity import verify
 from hpctrain.config import CheckpointConfig, OptimConfig
 from hpctrain.model.stage import ParamMeta
@@ -17,7 +17,7 @@ from hpctrain.optim.adamw import AdamW
 
 
 def _saver(tmp_path, monkeypatch):
-    monkeypatch.setenv(store.SERIAL_ENV, "1")
+    monkeypatch.setenv(checkpointer.SERIAL_ENV, "1")
     topo = fake_topology()
     named = []
     for name, shape in (("w", (6, 5)), ("b", (7,))):
@@ -25,7 +25,8 @@ def _saver(tmp_path, monkeypatch):
         p.hp = ParamMeta(shape)
         named.append((name, p))
     opt = AdamW(named, OptimConfig())
-    saver = store.Checkpointer(CheckpointConfig(), topo, tmp_path / "ckpt", warn=lambda m: None)
+    saver = checkpointer.Checkpointer(CheckpointConfig(), topo, tmp_path / "ckpt",
+                                      warn=lambda m: None)
     return saver, named, opt
 
 
@@ -70,7 +71,7 @@ def test_a_region_nobody_writes_is_refused(tmp_path, monkeypatch):
     disk held, and its checksum would certify it. The save refuses instead."""
     saver, named, opt = _saver(tmp_path, monkeypatch)
     first = saver.save(1, named, opt, {})
-    real = store.pieces_of
+    real = checkpointer.pieces_of
 
     def missing_rows(named_params, optimizer, topo):
         out = real(named_params, optimizer, topo)
@@ -80,8 +81,8 @@ def test_a_region_nobody_writes_is_refused(tmp_path, monkeypatch):
                 piece.parts[0] = (lambda t, v=view: v(t)[:2], (start, (2, *count[1:])))
         return out
 
-    monkeypatch.setattr(store, "pieces_of", missing_rows)
-    with pytest.raises(store.IncompleteCheckpoint, match=r"optim/w/exp_avg \(10 of 30"):
+    monkeypatch.setattr(checkpointer, "pieces_of", missing_rows)
+    with pytest.raises(checkpointer.IncompleteCheckpoint, match=r"optim/w/exp_avg \(10 of 30"):
         saver.save(2, named, opt, {})
     d = saver.dir
     assert (d / "latest").read_text().strip() == first.name

@@ -12,9 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpctrain.checkpoint import checkpointer as store
+from hpctrain.checkpoint import checkpointer, write
 from hpctrain.checkpoint import integrity as cv
-from hpctrain.checkpoint import write
 from hpctrain.checkpoint.layout import box_runs, flat_boxes
 from hpctrain.config import CheckpointConfig, dumps_toml, load
 
@@ -94,9 +93,9 @@ def test_verify_write_refuses_bytes_that_differ_from_memory(tmp_path, monkeypatc
 
     monkeypatch.setattr(write, "transfer", corrupting)
     if verify:
-        with pytest.raises(store.CorruptCheckpoint, match=r"model/w"):
+        with pytest.raises(checkpointer.CorruptCheckpoint, match=r"model/w"):
             saver.save(2, named, opt, {})
-        assert store.latest(saver.dir) == first
+        assert checkpointer.latest(saver.dir) == first
         assert sorted(p.name for p in saver.dir.iterdir()) == ["latest", first.name]
     else:
         second = saver.save(2, named, opt, {})

@@ -8,7 +8,7 @@ import pytest
 from fakes import fake_topology
 
 from hpctrain.config import OptimConfig
-from hpctrain.parallel.grad_sync import choice as data
+from hpctrain.parallel.grad_sync import choice
 
 
 def topo(dp_within_node: bool):
@@ -19,7 +19,7 @@ def topo(dp_within_node: bool):
 def multiple(monkeypatch):
     def set_level(ok: bool):
         level = "MPI_THREAD_MULTIPLE" if ok else "MPI_THREAD_SERIALIZED"
-        monkeypatch.setattr(data.comm, "thread_multiple", lambda: (ok, level))
+        monkeypatch.setattr(choice.comm, "thread_multiple", lambda: (ok, level))
     return set_level
 
 
@@ -33,17 +33,17 @@ def test_auto(multiple, crosses, has_multiple, progress, overlap):
     multiple(has_multiple)
     ocfg, t = OptimConfig(), topo(dp_within_node=not crosses)
     assert ocfg.overlap_progress == "auto"
-    assert data.progress_for(ocfg, t) == progress
-    assert data.overlap_on(ocfg, t, "flat", data.progress_for(ocfg, t)) is overlap
+    assert choice.progress_for(ocfg, t) == progress
+    assert choice.overlap_on(ocfg, t, "flat", choice.progress_for(ocfg, t)) is overlap
 
 
 def test_an_explicit_choice_is_kept(multiple):
     multiple(False)
     ocfg = OptimConfig(overlap_progress="test")
-    assert data.progress_for(ocfg, topo(False)) == "test"
-    assert data.overlap_on(ocfg, topo(False), "flat", "test")  # the user asked for test
-    assert not data.overlap_on(ocfg, topo(True), "flat", "test")  # inside a node: off
-    assert data.overlap_on(OptimConfig(overlap=True), topo(True), "flat", "test")
+    assert choice.progress_for(ocfg, topo(False)) == "test"
+    assert choice.overlap_on(ocfg, topo(False), "flat", "test")  # the user asked for test
+    assert not choice.overlap_on(ocfg, topo(True), "flat", "test")  # inside a node: off
+    assert choice.overlap_on(OptimConfig(overlap=True), topo(True), "flat", "test")
 
 
 @pytest.mark.parametrize("change, reduction", [({"overlap_across_nodes": False}, "bucketed"),
@@ -51,11 +51,11 @@ def test_an_explicit_choice_is_kept(multiple):
 def test_no_automatic_overlap_when_turned_off_or_naive(multiple, change, reduction):
     multiple(True)
     ocfg = OptimConfig(**change)
-    assert not data.overlap_on(ocfg, topo(False), "flat", data.progress_for(ocfg, topo(False)),
+    assert not choice.overlap_on(ocfg, topo(False), "flat", choice.progress_for(ocfg, topo(False)),
                                reduction)
 
 
 def test_not_with_hierarchical_reduction(multiple):
     multiple(True)
     ocfg = OptimConfig()
-    assert not data.overlap_on(ocfg, topo(False), "hierarchical", "thread")
+    assert not choice.overlap_on(ocfg, topo(False), "hierarchical", "thread")
