@@ -1,5 +1,7 @@
-"""The ``hpctrain`` command line. Each subcommand lives in ``hpctrain/cli/<name>.py`` with
-``add_arguments(parser)`` and ``run(args) -> int``; add a new one to COMMANDS.
+"""hpctrain: train large neural networks with plain MPI (one process per rank).
+
+Each subcommand lives in ``hpctrain/cli/<name>.py`` with ``add_arguments(parser)`` and
+``run(args) -> int``; add a new one to COMMANDS.
 
 Training is launched on every rank, under MPI:
     mpirun -n 4 python -m mpi4py -m hpctrain train share/configs/demo.toml --run-dir runs/demo
