@@ -1,8 +1,10 @@
 """Stand-ins for a process group and a ``Topology`` in tests that run without MPI (or that
 use one real group for every axis): the attributes and calls the code under test reaches,
-nothing more.
+nothing more. ``Stage`` is a float64 stage of 4 blocks and a head (ZeRO-3's units) whose
+matmuls go through ``model.weight_grad.linear``.
 
-``OneRank()`` is a group of one process: a collective returns what it would on one rank.
+``OneRank()`` is a group of one process: a collective returns what it would on one rank
+(nonblocking ones complete when waited for; all-gathers are counted in ``gathers``).
 ``fake_topology(...)`` is a layout of ``tp`` x ``dp`` (x ``ep``) ranks seen from one of them:
 sizes and ranks per axis, the data-parallel groups (``dpcp_comm``, ``edpcp_comm``: ``group``
 when given, else a group record of ``dp`` ranks), ``world`` and ``dims`` in the grid order of
@@ -14,15 +16,53 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import torch
+from torch import nn
+
+from hpctrain.model import weight_grad
+from hpctrain.model.layers import ParamMeta
+
+
+class Done:
+    """A handle whose operation runs when waited for (or tested)."""
+
+    def __init__(self, fn=None):
+        self.fn = fn
+
+    def wait(self):
+        if self.fn is not None:
+            self.fn()
+            self.fn = None
+
+    def test(self):
+        self.wait()
+        return True
 
 
 class OneRank:
     """A group of one process: rank 0 of 1, the comm.Group calls tests reach."""
 
-    rank, size = 0, 1
+    rank, size, recorder = 0, 1, None
 
     def __init__(self, axis: str = "world"):
         self.axis = axis
+        self.gathers = 0
+
+    def dup(self, axis, recorder):
+        return self
+
+    def allreduce_(self, t):
+        return t
+
+    def iallreduce_(self, t):
+        return Done()
+
+    def iallgather(self, send, recv):
+        self.gathers += 1
+        return Done(lambda: recv.copy_(send))
+
+    def ireduce_scatter(self, send, recv):
+        return Done(lambda: recv.copy_(send))
 
     def barrier(self):
         pass
@@ -58,3 +98,33 @@ def fake_topology(tp: int = 1, tp_rank: int = 0, dp: int = 1, dp_rank: int = 0, 
     for name, value in extra.items():
         setattr(topo, name, value)
     return topo
+
+
+D = 6
+
+
+def _param(*shape):
+    p = nn.Parameter(torch.randn(*shape, dtype=torch.float64) / D)
+    p.hp = ParamMeta(shape)
+    return p
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = _param(D, D)
+
+    def forward(self, x):
+        return x + torch.tanh(weight_grad.linear(x, self.w))
+
+
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): Block() for i in range(4)})
+        self.head = _param(3, D)
+
+    def forward(self, x):
+        for block in self.blocks.values():
+            x = block(x)
+        return weight_grad.linear(x, self.head).square().sum()

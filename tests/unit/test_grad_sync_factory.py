@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from grad_sync_fakes import D, OneRank, Stage
+from fakes import D, OneRank, Stage
 
 from hpctrain.config import load
 from hpctrain.parallel import grad_sync
@@ -26,7 +26,7 @@ from hpctrain.parallel.grad_sync.zero3 import Zero3
 
 
 def _topo(cfg, crosses_nodes: bool = False):
-    group = OneRank()
+    group = OneRank("dp")
     return SimpleNamespace(dpcp_comm=group, edpcp_comm=group, tp_comm=group, tp_size=1,
                            within_node={"dp": not crosses_nodes}, cfg=cfg.topology)
 

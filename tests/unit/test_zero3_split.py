@@ -7,8 +7,7 @@ one plain backward's (float64, 1e-12).
 """
 
 import torch
-from fakes import fake_topology
-from grad_sync_fakes import D, OneRank, Stage
+from fakes import D, OneRank, Stage, fake_topology
 
 from hpctrain.model import weight_grad
 from hpctrain.parallel import grad_sync
@@ -21,7 +20,7 @@ def test_split_backward_gathers_unit_by_unit_and_matches_one_backward():
     x = torch.randn(5, D, dtype=torch.float64, requires_grad=True)
     stage(x).backward()  # the reference gradients, before sharding
     want = {n: p.grad.clone() for n, p in stage.named_parameters()}
-    group = OneRank()
+    group = OneRank("dp")
     topo = fake_topology(group=group)
     named = list(stage.named_parameters())
     grads = grad_sync.create(named, topo, 1.0, zero=3, chunks=[stage])
