@@ -285,7 +285,7 @@ def context_positions(seq_len: int, cp_size: int, cp_rank: int) -> np.ndarray:
     """The positions of a sequence that cp rank ``cp_rank`` holds: chunks ``cp_rank`` and
     ``2*cp_size-1-cp_rank`` of ``2*cp_size`` equal chunks (causal load balancing: every
     rank gets one early and one late chunk, so the same attention work), in increasing
-    order. All positions when ``cp_size`` is 1. Matches ``parallel.context.segments``."""
+    order. All positions when ``cp_size`` is 1. Matches ``parallel.ring_attention.segments``."""
     if cp_size == 1:
         return np.arange(seq_len)
     c = seq_len // (2 * cp_size)

@@ -73,7 +73,7 @@ class StepState:
     def __init__(self, chunks, microbatches, topo, cfg, loss_scale: float, sched: Schedule,
                  sharded=None):
         self.chunks, self.microbatches, self.topo = chunks, microbatches, topo
-        self.sharded = sharded  # zero 3: parallel.zero3.ShardedParams (gathers around B, W)
+        self.sharded = sharded  # zero 3: grad_sync.zero3.ShardedParams (gathers around B, W)
         self.loss_scale, self.sched = loss_scale, sched
         self.rank = topo.pp_rank
         self.split = any(a.kind == "W" for a in sched.ranks[self.rank])

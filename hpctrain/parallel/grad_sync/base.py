@@ -101,7 +101,7 @@ class GradSync(abc.ABC):
                 self.topo.tp_comm.allreduce_(main_grad(p))
 
     def close(self) -> None:  # noqa: B027 (most strategies hold nothing beyond a step)
-        """Release what the strategy holds beyond the step (an progress thread)."""
+        """Release what the strategy holds beyond the step (a progress thread)."""
 
     # -- geometry and memory -------------------------------------------------------------
     def segments(self, b: Bucket):

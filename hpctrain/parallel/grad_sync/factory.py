@@ -60,7 +60,7 @@ def create(named, topo, bucket_mb: float, *, zero: int = 0, overlap: bool = Fals
     """The strategy for these choices over ``named`` parameters. ``split``: the two-level
     groups (``hierarchical.levels``) for a hierarchical reduction; ``chunks``: the model
     chunks, ZeRO-3 only (its units and hooks). Collective over the groups with more than one
-    rank where an progress thread starts (``progress`` thread or poll) or ZeRO-3 shards."""
+    rank where a progress thread starts (``progress`` thread or poll) or ZeRO-3 shards."""
     cls = choose(zero, overlap, mode, "flat" if split is None else "hierarchical")
     units = units_of(chunks) if cls is Zero3 else None
     layout = BucketLayout(named, topo, bucket_mb, sharded=zero > 0, units=units)

@@ -66,6 +66,11 @@ def main_grad(p: torch.Tensor) -> torch.Tensor | None:
     return p.grad
 
 
+def group_key(p: torch.Tensor) -> str:
+    """The reduction group of a parameter: ``edp`` for an expert's, ``dp`` for a dense one's."""
+    return "edp" if p.hp.expert_dim is not None else "dp"
+
+
 def cut(sizes: list, limit: float) -> list[list[int]]:
     """The buckets of tensors of ``sizes`` bytes (in the model's order): lists of indices into
     ``sizes``, walked in reverse; a bucket closes once its bytes reach ``limit``."""
@@ -90,7 +95,7 @@ class BucketLayout:
         self.named, self.topo, self.sharded = list(named), topo, sharded
         by_group: dict[str, list] = {"dp": [], "edp": []}
         for name, p in self.named:
-            by_group["edp" if p.hp.expert_dim is not None else "dp"].append((name, p))
+            by_group[group_key(p)].append((name, p))
         self.groups = {"dp": topo.dpcp_comm, "edp": topo.edpcp_comm}  # = dp/edp when cp = 1
         self.buckets: list[Bucket] = []
         self.runs: list[list[Bucket]] = []  # the buckets of each _add call (one flat each)
@@ -98,8 +103,7 @@ class BucketLayout:
             names = dict(self.named)
             for k, unit in enumerate(units):
                 for key in by_group:
-                    items = [(n, names[n]) for n in unit
-                             if (names[n].hp.expert_dim is not None) == (key == "edp")]
+                    items = [(n, names[n]) for n in unit if group_key(names[n]) == key]
                     if items:
                         self._add(items, self.groups[key], 2**62, unit=k)
         else:

@@ -5,7 +5,7 @@ gradients still live in the flat buffers of the layout."""
 from __future__ import annotations
 
 from .base import GradSync
-from .layout import BucketLayout, main_grad
+from .layout import BucketLayout, group_key, main_grad
 
 
 def reduce_per_parameter(layout: BucketLayout) -> None:
@@ -15,8 +15,7 @@ def reduce_per_parameter(layout: BucketLayout) -> None:
     for p in layout.sp_params:
         topo.tp_comm.allreduce_(main_grad(p))
     for _, p in layout.named:
-        group = topo.edpcp_comm if p.hp.expert_dim is not None else topo.dpcp_comm
-        group.allreduce_(main_grad(p))
+        layout.groups[group_key(p)].allreduce_(main_grad(p))
 
 
 class PerParameter(GradSync):

@@ -93,7 +93,6 @@ class ShardedParams:
     """This rank's parameter shards and the hooks that gather and free them."""
 
     def __init__(self, chunks, grads):
-        self.grads, grads.sharded = grads, self
         groups: dict = {}
         by_unit: dict[int, list] = {}
         for b in grads.buckets:
@@ -256,4 +255,4 @@ class Zero3(Zero2):
 
     def __init__(self, layout, chunks, *, microbatches: int = 1, progress: str = "test"):
         super().__init__(layout, microbatches=microbatches, progress=progress)
-        ShardedParams(chunks, self)  # sets self.sharded
+        self.sharded = ShardedParams(chunks, self)
