@@ -1,10 +1,11 @@
 """What a resume refuses and what it carries over, through the real CLI.
 
 Refused (exit 2 on every rank, one line naming what differs, before a step is taken and with
-nothing written into the checkpoint directory): another data seed or global batch size than
-the checkpoint's (unless ``data.allow_changed``, which lineage.json records), a checkpoint of
-another model's shape, a checkpoint that lacks a tensor. Carried over: float16's dynamic loss
-scale and its growth tracker.
+nothing written into the checkpoint directory): another data seed, global batch size or
+sequence length than the checkpoint's (unless ``data.allow_changed``, which lineage.json
+records), a checkpoint of another model's shape, a checkpoint that lacks a tensor. Carried
+over: float16's dynamic loss scale and its growth tracker; the learning-rate schedule's decay
+horizon, whatever ``train.steps`` the resumed run sets.
 """
 
 import hashlib
@@ -15,15 +16,16 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from launch import TINY, mpirun, read_params, train_cli
+from launch import TINY, mpirun, read_params, read_run, train_cli
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    """A 3-step run's checkpoint directory (tiny preset, seed 1234, global batch 16)."""
-    run = train_cli(tmp_path_factory.mktemp("saved") / "run", 1, "train.steps=3")
+    """A 5-step run's checkpoint directory (tiny preset, seed 1234, global batch 16,
+    seq_len 16), saved at steps 3 and 5; its metrics are the uninterrupted reference."""
+    run = train_cli(tmp_path_factory.mktemp("saved") / "run", 1, "checkpoint.every=3")
     return run.run_dir / "checkpoints"
 
 
@@ -54,8 +56,9 @@ def _refused(run_dir: Path, ckpt_dir: Path, *overrides: str, n: int = 2):
 
 @pytest.mark.parametrize("override, named", [
     ("train.seed=99", ("data seed (train.seed) is 1234", "this run's is 99")),
-    ("train.global_batch_size=32", ("train.global_batch_size is 16", "this run's is 32"))])
-def test_resume_with_another_seed_or_global_batch_is_refused(tmp_path, saved, override,
+    ("train.global_batch_size=32", ("train.global_batch_size is 16", "this run's is 32")),
+    ("train.seq_len=32", ("train.seq_len is 16", "this run's is 32", "train.seq_len=16"))])
+def test_resume_with_another_seed_global_batch_or_seq_len_is_refused(tmp_path, saved, override,
                                                              named):
     line = _refused(tmp_path / "run", saved, override)
     assert "refusing to resume" in line and "data.allow_changed" in line, line
@@ -65,16 +68,36 @@ def test_resume_with_another_seed_or_global_batch_is_refused(tmp_path, saved, ov
 
 def test_allow_changed_resumes_and_records_the_change(tmp_path, saved):
     run = train_cli(tmp_path / "run", 2, "topology.dp=2", "train.seed=99",
-                    "train.global_batch_size=32", "data.allow_changed=true",
+                    "train.global_batch_size=32", "train.seq_len=8", "data.allow_changed=true",
                     f"checkpoint.resume={saved / 'step_00000003.h5'}")
     assert [m["step"] for m in run.metrics] == [4, 5]
     assert "resuming on different data (forced)" in run.stdout and "is 99" in run.stdout
     forced = json.loads((run.run_dir / "lineage.json").read_text())["forced_data_change"]
     assert forced["data_seed"] == {"from": 1234, "to": 99}, forced
     assert forced["global_batch_size"] == {"from": 16, "to": 32}, forced
+    assert forced["seq_len"] == {"from": 16, "to": 8}, forced
     assert "from" not in forced  # the data itself did not change
     with h5py.File(run.run_dir / "checkpoints" / "step_00000005.h5", "r") as f:
         assert f.attrs["data_seed"] == 99 and f.attrs["global_batch_size"] == 32
+        assert f.attrs["seq_len"] == 8
+
+
+def test_longer_train_steps_keep_the_decay_horizon(tmp_path, saved):
+    """Resuming step 3 of a 5-step run with train.steps=7: steps 4 and 5 get the learning
+    rates of the uninterrupted run (its horizon, 5 steps, comes from the checkpoint, not
+    from train.steps), steps 6 and 7 min_lr; the log says so."""
+    ref = read_run(saved.parent).metrics
+    run = train_cli(tmp_path / "run", 1, "train.steps=7",
+                    f"checkpoint.resume={saved / 'step_00000003.h5'}")
+    assert [m["step"] for m in run.metrics] == [4, 5, 6, 7]
+    assert [m["lr"] for m in run.metrics[:2]] == [m["lr"] for m in ref[3:5]], (run.metrics,
+                                                                                ref)
+    assert [m["lr"] for m in run.metrics[2:]] == [2e-4, 2e-4]  # the preset's min_lr
+    line = [x for x in run.stdout.splitlines() if "learning-rate schedule" in x]
+    assert len(line) == 1 and "step 5" in line[0] and "steps 6-7 run at min_lr" in line[0], \
+        run.stdout
+    with h5py.File(run.run_dir / "checkpoints" / "step_00000007.h5", "r") as f:
+        assert f.attrs["decay_steps"] == 5
 
 
 @pytest.mark.parametrize("override, problem", [
