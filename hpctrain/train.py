@@ -135,7 +135,7 @@ def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict
     """5 (restore). Continue from a checkpoint if asked (a damaged one falls back to the one
     before); the data stream follows the step. Records the run's lineage. A checkpoint this
     run cannot continue (another model's shapes, a missing tensor; another data content hash,
-    data seed or global batch size unless ``data.allow_changed``) raises a LineageError
+    data seed, global batch size or seq_len unless ``data.allow_changed``) raises a LineageError
     alike on every rank, before any step. Returns (steps already done, the attributes every
     checkpoint of this run records). Collective."""
     resumed = saver.restore(cfg.checkpoint.resume, params, optimizer)
@@ -148,7 +148,9 @@ def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict
              "lineage": json.dumps(run_lineage),
              "data_hash": data_lineage.get("content_hash", ""),
              "data_seed": cfg.train.seed,
-             "global_batch_size": cfg.train.global_batch_size}
+             "global_batch_size": cfg.train.global_batch_size,
+             "seq_len": cfg.train.seq_len,
+             "decay_steps": run_lineage["decay_steps"]}  # the lr schedule's horizon
     return start, attrs
 
 
@@ -180,7 +182,7 @@ def train_step(tr: Trainer, step: int) -> dict:
     tr.losses.append(loss)
     with timers("optimizer"):
         grad_norm = optimizer.grad_norm()  # float16: unscaled first
-        lr = lr_at(step, cfg.optim, cfg.train.steps)
+        lr = lr_at(step, cfg.optim, tr.ckpt_attrs["decay_steps"])  # a resume keeps it
         if optimizer.scaler_admits(grad_norm) and guard.admit(loss, grad_norm, step + 1):
             optimizer.clip_and_step(lr, grad_norm)
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,

@@ -1,7 +1,8 @@
-"""Lineage: every input that shaped a run, written to the run directory and every checkpoint,
-and the check that a resumed run still trains on the same data stream (content hash, data
-seed, global batch size; ``data.allow_changed`` forces it, recorded as
-``forced_data_change``).
+"""Lineage: every input that shaped a run, written to the run directory and every checkpoint;
+the check that a resumed run still trains on the same sample stream (content hash, data
+seed, global batch size, sequence length; ``data.allow_changed`` forces it, recorded as
+``forced_data_change``); and the learning-rate decay horizon a resumed run carries over
+(:func:`decay_horizon`).
 
 ``lineage.json`` in the run directory holds the dataset's lineage (content hash, tokenizer,
 preparation parameters, source), the package versions, the git commit of the code, the layout
@@ -16,11 +17,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 
 class LineageError(RuntimeError):
     """Resuming is refused: it would silently change what the run trains on (data, seed,
-    global batch), or the checkpoint cannot be continued (``store.CheckpointMismatch``). The
-    CLI prints it once and exits 2 on every rank."""
+    global batch, sequence length), or the checkpoint cannot be continued
+    (``store.CheckpointMismatch``). The CLI prints it once and exits 2 on every rank."""
 
 
 def git_commit() -> str | None:
@@ -62,35 +68,69 @@ def write(run_dir: Path, lineage: dict) -> None:
     (Path(run_dir) / "lineage.json").write_text(json.dumps(lineage, indent=2) + "\n")
 
 
-def _changes(ckpt_attrs: dict, data_hash: str, seed, global_batch) -> list:
-    """[(key, checkpoint's value, this run's, description)] for each input that differs."""
-    out = []
+def recorded(ckpt_attrs: dict, attr: str, section: str, key: str):
+    """The checkpoint's value of ``attr``; for a checkpoint that predates the attribute, its
+    stored config's ``section.key``; None when neither says (or the checkpoint is at step 0:
+    an import, whose config describes no training)."""
+    if ckpt_attrs.get(attr) is not None:
+        return ckpt_attrs[attr]
+    if not int(ckpt_attrs.get("step", 0) or 0):
+        return None
+    try:
+        return tomllib.loads(str(ckpt_attrs.get("config", "")))[section][key]
+    except (tomllib.TOMLDecodeError, KeyError, TypeError):
+        return None
+
+
+# The inputs of the sample stream besides the data (data/dataset.py, Sampler): step s draws
+# global_batch_size starts of seq_len + 1 tokens from a generator seeded by (seed, s).
+STREAM = (("data_seed", "seed", "data seed (train.seed)"),
+          ("global_batch_size", "global_batch_size", "train.global_batch_size"),
+          ("seq_len", "seq_len", "train.seq_len"))
+
+
+def _changes(ckpt_attrs: dict, data_hash: str, run: dict, info) -> list:
+    """[(key, checkpoint's value, this run's, description)] for each input that differs;
+    an input the checkpoint does not record is named in one warning and not checked."""
+    out, unknown = [], []
     old = str(ckpt_attrs.get("data_hash", "") or "")
     if old and old != data_hash:
         out.append(("data_hash", old, data_hash, f"the checkpoint was trained on data "
                     f"{old[:16]} (content hash), this run's data is {data_hash[:16]}"))
-    for key, new, name in (("data_seed", seed, "data seed (train.seed)"),
-                           ("global_batch_size", global_batch, "train.global_batch_size")):
-        saved = ckpt_attrs.get(key)
-        if saved is not None and new is not None and int(saved) != int(new):
-            out.append((key, int(saved), int(new),
-                        f"the checkpoint's {name} is {int(saved)}, this run's is {int(new)}"))
+    for attr, key, name in STREAM:
+        saved, new = recorded(ckpt_attrs, attr, "train", key), run.get(attr)
+        if new is None:
+            continue
+        if saved is None:
+            unknown.append(name)
+        elif int(saved) != int(new):
+            out.append((attr, int(saved), int(new), f"the checkpoint's {name} is "
+                        f"{int(saved)}, this run's is {int(new)}"))
+    if unknown and int(ckpt_attrs.get("step", 0) or 0):
+        info(f"warning: the checkpoint records no {', '.join(unknown)}: not checked (this "
+             f"run's value is used from here on)")
     return out
 
 
 def check_resume(ckpt_attrs: dict, data_hash: str, force: bool, info, seed=None,
-                 global_batch=None) -> dict | None:
-    """Refuse to resume when the data stream would change: the data's content hash, the data
-    seed or the global batch size differ from the checkpoint's, unless forced; returns the
-    recorded override when forced (``from``/``to``: the content hash; ``data_seed`` and
-    ``global_batch_size``: ``{"from", "to"}``). Pure: every rank reaches the same verdict."""
-    changes = _changes(ckpt_attrs, data_hash, seed, global_batch)
+                 global_batch=None, seq_len=None) -> dict | None:
+    """Refuse to resume when the sample stream would change: the data's content hash, the
+    data seed, the global batch size or the sequence length differ from the checkpoint's,
+    unless forced; returns the recorded override when forced (``from``/``to``: the content
+    hash; ``data_seed``, ``global_batch_size``, ``seq_len``: ``{"from", "to"}``). Pure:
+    every rank reaches the same verdict."""
+    run = {"data_seed": seed, "global_batch_size": global_batch, "seq_len": seq_len}
+    changes = _changes(ckpt_attrs, data_hash, run, info)
     if not changes:
         return None
     what = "; ".join(c[3] for c in changes)
     if not force:
-        raise LineageError(f"refusing to resume: {what}. Set data.allow_changed=true to resume "
-                           "with this change anyway (it is recorded in lineage.json).")
+        keys = dict((attr, f"train.{key}") for attr, key, _ in STREAM)
+        back = ", ".join(f"{keys[k]}={old}" for k, old, _, _ in changes if k in keys)
+        raise LineageError(f"refusing to resume: {what}. Resume with the checkpoint's "
+                           f"{'values (' + back + ')' if back else 'data'}, or set "
+                           "data.allow_changed=true to resume with this change anyway (it is "
+                           "recorded in lineage.json).")
     info(f"warning: resuming on different data (forced): {what}")
     forced: dict = {}
     for key, old, new, _ in changes:
@@ -99,18 +139,53 @@ def check_resume(ckpt_attrs: dict, data_hash: str, force: bool, info, seed=None,
     return forced
 
 
+def decay_horizon(cfg, resumed: dict | None, info) -> tuple[int, dict | None]:
+    """The step at which the learning rate reaches ``min_lr`` (``optim.lr_at``'s horizon)
+    and, when an explicit ``optim.decay_steps`` moves a resumed checkpoint's horizon,
+    ``{"from", "to"}``. A fresh run (or an import at step 0): ``optim.decay_steps``, else
+    ``train.steps``. A resumed run keeps its checkpoint's, whatever ``train.steps`` says, so
+    the schedule goes on as the run that started the trajectory planned it (past the
+    horizon: ``min_lr``)."""
+    own = cfg.optim.decay_steps or cfg.train.steps
+    if resumed is None or not int(resumed.get("step", 0) or 0):
+        return own, None
+    saved = recorded(resumed, "decay_steps", "optim", "decay_steps") or \
+        recorded(resumed, "decay_steps", "train", "steps")
+    if not saved:
+        info(f"warning: the checkpoint records no decay horizon: the learning rate reaches "
+             f"optim.min_lr after step {own} (this run's)")
+        return own, None
+    saved = int(saved)
+    if cfg.optim.decay_steps and cfg.optim.decay_steps != saved:
+        info(f"learning-rate schedule: optim.decay_steps={own} changes the checkpoint's decay "
+             f"horizon ({saved} steps): the learning rate now reaches optim.min_lr after step "
+             f"{own} (recorded in lineage.json)")
+        return own, {"from": saved, "to": own}
+    steps = cfg.train.steps
+    after = (f"; steps {saved + 1}-{steps} run at min_lr" if steps > saved else
+             f"; this run ends at step {steps}, before the decay does" if steps < saved else "")
+    info(f"learning-rate schedule: reaches optim.min_lr={cfg.optim.min_lr:g} after step {saved},"
+         f" the checkpoint's horizon (set optim.decay_steps to move it){after}")
+    return saved, None
+
+
 def start(run_dir: Path, cfg, topo, data_lineage: dict, resumed: dict | None, info) -> dict:
     """The run's lineage: checked against the checkpoint resumed from (refused on changed data,
-    seed or global batch size unless ``data.allow_changed``), written to
+    seed, global batch size or sequence length unless ``data.allow_changed``), with the
+    learning-rate decay horizon (``decay_steps``, :func:`decay_horizon`), written to
     ``RUN_DIR/lineage.json`` by rank 0."""
     record = collect(data_lineage, topo.dims, topo.world_size)
     if resumed is not None:
         record["resumed_from"] = str(resumed.get("path"))
+        t = cfg.train
         forced = check_resume(resumed, str(data_lineage.get("content_hash", "")),
-                              cfg.data.allow_changed, info, seed=cfg.train.seed,
-                              global_batch=cfg.train.global_batch_size)
+                              cfg.data.allow_changed, info, seed=t.seed,
+                              global_batch=t.global_batch_size, seq_len=t.seq_len)
         if forced:
             record["forced_data_change"] = forced
+    record["decay_steps"], moved = decay_horizon(cfg, resumed, info)
+    if moved:
+        record["decay_steps_changed"] = moved
     if topo.world.rank == 0:
         write(run_dir, record)
     return record

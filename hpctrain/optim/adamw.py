@@ -26,13 +26,16 @@ from ..parallel.grad_sync.layout import main_grad
 
 
 def lr_at(step: int, ocfg: OptimConfig, total_steps: int) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr`` at
-    ``decay_steps`` (default: the run's total steps). ``step`` counts from 0."""
+    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr`` at the horizon
+    ``decay_steps`` (0: ``total_steps``, which a resumed run takes from its checkpoint:
+    ``checkpoint.lineage.decay_horizon``). ``step`` counts from 0. From the horizon on the
+    rate is ``min_lr``, also when the warmup has not ended there."""
+    decay = ocfg.decay_steps or total_steps
+    if step >= decay:
+        return ocfg.min_lr
     if ocfg.warmup_steps > 0 and step < ocfg.warmup_steps:
         return ocfg.lr * (step + 1) / ocfg.warmup_steps
-    decay = ocfg.decay_steps or total_steps
-    span = max(1, decay - ocfg.warmup_steps)
-    progress = min(1.0, max(0.0, (step - ocfg.warmup_steps) / span))
+    progress = (step - ocfg.warmup_steps) / (decay - ocfg.warmup_steps)  # in [0, 1)
     return ocfg.min_lr + 0.5 * (ocfg.lr - ocfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 

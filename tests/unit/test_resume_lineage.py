@@ -68,8 +68,8 @@ def test_a_checkpoint_recording_neither_is_accepted_with_a_warning():
     old = {"step": 3, "path": "ckpt.h5", "data_hash": "abc"}
     lines = []
     assert check(old, cfg("train.seq_len=8"), lines=lines) is None
-    assert len(lines) == 1 and "records no train.seq_len" in lines[0], lines
-    assert "not checked" in lines[0] and "data seed" in lines[0], lines
+    assert len(lines) == 1 and "the checkpoint records no data seed" in lines[0], lines
+    assert "train.seq_len: not checked" in lines[0], lines
 
 
 def test_an_imported_checkpoint_at_step_0_is_not_checked_against_its_config():
@@ -93,7 +93,7 @@ def test_a_resume_keeps_the_checkpoint_horizon_whatever_train_steps(steps, tail)
     lines = []
     assert lineage.decay_horizon(cfg(f"train.steps={steps}"), saved(), lines.append) == \
         (5, None)
-    assert len(lines) == 1 and "at step 5" in lines[0] and tail in lines[0], lines
+    assert len(lines) == 1 and "after step 5" in lines[0] and tail in lines[0], lines
 
 
 def test_an_explicit_decay_steps_changes_the_horizon_deliberately():
