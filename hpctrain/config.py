@@ -134,7 +134,7 @@ class OptimConfig:
     lr: float = key(3e-3, "peak learning rate (AdamW)", ge=0)
     min_lr: float = key(3e-4, "learning rate at the end of the cosine decay (<= lr)", ge=0)
     warmup_steps: int = key(10, "linear warmup steps", ge=0)
-    decay_steps: int = key(0, "lr is min_lr from this step on; 0: train.steps (resume: kept)", ge=0)
+    decay_steps: int = key(0, "lr is min_lr after this step; 0: train.steps (resume: kept)", ge=0)
     weight_decay: float = key(0.1, "AdamW weight decay", ge=0)
     beta1: float = key(0.9, "AdamW beta1", within=(0, 1))
     beta2: float = key(0.95, "AdamW beta2", within=(0, 1))
