@@ -4,8 +4,9 @@ Each subcommand lives in ``hpctrain/cli/<name>.py`` with ``add_arguments(parser)
 ``run(args) -> int``; add a new one to COMMANDS.
 
 Training is launched on every rank, under MPI:
-    mpirun -n 4 python -m mpi4py -m hpctrain train share/configs/demo.toml --run-dir runs/demo
-(``-m mpi4py`` turns an exception on any rank into an abort of the whole job, never a hang).
+    mpirun -n 4 hpctrain train share/configs/demo.toml --run-dir runs/demo
+(an exception on any rank aborts the whole job, never a hang: ``comm.abort_on_exception``,
+installed by each subcommand that uses MPI; ``python -m mpi4py -m hpctrain`` does the same).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Configuration: one frozen dataclass per section, TOML presets, dotted overrides, validation.
 
-A run is described by a TOML file (see ``share/configs/``) plus ``--set section.key=value``
-overrides. Each key declares its meaning and the rule of its value alone (:func:`key`; the
-reference docs/config.md is generated from them). Unknown keys, wrong types and non-finite
-numbers are rejected here, with the list of valid keys; values and layouts that cannot work
-(``dp*tp*pp != world size``, a negative learning rate) are listed by
-:func:`hpctrain.checks.rules.problems` and rejected by :func:`hpctrain.checks.validate.validate`
-before any collective is called, with the key, the value and the rule (or the arithmetic) in
-the message. Keys that moved (:data:`LEGACY`) are read under their new names. Plain data.
+A run is a TOML file (``share/configs/``) plus ``--set section.key=value`` overrides. Each key
+declares its meaning and the rule of its value alone (:func:`key`; docs/config.md is generated
+from them). Unknown keys, wrong types and non-finite numbers are rejected here; what cannot
+work (a layout that is not the world size, a negative learning rate) is listed by
+:func:`hpctrain.checks.rules.problems` before any collective, with key, value and rule. Keys
+that moved (:data:`LEGACY`) are read under their new names. Plain data.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
-# How overlapped reductions progress while backward computes (optim.overlap_progress).
-OVERLAP_PROGRESS = ("auto", "test", "thread", "poll", "wait")
+OVERLAP_PROGRESS = ("auto", "test", "thread", "poll", "wait")  # optim.overlap_progress
 ARCHS = ("gpt", "llama")  # model.arch: the families' registry's names (a unit test)
 DTYPES = ("float32", "float64", "bfloat16", "float16")  # model.dtype
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")  # schedule.kind
@@ -37,17 +34,15 @@ class ConfigError(ValueError):
 
 
 class InputError(ConfigError):
-    """What a valid configuration points at cannot be used: the data file (missing, damaged,
-    not hpctrain's, ids past the vocabulary), the run or checkpoint directory. Raised
-    deliberately before any collective, alike on every rank."""
+    """What a valid configuration points at cannot be used (data file, run or checkpoint
+    directory); raised deliberately before any collective, alike on every rank."""
 
 
 def key(default: Any, help: str, *, choices: tuple = (), ge: float | None = None,
         gt: float | None = None, within: tuple | None = None) -> Any:
-    """A config key as a dataclass field: its default, its meaning (metadata ``help``) and
-    the rule of its value alone: one of ``choices``, ``>= ge``, ``> gt`` or in the half-open
-    interval ``within = (lo, hi)``. :func:`hpctrain.checks.keys.key_problems` enforces the
-    rules, :func:`hpctrain.checks.keys.markdown` documents every key (docs/config.md)."""
+    """A config key as a dataclass field: its default, its meaning (metadata ``help``) and the
+    rule of its value alone: one of ``choices``, ``>= ge``, ``> gt`` or in ``within = [lo, hi)``.
+    ``checks.keys.key_problems`` enforces the rules, ``checks.keys.markdown`` documents them."""
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "within": within}
     if isinstance(default, dict):
         return field(default_factory=dict, metadata=meta)
@@ -107,9 +102,8 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads asked for: ``n_kv_heads``, 0 meaning ``n_heads``. What the
-        attention uses is the family's (``model.families``): a family without grouped-query
-        attention has ``n_heads`` and its checks accept only 0 or ``n_heads`` here."""
+        """Key/value heads asked for (0: ``n_heads``). The attention uses the family's
+        (``model.families``); one without grouped-query attention accepts only 0 or n_heads."""
         return self.n_kv_heads or self.n_heads
 
 
@@ -122,7 +116,7 @@ class TrainConfig:
     seed: int = key(1234, "seeds the initial weights and the data order", within=(0, 2**63))
     log_every: int = key(1, "log a metrics line every N steps (0: as 1)", ge=0)
     eval_every: int = key(0, "evaluate on the validation split every N steps (0: never)", ge=0)
-    eval_batches: int = key(2, "global batches per evaluation (>= 1 when evaluating)")
+    eval_batches: int = key(2, "global batches per evaluation (>= 1 when evaluating)", ge=0)
     max_wall_s: float = key(0.0, "stop after this many seconds; 0: no wall-time budget", ge=0)
     target_val_loss: float = key(0.0, "stop when the validation loss reaches it (0: off)", ge=0)
     patience: int = key(0, "stop after N evaluations without improvement (0: off)", ge=0)
@@ -195,20 +189,32 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class TelemetryConfig:
     trace: bool = key(False, "write a Chrome trace (trace.json)")
-    trace_steps: str = key("1-3", "step window kept in trace.json")
+    trace_steps: str = key("1-3", "step window kept in trace.json: \"A-B\", \"N\" or \"all\"")
     watchdog_s: float = key(600.0, "a rank without progress for max(watchdog_s, watchdog_factor x "
                                    "its slowest step) ends the job, naming the stuck rank "
-                                   "(checkpoints get 10x; docs/telemetry.md); 0: off")
+                                   "(checkpoints get 10x; docs/telemetry.md); 0: off", ge=0)
     watchdog_factor: float = key(10.0, "x the slowest step so far (saves, evaluations included); "
-                                       "0: the fixed watchdog_s alone")
-    peak_flops: float = key(0.0, "peak FLOP/s per rank for MFU; 0 = measure at start")
+                                       "0: the fixed watchdog_s alone", ge=0)
+    peak_flops: float = key(0.0, "peak FLOP/s per rank for MFU; 0 = measure at start", ge=0)
     activations_every: int = key(20, "count activation bytes (saved-tensor hooks, which cost time "
                                      "per saved tensor) at the first step and every N-th step "
                                      "after", ge=1)
-    max_skips: int = key(3, "consecutive non-finite/spiking steps before on_skips; 0: never")
+    max_skips: int = key(3, "consecutive non-finite/spiking steps before on_skips; 0: never", ge=0)
     on_skips: str = key("rollback", "rollback to the last checkpoint, or stop",
                                     choices=("rollback", "stop"))
-    loss_spike: float = key(0.0, "a loss > this x the recent mean is a bad step; 0: off")
+    loss_spike: float = key(0.0, "bad step: a loss > this (> 1) x the recent mean; 0: off", ge=0)
+
+
+def trace_window(text: str) -> tuple[int, int]:
+    """``telemetry.trace_steps``: ``"3"`` -> (3, 3), ``"1-3"`` -> (1, 3), ``""``/``"all"``: all."""
+    lo, _, hi = text.strip().partition("-")
+    if lo in ("", "all") and not hi:
+        return 1, 2**62
+    if not (lo.strip().isdigit() and (hi or lo).strip().isdigit()):
+        raise ValueError(f"telemetry.trace_steps={text!r}: expected 'A-B', 'N' or 'all'")
+    if not 1 <= int(lo) <= int(hi or lo):
+        raise ValueError(f"telemetry.trace_steps={text!r}: need 1 <= A <= B")
+    return int(lo), int(hi or lo)
 
 
 @dataclass(frozen=True)
@@ -310,8 +316,7 @@ def upgrade(raw: dict) -> dict:
 
 
 def from_dict(raw: dict) -> Config:
-    """Build a Config from nested dicts, rejecting unknown sections/keys and wrong types. The
-    keys of :data:`LEGACY` are read under their new names (older checkpoints and presets)."""
+    """A Config from nested dicts (unknown sections/keys, wrong types refused; LEGACY read)."""
     sections = {}
     for name, body in upgrade(raw).items():
         if name not in _SECTION_TYPES:
@@ -329,10 +334,6 @@ def from_dict(raw: dict) -> Config:
             values[valid[key]] = _coerce(name, key, value, getattr(proto, valid[key]))
         sections[name] = dataclasses.replace(proto, **values)
     return Config(**sections)
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -387,7 +388,7 @@ def dumps_toml(cfg: Config) -> str:
         return repr(v)
 
     out = []
-    for name, body in to_dict(cfg).items():
+    for name, body in dataclasses.asdict(cfg).items():
         out.append(f"[{name}]")
         out += [f"{toml_key(k)} = {lit(v)}" for k, v in body.items()]
         out.append("")

@@ -12,6 +12,14 @@
 - ``lineage.py``: what a run was made from (data hash, config, resumed-from chain).
 """
 
-from .checkpointer import Checkpointer, CorruptCheckpoint, latest
+from importlib import import_module
 
 __all__ = ["Checkpointer", "CorruptCheckpoint", "latest"]
+
+
+def __getattr__(name: str):
+    """``checkpointer.py``'s names, imported when first asked for: the input checks read
+    checkpoints (``integrity``) without importing torch."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(".checkpointer", __name__), name)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import Config
+from ..config import Config, trace_window
 from ..model import families
 from .keys import key_problems, rule_problem
 
@@ -61,11 +61,13 @@ def _check_layout(cfg: Config, world_size: int, need) -> None:
     n = top.dp * top.tp * top.pp * top.cp
     names, values = ("dp*cp*tp*pp", f"{top.dp}*{top.cp}*{top.tp}*{top.pp}") if top.cp > 1 \
         else ("dp*tp*pp", f"{top.dp}*{top.tp}*{top.pp}")
-    need(
-        n == world_size,
-        f"layout {names} = {values} = {n} but the world has {world_size} "
-        f"ranks; set topology.{names.replace('*', '/')} so that the product is {world_size}",
-    )
+    if world_size == 1 and n > 1:  # started without a launcher: say how to launch
+        need(False, f"layout {names} = {values}: this layout needs {n} ranks but the world has "
+             f"1: launch with `mpirun -n {n} hpctrain train ...` or `srun -n {n} hpctrain "
+             "train ...`")
+    else:
+        need(n == world_size, f"layout {names} = {values} = {n} but the world has {world_size} "
+             f"ranks; set topology.{names.replace('*', '/')} so that the product is {world_size}")
     need(top.dp % top.ep == 0, f"topology.ep={top.ep} must divide topology.dp={top.dp} "
          "(expert parallelism is carved out of data parallelism)")
     need(top.dp_reduction == "flat" or (o.zero == 0 and not o.overlap),
@@ -189,6 +191,14 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
 
 def _check_run(cfg: Config, world_size: int, need) -> None:
     """Data, checkpoints, logging and stopping: the housekeeping keys."""
+    tc = cfg.telemetry
+    try:
+        trace_window(tc.trace_steps)
+    except ValueError as e:
+        need(False, str(e))
+    need(tc.loss_spike == 0 or tc.loss_spike > 1,
+         f"telemetry.loss_spike={tc.loss_spike} must be 0 (off) or > 1 (a loss above "
+         f"{tc.loss_spike} x the recent mean would flag ordinary steps)")
     need(not (cfg.data.path and cfg.data.tokenizer),
          f"data.tokenizer={cfg.data.tokenizer!r} tokenizes the embedded corpus, but "
          f"data.path={cfg.data.path!r} is a prepared file that carries its own tokenizer: "

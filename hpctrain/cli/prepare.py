@@ -48,6 +48,7 @@ def run(args) -> int:
     from ..data.tokenizer import TokenizerError, byte_level, load
 
     world = comm.world()
+    comm.abort_on_exception(world)  # a rank's uncaught exception ends the job
     bad = problems(args)
     try:
         if bad:

@@ -23,6 +23,7 @@ def run(args) -> int:
     from ..config import ConfigError, load
 
     world = comm.world()
+    comm.abort_on_exception(world)  # a rank's uncaught exception ends the job, not a hang
     if (wrong_launch := slurm.launch_error(world.size, comm.library())) is not None:
         print(f"hpctrain train: {wrong_launch}", file=sys.stderr, flush=True)
         return 2

@@ -8,10 +8,12 @@
   splits) and process-level calls (abort, finalize, MPI-IO hints requested and
   applied, the thread level, the library's name and version).
 - ``gpu.py``: the GPU buffer seam (CUDA-aware MPI or host staging).
+- ``fatal.py``: :func:`abort_on_exception`, an uncaught exception on any rank aborts the job.
 - ``progress.py``: :class:`ProgressThread`, a thread owning duplicate communicators that runs
   blocking collectives while the caller computes (overlapped gradient reduction).
 """
 
+from .fatal import abort_on_exception
 from .group import PROC_NULL, Group, Handle, wait_all
 from .progress import ProgressThread
 from .records import OpRecord, Recorder
@@ -34,6 +36,6 @@ from .setup import (
 )
 
 __all__ = ["PROC_NULL", "Group", "Handle", "ProgressThread", "OpRecord", "Recorder", "abort",
-           "applied_hints", "cartesian", "finalize", "library", "mpi_info", "node_local",
-           "processor_name", "shift", "split", "sub", "thread_multiple", "wait_all",
-           "with_recorder", "world", "wtime"]
+           "abort_on_exception", "applied_hints", "cartesian", "finalize", "library",
+           "mpi_info", "node_local", "processor_name", "shift", "split", "sub",
+           "thread_multiple", "wait_all", "with_recorder", "world", "wtime"]

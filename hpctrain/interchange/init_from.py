@@ -13,11 +13,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..checkpoint import integrity as cv
 from ..config import Config, ModelConfig, from_dict
-from ..model.stage import local_slice
 from . import hf_map
 
 if sys.version_info >= (3, 11):
@@ -31,12 +29,12 @@ IGNORED = {"dtype", "device", "init_std", "recompute", "capacity_factor", "aux_l
 
 def source_kind(path: str) -> tuple[str, Path]:
     """("hf", dir) for a directory with config.json, ("ckpt", file) for a checkpoint."""
-    from ..checkpoint import latest
-
     p = Path(path)
     if p.is_dir() and (p / "config.json").is_file():
         return "hf", p
     if p.is_dir():
+        from ..checkpoint import latest
+
         found = latest(p)
         if found is None:
             raise hf_map.InterchangeError(f"checkpoint.init_from={path!r}: the directory has "
@@ -97,7 +95,6 @@ def problems(cfg: Config) -> list[str]:
     return []
 
 
-@torch.no_grad()
 def load(cfg: Config, topo, params) -> str:
     """Copy this rank's slice of every parameter from ``checkpoint.init_from``; returns the
     source's path. A checkpoint is verified first (datasets dealt over the ranks)."""
@@ -131,7 +128,12 @@ def load(cfg: Config, topo, params) -> str:
 
 
 def _copy(params, topo, read) -> list[str]:
-    """Copy ``read(name, global index)`` into each local parameter; the names that failed."""
+    """Copy ``read(name, global index)`` into each local parameter; the names that failed.
+    torch is imported here, not with the module: :func:`problems` runs before it."""
+    import torch
+
+    from ..model.stage import local_slice
+
     missing = []
     for name, p in params:
         index, extent = local_slice(p.hp, topo.tp_size, topo.tp_rank, topo.ep_size,
@@ -140,7 +142,8 @@ def _copy(params, topo, read) -> list[str]:
         if part is None or tuple(part.shape) != tuple(extent):
             missing.append(name)
             continue
-        p.zero_()  # padding rows stay zero
-        p[tuple(slice(0, n) for n in extent)] = torch.from_numpy(np.ascontiguousarray(part)) \
-            .to(p.dtype)
+        with torch.no_grad():
+            p.zero_()  # padding rows stay zero
+            p[tuple(slice(0, n) for n in extent)] = torch.from_numpy(
+                np.ascontiguousarray(part)).to(p.dtype)
     return missing

@@ -17,11 +17,20 @@
   weight gradients wait in a :class:`Pending` store for ``W``.
 """
 
-from .families import Family, family_of
-from .layers import ARCHS, KVCache, ParamMeta, shard_range
-from .stage import DTYPES, DecoderStage, LocalOps, init_parameters
-from .steps import Exchange, RunBlock, RunExperts, drive
+from importlib import import_module
 
-__all__ = ["ARCHS", "DTYPES", "Exchange", "DecoderStage", "Family", "KVCache", "LocalOps",
-           "ParamMeta", "RunBlock", "RunExperts", "drive", "family_of", "init_parameters",
-           "shard_range"]
+# Each name and the module that holds it, imported when first asked for: the config checks
+# reach ``model.families`` without importing torch (the layers and the stage need it).
+_HOMES = {"Family": "families", "family_of": "families", "ARCHS": "layers",
+          "KVCache": "layers", "ParamMeta": "layers", "shard_range": "layers",
+          "DTYPES": "stage", "DecoderStage": "stage", "LocalOps": "stage",
+          "init_parameters": "stage", "Exchange": "steps", "RunBlock": "steps",
+          "RunExperts": "steps", "drive": "steps"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_HOMES[name]}", __name__), name)

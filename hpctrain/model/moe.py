@@ -178,8 +178,8 @@ class MoE(nn.Module):
     def route(self, xs: torch.Tensor):
         """Router of ``xs`` (n, C): (logits (n, E), probs (n, E), experts (n, k), gates)."""
         logits = F.linear(xs, self.router)
-        low = self.family.router_float32
-        probs = torch.softmax(logits.float() if logits.dtype in low else logits, -1)
+        low = str(logits.dtype).removeprefix("torch.") in self.family.router_float32
+        probs = torch.softmax(logits.float() if low else logits, -1)
         gate, expert = probs.topk(self.k, dim=-1)  # (n, k), top choice first
         if self.k > 1 or self.family.renormalize_top1:
             gate = gate / gate.sum(-1, keepdim=True)

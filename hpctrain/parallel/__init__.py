@@ -13,6 +13,14 @@
   hierarchical (within node, across nodes), ZeRO-1/2/3 shards.
 """
 
-from .build import build_model, named_parameters, virtual_stages
+from importlib import import_module
 
 __all__ = ["build_model", "named_parameters", "virtual_stages"]
+
+
+def __getattr__(name: str):
+    """``build.py``'s names, imported when first asked for: the config checks reach
+    ``parallel.pipeline`` without importing torch."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(".build", __name__), name)

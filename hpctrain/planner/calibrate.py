@@ -179,6 +179,7 @@ def _alone(world, fn):
 def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     """Collective over the world: measure, and (rank 0) return the description."""
     world = comm.world()
+    comm.abort_on_exception(world)  # a rank's uncaught exception ends the job
     # rank 0 alone (the others sleep, not spin in MPI, so that it has a core to itself):
     # the rate of one rank; then all ranks at once for what a rank keeps of it
     # (compute_share)

@@ -20,22 +20,9 @@ import json
 import time
 from pathlib import Path
 
+from ..config import trace_window as parse_window  # the key's form, checked with the config
+
 THREADS = {"phases": 0, "schedule": 1}  # comm axes follow from 2
-
-
-def parse_window(text: str) -> tuple[int, int]:
-    """``"3"`` -> (3, 3); ``"1-3"`` -> (1, 3); ``""`` or ``"all"`` -> every step."""
-    text = text.strip()
-    if text in ("", "all"):
-        return 1, 2**62
-    lo, _, hi = text.partition("-")
-    try:
-        a, b = int(lo), int(hi or lo)
-    except ValueError:
-        raise ValueError(f"telemetry.trace_steps={text!r}: expected 'A-B', 'N' or 'all'") from None
-    if not 1 <= a <= b:
-        raise ValueError(f"telemetry.trace_steps={text!r}: need 1 <= A <= B")
-    return a, b
 
 
 class Tracer:

@@ -1,9 +1,13 @@
 """The CLI as a user runs it: errors before any collective, prepare, a run directory."""
 
 import json
+import subprocess
+import time
 
 import pytest
-from launch import TINY, hpctrain, mpirun, train_cli
+from launch import LAUNCHER, PY, ROOT, TINY, env, hpctrain, mpirun, train_args, train_cli
+
+from hpctrain.launch import command
 
 pytestmark = pytest.mark.e2e
 
@@ -15,6 +19,21 @@ def test_impossible_layout_fails_fast_with_arithmetic(tmp_path):
     assert "dp*tp*pp = 4*1*1 = 4 but the world has 2 ranks" in proc.stderr
     assert proc.stderr.count("world has 2 ranks") == 1  # said once, by rank 0
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_refused_telemetry_key_under_mpirun_without_mpi4py(tmp_path):
+    """A negative watchdog is refused with the config, before any collective and before
+    torch is imported: exit 2 on 2 ranks, said once; the time is printed (a bound
+    generous for a loaded machine: the start of Python, mpi4py and h5py per rank)."""
+    cmd = command(2, PY, *train_args(tmp_path / "run", "telemetry.watchdog_s=-5"),
+                  launcher=LAUNCHER)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    took = time.perf_counter() - t0
+    print(f"refused on 2 ranks in {took:.1f} s")
+    assert "telemetry.watchdog_s=-5.0 must be >= 0" in _refused(proc)
+    assert not (tmp_path / "run").exists()
+    assert took < 30, f"a refused config took {took:.1f} s"
 
 
 def test_unknown_key_and_bad_type():

@@ -8,9 +8,14 @@ rank, a stalled rank (watchdog), a poisoned gradient (numeric guard), an excepti
 import json
 import math
 import re
+import subprocess
+import time
 
 import pytest
 from launch import (
+    LAUNCHER,
+    PY,
+    ROOT,
     assert_same,
     baseline,
     mpirun,
@@ -20,6 +25,9 @@ from launch import (
     train_args,
     train_cli,
 )
+from launch import env as launch_env
+
+from hpctrain.launch import command
 
 pytestmark = pytest.mark.e2e
 
@@ -125,6 +133,29 @@ def test_exception_on_one_rank_aborts_all(tmp_path):
     assert "injected fault: rank 1 raises at step 2" in proc.stderr
     assert not (tmp_path / "raise" / "checkpoints" / "latest").exists()
     assert len(read_run(tmp_path / "raise").metrics) == 1
+
+
+def test_exception_on_one_of_four_ranks_without_mpi4py_ends_the_job_promptly(tmp_path):
+    """Started as ``mpirun -n 4 python -m hpctrain`` (no ``-m mpi4py``), with the watchdog off:
+    rank 2 raises at step 2, the other ranks wait in that step's collective; hpctrain's own
+    hook prints the traceback with the rank and aborts the world."""
+    run_dir = tmp_path / "raise4"
+    cmd = command(4, PY, *train_args(run_dir, "topology.dp=4", "telemetry.watchdog_s=0",
+                                     'experimental.faults="raise@2:2"'), launcher=LAUNCHER)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=120)  # a hang: TimeoutExpired
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ended = time.time()
+    after_fault = ended - (run_dir / "metrics.jsonl").stat().st_mtime  # step 1's record
+    assert proc.returncode != 0, (out[-2000:], err[-4000:])
+    assert "injected fault: rank 2 raises at step 2" in err, err[-4000:]
+    assert "hpctrain: rank 2 of 4: unhandled RuntimeError" in err, err[-4000:]
+    assert after_fault < 30, f"the job ended {after_fault:.1f} s after step 1"
+    assert len(read_run(run_dir).metrics) == 1
 
 
 @pytest.mark.parametrize("factor", [10, 0])

@@ -7,10 +7,12 @@ read these and hold no family knowledge of their own. Imports only ``config``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ...config import Config, ModelConfig
+
+if TYPE_CHECKING:  # torch is imported by the layers that call a family, not by its checks
+    import torch
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Family:
       ``w2(act(w1 x))``), with :meth:`activation` as ``act``.
 
     Expert routing (a family whose configs can have ``num_experts > 0``): the router's softmax
-    runs in float32 for the dtypes in ``router_float32``; the top-k gates are renormalised to
+    runs in float32 for the dtypes named in ``router_float32``; the top-k gates are renormalised to
     sum to 1 when ``k > 1``, and also for ``k = 1`` when ``renormalize_top1``.
     """
 
@@ -48,7 +50,7 @@ class Family:
     rotary: bool
     grouped_query: bool
     gated: bool
-    router_float32: tuple = (torch.bfloat16,)
+    router_float32: tuple = ("bfloat16",)
     renormalize_top1: bool = False
     hf_model_type: str | None = None  # None: no Hugging Face form
     hf_architecture: str | None = None

@@ -4,11 +4,13 @@ gates are renormalised). No Hugging Face form."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from ...config import Config, ModelConfig
 from .base import Family
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GPT(Family):
@@ -18,10 +20,12 @@ class GPT(Family):
     rotary = False
     grouped_query = False
     gated = False
-    router_float32 = (torch.bfloat16,)
+    router_float32 = ("bfloat16",)
     renormalize_top1 = False
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
         return F.gelu(x)
 
     def check(self, cfg: Config, need) -> None:

@@ -6,11 +6,13 @@ SwiGLU MLP ``w2(silu(w1 x) * w3 x)`` (``w1`` gate, ``w3`` up, ``w2`` down), no b
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from ...config import ModelConfig
 from .base import Family
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Llama(Family):
@@ -27,6 +29,8 @@ class Llama(Family):
         return m.num_experts == 0
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
         return F.silu(x)
 
     # -- Hugging Face form ------------------------------------------------------------------

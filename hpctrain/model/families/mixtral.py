@@ -6,8 +6,6 @@ with ``num_experts > 0``."""
 
 from __future__ import annotations
 
-import torch
-
 from ...config import ModelConfig
 from .llama import Llama
 
@@ -15,7 +13,7 @@ from .llama import Llama
 class Mixtral(Llama):
     name = "mixtral"
     arch = "llama"
-    router_float32 = (torch.bfloat16, torch.float16)
+    router_float32 = ("bfloat16", "float16")
     renormalize_top1 = True
     hf_model_type = "mixtral"
     hf_architecture = "MixtralForCausalLM"
