@@ -226,3 +226,52 @@ def test_mixtral_import_round_trip_and_logits(hf_mixtral, tmp_path, cli):
     b = load_file(tmp_path / "back" / "model.safetensors")
     assert set(a) == set(b)
     assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_llama2_era_buffers_and_a_tied_head_stored_beside_the_embedding(tmp_path, cli):
+    """Llama-2-era checkpoints hold ``rotary_emb.inv_freq`` buffers (derived from rope_theta:
+    ignored); a tied model saved with ``lm_head.weight`` is accepted when the head equals the
+    embedding and refused, naming both tensors, when it differs."""
+    from safetensors.torch import load_file, save_file
+
+    def saved(name, **sizes):
+        d = tmp_path / name
+        torch.manual_seed(2)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**HF_SIZES, **sizes})) \
+            .save_pretrained(d)
+        return d, load_file(d / "model.safetensors")
+
+    old, weights = saved("llama2")
+    head_dim = HF_SIZES["hidden_size"] // HF_SIZES["num_attention_heads"]
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    for i in range(HF_SIZES["num_hidden_layers"]):
+        weights[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = inv_freq.clone()
+    save_file(weights, str(old / "model.safetensors"), metadata={"format": "pt"})
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(str(old),
+                                                                output_loading_info=True)
+    assert not info["missing_keys"]  # transformers loads it
+    rc, _, err = cli("import", old, "--out", tmp_path / "old.h5")
+    assert rc == 0, err
+    x = tokens(3)
+    assert (hf_logits_loose(old, x) - own_logits(tmp_path / "old.h5", x)).abs().max() < 1e-5
+
+    tied, weights = saved("tied", tie_word_embeddings=True)
+    assert "lm_head.weight" not in weights
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    rc, _, err = cli("import", tied, "--out", tmp_path / "tied.h5")
+    assert rc == 0, err
+    assert (hf_logits_loose(tied, x) - own_logits(tmp_path / "tied.h5", x)).abs().max() < 1e-5
+    weights["lm_head.weight"][0, 0] += 1.0
+    save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    rc, _, err = cli("import", tied, "--out", tmp_path / "differs.h5")
+    assert rc == 2 and "lm_head.weight" in err and "tie_word_embeddings" in err, err
+    assert not (tmp_path / "differs.h5").exists()
+
+
+def hf_logits_loose(directory, x):
+    """transformers' logits for a directory it loads with keys it ignores itself."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory),
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(torch.tensor(x)).logits
