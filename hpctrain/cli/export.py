@@ -49,9 +49,9 @@ def run(args) -> int:
 def export_safetensors(checkpoint: str, out: Path, verify: bool) -> int:
     import h5py
     import torch
-    from safetensors.torch import save_file
 
     from ..checkpoint import integrity as cv
+    from ..interchange.hf_export import save_safetensors
     from .inspect import resolve
 
     path = resolve(checkpoint)
@@ -69,7 +69,7 @@ def export_safetensors(checkpoint: str, out: Path, verify: bool) -> int:
                 meta[key] = str(cv._plain(f.attrs[key]))
         config = str(cv._plain(f.attrs.get("config", "")))
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={"source": str(path), **meta})
+    save_safetensors(tensors, out, {"source": str(path), **meta})
     Path(str(out) + ".config.toml").write_text(config)
     n = sum(t.numel() for t in tensors.values())
     print(f"wrote {out}: {len(tensors)} tensors, {n:,} parameters (step {meta.get('step')}); "
