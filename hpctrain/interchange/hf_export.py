@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..checkpoint import integrity as cv
 from ..config import Config, from_dict
-from ..data import tokenizer
+from ..data import tokenizer, tokenizer_match
 from . import hf_map
 
 if sys.version_info >= (3, 11):
@@ -126,8 +126,8 @@ def export_hf(path: Path, out: Path, dtype: str = "auto", max_shard: str = "5GB"
     hf_map.check_exportable(cfg.model)
     dtype = cfg.model.dtype if dtype == "auto" else dtype
     tensors = hf_tensors(cfg, arrays, dtype)
-    source, why = (tokenizer_path, "--tokenizer") if tokenizer_path else \
-        tokenizer.find(str(attrs.get("lineage", "")), str(attrs.get("config", "")))
+    source, why = tokenizer_match.resolve(str(attrs.get("lineage", "")),
+                                          str(attrs.get("config", "")), tokenizer_path)
     out.mkdir(parents=True, exist_ok=True)
     max_len = max(cfg.train.seq_len, 2048)
     special, note = tokenizer.write(out, source, cfg.model.vocab_size, max_len)

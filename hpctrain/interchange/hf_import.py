@@ -196,6 +196,27 @@ def write_checkpoint(out: Path, cfg: Config, arrays: dict, lineage: dict) -> Pat
     return final
 
 
+def tokenizer_lineage(directory: Path, m: ModelConfig) -> dict:
+    """``{"data": ...}`` naming the directory's tokenizer.json and its sha256 (what export,
+    generate and init_from check against later), or {} when it has none. One that cannot be
+    read, or has more ids than the model's vocabulary, is refused."""
+    from ..data import tokenizer
+
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    try:
+        tok = tokenizer.load(str(path))
+    except tokenizer.TokenizerError as e:
+        raise hf_map.InterchangeError(f"{e} (move it aside to import the weights without a "
+                                      f"tokenizer)") from None
+    if tok.vocab_size > m.vocab_size:
+        raise hf_map.InterchangeError(f"{path} has {tok.vocab_size} ids, more than the "
+                                      f"model's vocab_size {m.vocab_size}: not this model's")
+    return {"data": {"tokenizer": tok.name, "tokenizer_hash": tok.hash,
+                     "tokenizer_file": str(path.resolve()), "vocab_size": tok.vocab_size}}
+
+
 def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
               say=print) -> Path:
     """Convert HF directory ``directory`` into an hpctrain checkpoint at ``out``."""
@@ -205,7 +226,7 @@ def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
     cfg = dataclasses.replace(Config(), model=m)
     lineage = {"imported_from": str(Path(directory).resolve()),
                "hf_architectures": reader.config.get("architectures"),
-               "hf_config": reader.config}
+               "hf_config": reader.config, **tokenizer_lineage(reader.dir, m)}
     final = write_checkpoint(Path(out), cfg, file_arrays(tensors, m.dtype), lineage)
     n = sum(a.size for a in tensors.values())
     keys = ", ".join(f"model.{k}={v!r}" for k, v in hf_map.model_section(reader.config)
