@@ -19,7 +19,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     p.add_argument("--max-shard-size", default="5GB",
                    help="hf: split the weights into shards of at most this size (5GB)")
-    p.add_argument("--tokenizer", help="hf: tokenizer.json (or its directory) to include")
+    p.add_argument("--tokenizer", help="hf: tokenizer.json (or its directory) to include; it "
+                   "must have the sha256 the checkpoint recorded")
     p.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "float64"],
                    help="hf: weight dtype (auto: the model's)")
