@@ -12,7 +12,6 @@ import shutil
 import pytest
 import torch
 
-from hpctrain.__main__ import main
 from hpctrain.config import Config, ModelConfig
 from hpctrain.data import tokenizer, tokenizer_match
 from hpctrain.data.dataset import load_tokens
@@ -20,17 +19,6 @@ from hpctrain.interchange import generation, hf_import, init_from
 
 DOCS = [b"def f(x):\n    return x + 1\n" * 20, b"class A:\n    pass\n" * 30,
         b"import os\nprint(os.getcwd())\n" * 10]
-
-
-@pytest.fixture
-def cli(capsys):
-    def call(*args):
-        capsys.readouterr()
-        rc = main([str(a) for a in args])
-        out = capsys.readouterr()
-        return rc, out.out, out.err
-
-    return call
 
 
 def bpe(path, vocab):
