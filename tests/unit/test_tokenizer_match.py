@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 
+import h5py
 import pytest
 import torch
 
@@ -104,6 +105,12 @@ def test_init_from_refuses_a_checkpoint_of_another_tokenizer(trained, tmp_path):
         assert good in err and "tokenizer" in err, err
     assert other.hash in init_from.problems(dataclasses.replace(
         run, data=dataclasses.replace(run.data, tokenizer=str(tmp_path / "other.json"))))[0]
+    for digest, refused in ((good, False), (other.hash, True)):  # a prepared file's record
+        with h5py.File(tmp_path / "data.h5", "w") as f:
+            f.attrs.update({"tokenizer": "hf:BPE:x", "tokenizer_hash": digest})
+        problems = init_from.problems(dataclasses.replace(run, data=dataclasses.replace(
+            run.data, path=str(tmp_path / "data.h5"))))
+        assert bool(problems) == refused and (not refused or "data.h5" in problems[0])
 
 
 def test_exported_files_follow_the_umask(tmp_path, cli):
