@@ -243,16 +243,40 @@ def versions() -> str:
 
 
 def git_commit() -> str:
-    """The source tree's git commit (``+dirty`` when modified), or "" outside git."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / ".git").exists():
-        return ""
+    """The commit of the code that runs: the git checkout whose tracked files hold this
+    package (``+dirty`` when a tracked file is modified), found from the package's own
+    directory whatever the working directory; else the commit pip recorded when it installed
+    the package from a repository (``direct_url.json``); else "unknown"."""
+    package = Path(__file__).resolve().parents[1]
+    return _checkout_commit(package) or _installed_commit(package) or "unknown"
+
+
+def _checkout_commit(package: Path) -> str:
+    """HEAD of the checkout that tracks ``package`` ("" when none does or git is missing)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(package), *args], text=True,
+                              capture_output=True, timeout=10)
+
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], text=True,
-                              capture_output=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
-                                "--untracked-files=no"], text=True, capture_output=True,
-                               timeout=10).stdout.strip()
+        if git("ls-files", "--error-unmatch", "__init__.py").returncode != 0:
+            return ""
+        head = git("rev-parse", "HEAD").stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
     return head + ("+dirty" if head and dirty else "")
+
+
+def _installed_commit(package: Path) -> str:
+    """The ``vcs_info.commit_id`` of the installed distribution that is ``package`` ("")."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("hpctrain")
+        if Path(str(dist.locate_file("hpctrain"))).resolve() != package:
+            return ""
+        info = json.loads(dist.read_text("direct_url.json") or "{}")
+    except (metadata.PackageNotFoundError, OSError, ValueError):
+        return ""
+    commit = info.get("vcs_info", {}).get("commit_id", "") if isinstance(info, dict) else ""
+    return str(commit)

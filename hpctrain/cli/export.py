@@ -19,7 +19,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     p.add_argument("--max-shard-size", default="5GB",
                    help="hf: split the weights into shards of at most this size (5GB)")
-    p.add_argument("--tokenizer", help="hf: tokenizer.json (or its directory) to include")
+    p.add_argument("--tokenizer", help="hf: tokenizer.json (or its directory) to include; it "
+                   "must have the sha256 the checkpoint recorded")
     p.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "float64"],
                    help="hf: weight dtype (auto: the model's)")
@@ -49,9 +50,9 @@ def run(args) -> int:
 def export_safetensors(checkpoint: str, out: Path, verify: bool) -> int:
     import h5py
     import torch
-    from safetensors.torch import save_file
 
     from ..checkpoint import integrity as cv
+    from ..interchange.hf_export import save_safetensors
     from .inspect import resolve
 
     path = resolve(checkpoint)
@@ -69,7 +70,7 @@ def export_safetensors(checkpoint: str, out: Path, verify: bool) -> int:
                 meta[key] = str(cv._plain(f.attrs[key]))
         config = str(cv._plain(f.attrs.get("config", "")))
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={"source": str(path), **meta})
+    save_safetensors(tensors, out, {"source": str(path), **meta})
     Path(str(out) + ".config.toml").write_text(config)
     n = sum(t.numel() for t in tensors.values())
     print(f"wrote {out}: {len(tensors)} tensors, {n:,} parameters (step {meta.get('step')}); "

@@ -17,8 +17,9 @@ def add_arguments(p) -> None:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", help="tokenizer.json (or its directory); default: the one "
-                   "the checkpoint's data lineage names, else byte-level ids")
+    p.add_argument("--tokenizer", help="tokenizer.json (or its directory), or `bytes`; "
+                   "default: the one the checkpoint's data lineage names. Either must have "
+                   "the sha256 the checkpoint recorded")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole prefix for every token (no key/value cache)")
     p.add_argument("--benchmark", action="store_true",

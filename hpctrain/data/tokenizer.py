@@ -155,27 +155,51 @@ def tokenizer_json(path: str) -> str | None:
                              f"{' '.join(str(e).split())[:300]}") from None
 
 
+def sections(lineage_json: str, config_toml: str = "") -> tuple[dict, dict]:
+    """(the data lineage, the config's ``[data]``) of a checkpoint's ``lineage`` and
+    ``config`` attributes; ValueError when either cannot be read."""
+    try:
+        lineage = json.loads(lineage_json or "{}")
+        section = tomllib.loads(config_toml or "").get("data", {})
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"the checkpoint's lineage is unreadable ({e})") from None
+    data = lineage.get("data", {}) if isinstance(lineage, dict) else {}
+    return (data if isinstance(data, dict) else {}), section
+
+
+def candidates(lineage_json: str, config_toml: str = "") -> list[tuple[str | None, str]]:
+    """Every tokenizer a checkpoint's lineage and config name, in the order :func:`find`
+    tries them: (a tokenizer.json path, or the text a prepared data file carries; None when
+    the named file is not there), where it was named."""
+    data, section = sections(lineage_json, config_toml)
+    out: list[tuple[str | None, str]] = []
+    for key, value in [(f"data lineage {k}", data.get(k)) for k in LINEAGE_KEYS] \
+            + [("data.tokenizer", section.get("tokenizer"))]:
+        if value:
+            out.append((str(value) if Path(str(value)).is_file() else None, f"{key} {value}"))
+    for where in dict.fromkeys(str(w) for w in (data.get("source"), section.get("path")) if w):
+        if Path(where).is_file():
+            text = _carried(where)
+            if text is not None:
+                out.append((text, f"the tokenizer.json inside {where}"))
+        elif not where.startswith("embedded"):
+            out.append((None, f"the data file {where}"))
+    return out
+
+
 def find(lineage_json: str, config_toml: str = "") -> tuple[str | None, str]:
     """(a tokenizer.json path, its text, BYTES, or None; where it came from), from a
     checkpoint's ``lineage`` and ``config`` attributes: a tokenizer file the data lineage
-    names, the tokenizer.json a prepared data file carries, ``data.tokenizer``, or the
-    byte-level vocabulary of hpctrain's own data."""
+    names, ``data.tokenizer``, the tokenizer.json a prepared data file carries, or the
+    byte-level vocabulary of hpctrain's own data. Unchecked: ``tokenizer_match.resolve``
+    also compares the hash the lineage recorded."""
     try:
-        data = json.loads(lineage_json or "{}").get("data", {})
-        section = tomllib.loads(config_toml or "").get("data", {})
-    except (ValueError, AttributeError, tomllib.TOMLDecodeError):
+        data, section = sections(lineage_json, config_toml)
+        found = [(s, why) for s, why in candidates(lineage_json, config_toml) if s is not None]
+    except ValueError:
         return None, "the checkpoint's lineage is unreadable"
-    for key in LINEAGE_KEYS:
-        value = data.get(key)
-        if value and Path(str(value)).is_file():
-            return str(value), f"data lineage {key}"
-    for where in (data.get("source"), section.get("path")):
-        if where and Path(str(where)).is_file():
-            text = _carried(str(where))
-            if text is not None:
-                return text, f"the tokenizer.json inside {where}"
-    if section.get("tokenizer") and Path(section["tokenizer"]).is_file():
-        return str(section["tokenizer"]), "data.tokenizer"
+    if found:
+        return found[0]
     if data.get("tokenizer") == BYTES or (data and not section.get("tokenizer")
                                           and not data.get("tokenizer")):
         return BYTES, "data lineage: byte-level tokens"
@@ -198,12 +222,13 @@ def special_ids(lib) -> dict:
 
 
 def write(out: Path, source: str | None, vocab_size: int, max_len: int) -> tuple[dict, str]:
-    """Write tokenizer.json + tokenizer_config.json into ``out`` for the tokenizer ``source``
-    names (as :func:`load` reads it); returns (bos/eos ids, a note saying what was written
-    or why nothing was)."""
+    """Write tokenizer.json (a file's text as it is) + tokenizer_config.json into ``out`` for
+    the tokenizer ``source`` names (as :func:`load` reads it); returns (bos/eos ids, a note
+    saying what was written or why nothing was)."""
     if source is None:
         return {}, "no tokenizer written (none given with --tokenizer, none in the lineage)"
-    lib = (byte_level() if source == BYTES else load(source)).library()
+    tok = byte_level() if source == BYTES else load(source)
+    lib = tok.library()
     cfg_src = None
     if source == BYTES:
         if lib is None or vocab_size != 256:
@@ -215,7 +240,10 @@ def write(out: Path, source: str | None, vocab_size: int, max_len: int) -> tuple
     else:
         src = tokenizer_file(source)
         what, cfg_src = f"tokenizer from {src}", src.parent / "tokenizer_config.json"
-    lib.save(str(out / "tokenizer.json"))
+    if source == BYTES:
+        lib.save(str(out / "tokenizer.json"))
+    else:  # the text itself, so that its sha256 stays the one the lineage records
+        (out / "tokenizer.json").write_text(tok.json, encoding="utf-8")
     ids = special_ids(lib)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
               "clean_up_tokenization_spaces": False}

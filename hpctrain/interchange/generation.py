@@ -68,16 +68,23 @@ class Codec:
 
 
 def codec_for(tokenizer_arg: str | None, lineage: tuple[str, str]) -> Codec:
-    """``--tokenizer``, else what the checkpoint's data used, else byte-level."""
-    from ..data import tokenizer
+    """``--tokenizer``, else what the checkpoint's data used, checked against the hash the
+    checkpoint recorded (``data.tokenizer_match``); byte-level ids only for byte-level data or
+    ``--tokenizer bytes``. A checkpoint that records no tokenizer and names no file is
+    refused rather than decoded as bytes."""
+    from ..data import tokenizer, tokenizer_match
 
-    source = tokenizer_arg or tokenizer.find(*lineage)[0]
-    if source and source != tokenizer.BYTES:
-        tok = tokenizer.load(source)
-        where = ("inside the data file" if isinstance(source, tokenizer.TokenizerText)
-                 else source)
-        return Codec(tok.library(), f"tokenizer {where} ({tok.vocab_size} ids)")
-    return Codec()
+    source, why = tokenizer_match.resolve(*lineage, given=tokenizer_arg)
+    if source is None:
+        raise ValueError(f"no tokenizer for this checkpoint ({why}): give the one it was "
+                         f"trained with, --tokenizer tokenizer.json, or --tokenizer bytes for "
+                         f"byte-level ids")
+    if source == tokenizer.BYTES:
+        return Codec()
+    tok = tokenizer_match.load_given(source)
+    where = ("inside the data file" if isinstance(source, tokenizer.TokenizerText)
+             else source)
+    return Codec(tok.library(), f"tokenizer {where} ({tok.vocab_size} ids)")
 
 
 def next_token(logits, temperature: float, top_k: int, g):

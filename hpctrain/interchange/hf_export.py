@@ -10,13 +10,14 @@ published per-expert layout) and, when one is known, the tokenizer. One process,
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 from ..checkpoint import integrity as cv
 from ..config import Config, from_dict
-from ..data import tokenizer
+from ..data import tokenizer, tokenizer_match
 from . import hf_map
 
 if sys.version_info >= (3, 11):
@@ -89,18 +90,27 @@ def shards(tensors: dict, limit: int) -> list[dict]:
     return groups
 
 
-def write_weights(out: Path, tensors: dict, limit: int) -> list[str]:
-    """model.safetensors, or numbered shards and their index; returns the file names."""
+def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
+    """``safetensors.torch.save_file``, then the mode any new file gets under the umask (the
+    library writes a private temporary file, 0600, and renames it)."""
     from safetensors.torch import save_file
 
+    save_file(tensors, str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def write_weights(out: Path, tensors: dict, limit: int) -> list[str]:
+    """model.safetensors, or numbered shards and their index; returns the file names."""
     groups = shards(tensors, limit)
     if len(groups) == 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, out / "model.safetensors", {"format": "pt"})
         return ["model.safetensors"]
     names = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
     weight_map = {}
     for name, group in zip(names, groups):
-        save_file(group, str(out / name), metadata={"format": "pt"})
+        save_safetensors(group, out / name, {"format": "pt"})
         weight_map.update({key: name for key in group})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -116,8 +126,8 @@ def export_hf(path: Path, out: Path, dtype: str = "auto", max_shard: str = "5GB"
     hf_map.check_exportable(cfg.model)
     dtype = cfg.model.dtype if dtype == "auto" else dtype
     tensors = hf_tensors(cfg, arrays, dtype)
-    source, why = (tokenizer_path, "--tokenizer") if tokenizer_path else \
-        tokenizer.find(str(attrs.get("lineage", "")), str(attrs.get("config", "")))
+    source, why = tokenizer_match.resolve(str(attrs.get("lineage", "")),
+                                          str(attrs.get("config", "")), tokenizer_path)
     out.mkdir(parents=True, exist_ok=True)
     max_len = max(cfg.train.seq_len, 2048)
     special, note = tokenizer.write(out, source, cfg.model.vocab_size, max_len)

@@ -18,6 +18,8 @@ from ..config import Config, ModelConfig, dumps_toml
 from . import hf_map
 from .hf_export import INDEX
 
+DERIVED = (".rotary_emb.inv_freq",)  # buffers computed from config.json, not weights
+HEAD = "lm_head.weight"
 HF_DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16",
              "float16": "float16"}
 
@@ -94,19 +96,51 @@ class HFReader:
             raise hf_map.InterchangeError(f"this hpctrain cannot hold the model: {e}") from None
 
 
-def global_tensors(reader: HFReader, m: ModelConfig) -> dict[str, np.ndarray]:
-    """{hpctrain parameter name: global array}; experts stacked along dim 0. Refuses
-    missing and unexpected HF tensors, naming them."""
-    import torch
-
+def check_keys(reader: HFReader, m: ModelConfig) -> None:
+    """Refuse missing and unexpected HF tensors, naming them. Buffers derived from the config
+    (``rotary_emb.inv_freq``, which Llama-2-era checkpoints store) are ignored; an
+    ``lm_head.weight`` stored beside ``tie_word_embeddings = true`` must equal the
+    embedding."""
     entries = hf_map.entries(m)
+    known = {e.key for e in entries}
     missing = [e.key for e in entries if e.key not in reader.where]
-    unexpected = sorted(set(reader.where) - {e.key for e in entries})
+    extra = set(reader.where) - known - {k for k in reader.where if k.endswith(DERIVED)}
+    if m.tie_embeddings and HEAD in extra:
+        extra.discard(HEAD)
+        _check_tied_head(reader)
+    unexpected = sorted(extra)
     if missing or unexpected:
         raise hf_map.InterchangeError(
             f"{reader.dir} does not match its config.json as a Llama/Mixtral model: "
             f"{len(missing)} missing ({', '.join(missing[:3])}), {len(unexpected)} "
             f"unexpected ({', '.join(unexpected[:3])})")
+
+
+def _check_tied_head(reader: HFReader, rows: int = 4096) -> None:
+    """A stored head of a tied model equals the embedding (compared in blocks of rows)."""
+    import torch
+
+    embed = "model.embed_tokens.weight"
+    a, b = reader._file(HEAD).get_slice(HEAD), reader._file(embed).get_slice(embed)
+    same = a.get_shape() == b.get_shape()
+    for start in range(0, a.get_shape()[0] if same else 0, rows):
+        same = torch.equal(a[start:start + rows], b[start:start + rows])
+        if not same:
+            break
+    if not same:
+        raise hf_map.InterchangeError(
+            f"{reader.dir}: config.json sets tie_word_embeddings = true, but the stored "
+            f"{HEAD} differs from {embed}; set tie_word_embeddings = false in config.json "
+            f"to import the head as its own tensor, or remove {HEAD} to tie it")
+
+
+def global_tensors(reader: HFReader, m: ModelConfig) -> dict[str, np.ndarray]:
+    """{hpctrain parameter name: global array}; experts stacked along dim 0. Refuses
+    missing and unexpected HF tensors, naming them (:func:`check_keys`)."""
+    import torch
+
+    entries = hf_map.entries(m)
+    check_keys(reader, m)
     stacked = {e.name for e in entries if e.expert is not None}
     parts: dict[str, list] = {}
     for e in entries:
@@ -162,6 +196,27 @@ def write_checkpoint(out: Path, cfg: Config, arrays: dict, lineage: dict) -> Pat
     return final
 
 
+def tokenizer_lineage(directory: Path, m: ModelConfig) -> dict:
+    """``{"data": ...}`` naming the directory's tokenizer.json and its sha256 (what export,
+    generate and init_from check against later), or {} when it has none. One that cannot be
+    read, or has more ids than the model's vocabulary, is refused."""
+    from ..data import tokenizer
+
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    try:
+        tok = tokenizer.load(str(path))
+    except tokenizer.TokenizerError as e:
+        raise hf_map.InterchangeError(f"{e} (move it aside to import the weights without a "
+                                      f"tokenizer)") from None
+    if tok.vocab_size > m.vocab_size:
+        raise hf_map.InterchangeError(f"{path} has {tok.vocab_size} ids, more than the "
+                                      f"model's vocab_size {m.vocab_size}: not this model's")
+    return {"data": {"tokenizer": tok.name, "tokenizer_hash": tok.hash,
+                     "tokenizer_file": str(path.resolve()), "vocab_size": tok.vocab_size}}
+
+
 def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
               say=print) -> Path:
     """Convert HF directory ``directory`` into an hpctrain checkpoint at ``out``."""
@@ -171,7 +226,7 @@ def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
     cfg = dataclasses.replace(Config(), model=m)
     lineage = {"imported_from": str(Path(directory).resolve()),
                "hf_architectures": reader.config.get("architectures"),
-               "hf_config": reader.config}
+               "hf_config": reader.config, **tokenizer_lineage(reader.dir, m)}
     final = write_checkpoint(Path(out), cfg, file_arrays(tensors, m.dtype), lineage)
     n = sum(a.size for a in tensors.values())
     keys = ", ".join(f"model.{k}={v!r}" for k, v in hf_map.model_section(reader.config)

@@ -86,13 +86,40 @@ def problems(cfg: Config) -> list[str]:
         return []
     try:
         kind, path = source_kind(cfg.checkpoint.init_from)
-        diff = differences(cfg.model, source_model(kind, path))
+        theirs = source_model(kind, path)
+        diff = differences(cfg.model, theirs)
+        if kind == "hf" and not diff:
+            from .hf_import import HFReader, check_keys
+
+            check_keys(HFReader(path), theirs)
     except hf_map.InterchangeError as e:
         return [str(e)]
     if diff:
         return [f"checkpoint.init_from={cfg.checkpoint.init_from!r} holds another model: "
                 + "; ".join(diff)]
-    return []
+    return tokenizer_problems(cfg, kind, path)
+
+
+def tokenizer_problems(cfg: Config, kind: str, path: Path) -> list[str]:
+    """The source was trained with another tokenizer than this run's data uses (both known:
+    ``data.tokenizer_match``); a source that records none is not checked."""
+    from ..data import tokenizer_match as tm
+
+    if kind == "hf":
+        theirs, where = tm.of_hf_directory(path)
+    else:
+        import h5py
+
+        with h5py.File(path, "r") as f:
+            want, where = tm.recorded(str(cv._plain(f.attrs.get("lineage", ""))))
+        theirs = set() if want is None else {want}
+    mine, what = tm.of_data(cfg.data.path, cfg.data.tokenizer)
+    if not theirs or not mine or theirs & mine:
+        return []
+    return [f"checkpoint.init_from={cfg.checkpoint.init_from!r} was trained with the tokenizer "
+            f"of {tm.describe(tm.pick(theirs))} ({where}), but this run's data is tokenized with "
+            f"{tm.describe(tm.pick(mine))} ({what}): train on data tokenized with the source's "
+            f"tokenizer (hpctrain prepare FILES --tokenizer THAT.json, or data.tokenizer)"]
 
 
 def load(cfg: Config, topo, params) -> str:

@@ -12,7 +12,6 @@ import pytest
 import torch
 import transformers  # the `hf` extra; scripts/setup.sh installs it
 
-from hpctrain.__main__ import main
 from tests.launch import assert_same, mpirun, read_params, rel_err, train_cli
 
 pytestmark = pytest.mark.e2e
@@ -25,23 +24,13 @@ HF_SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden
                 tie_word_embeddings=False)
 
 
-@pytest.fixture
-def cli(capsys):
-    """The one-process commands (import, export, inspect) through the CLI's own ``main``, in
-    this process (no interpreter start per call): (exit code, stdout, stderr)."""
-
-    def call(*args):
-        capsys.readouterr()
-        rc = main([str(a) for a in args])
-        out = capsys.readouterr()
-        return rc, out.out, out.err
-
-    return call
-
-
-def hf_logits(directory, tokens, dtype=torch.float32):
+def hf_logits(directory, tokens, dtype=torch.float32, ignored=()):
+    """transformers' logits; every key used (but keys ending in one of ``ignored``), none
+    missing or mismatched."""
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(directory), output_loading_info=True, dtype=dtype)
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys", [])
+                               if not k.endswith(tuple(ignored))]
     problems = {k: v for k, v in info.items() if v and k != "error_msgs"} \
         | ({"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {})
     assert not problems, f"transformers did not use the export exactly: {problems}"
@@ -226,3 +215,44 @@ def test_mixtral_import_round_trip_and_logits(hf_mixtral, tmp_path, cli):
     b = load_file(tmp_path / "back" / "model.safetensors")
     assert set(a) == set(b)
     assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_llama2_era_buffers_and_a_tied_head_stored_beside_the_embedding(tmp_path, cli):
+    """Llama-2-era checkpoints hold ``rotary_emb.inv_freq`` buffers (derived from rope_theta:
+    ignored); a tied model saved with ``lm_head.weight`` is accepted when the head equals the
+    embedding and refused, naming both tensors, when it differs."""
+    from safetensors.torch import load_file, save_file
+
+    def saved(name, **sizes):
+        d = tmp_path / name
+        torch.manual_seed(2)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**HF_SIZES, **sizes})) \
+            .save_pretrained(d)
+        return d, load_file(d / "model.safetensors")
+
+    old, weights = saved("llama2")
+    head_dim = HF_SIZES["hidden_size"] // HF_SIZES["num_attention_heads"]
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    for i in range(HF_SIZES["num_hidden_layers"]):
+        weights[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = inv_freq.clone()
+    save_file(weights, str(old / "model.safetensors"), metadata={"format": "pt"})
+    rc, _, err = cli("import", old, "--out", tmp_path / "old.h5")
+    assert rc == 0, err
+    x = tokens(3)
+    theirs = hf_logits(old, x, ignored=("inv_freq",))[0]  # transformers loads it
+    assert (theirs - own_logits(tmp_path / "old.h5", x)).abs().max() < 1e-5
+
+    tied, weights = saved("tied", tie_word_embeddings=True)
+    assert "lm_head.weight" not in weights
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    rc, _, err = cli("import", tied, "--out", tmp_path / "tied.h5")
+    assert rc == 0, err
+    theirs = hf_logits(tied, x, ignored=("lm_head.weight",))[0]
+    assert (theirs - own_logits(tmp_path / "tied.h5", x)).abs().max() < 1e-5
+    weights["lm_head.weight"][0, 0] += 1.0
+    save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    rc, _, err = cli("import", tied, "--out", tmp_path / "differs.h5")
+    assert rc == 2 and "lm_head.weight" in err and "tie_word_embeddings" in err, err
+    assert not (tmp_path / "differs.h5").exists()
+
