@@ -58,8 +58,8 @@ def test_llmc_llama3_files_are_read_as_uint32(tmp_path):
     attrs = prepare(src, None, str(tmp_path / "d.h5"), 0.0)
     assert attrs["max_token_id"] == 300000 and attrs["eot"] == 5
     with h5py.File(tmp_path / "d.h5", "r") as f:
-        assert f["train/tokens"].dtype == np.uint32 and f["train/tokens"].shape == (12,)
-        assert f["train/doc_starts"][...].tolist() == [0, 11]
+        assert f["train/tokens"].dtype == np.uint32 and f["train/tokens"].shape == (10,)
+        assert f["train/doc_starts"][...].tolist() == [0, 3]
     write_llmc(tmp_path / "g.bin", [1, 2, EOT, 3, EOT], "gpt-2")
     corpus = read("nanogpt", str(tmp_path / "g.bin"), None)
     assert corpus.tokens.dtype == np.uint16 and corpus.eot == EOT and len(corpus) == 2
