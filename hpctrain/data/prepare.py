@@ -122,7 +122,8 @@ def embedded_source(corpus_mb: float) -> Source:
     """The embedded corpus (Python's standard-library sources, data.stdlib_documents)."""
     docs = stdlib_documents(int(corpus_mb * 2**20))
     return Source("text", [f"embedded:{name}" for name, _ in docs],
-                  np.array([len(d) for _, d in docs], dtype=np.int64), lambda i: docs[i][1])
+                  np.array([len(d) for _, d in docs], dtype=np.int64), lambda i: docs[i][1],
+                  binary=True)  # as data.load_tokens reads it
 
 
 def token_source(kind: str, path: str, eot: int | None) -> Source:
@@ -225,11 +226,13 @@ def prepare(src: Source, tok: Tokenizer | None, out: str, val_fraction: float = 
 
 
 def _attempt(action: Callable[[], None], what: str) -> str | None:
-    """None when ``action()`` succeeds, else ``what`` and the error on one line."""
+    """None when ``action()`` succeeds, else ``what`` and the error on one line (any error:
+    this rank must still reach the next collective to say so)."""
     try:
         action()
-    except OSError as e:
-        return f"{what}: {_oneline(e)}" if what else _oneline(e)
+    except Exception as e:  # noqa: BLE001
+        line = _oneline(e) if isinstance(e, OSError) else f"{type(e).__name__}: {_oneline(e)}"
+        return f"{what}: {line}" if what else line
     return None
 
 
@@ -271,9 +274,10 @@ def _attrs(src: Source, tok: Tokenizer | None, counts: np.ndarray, val_fraction:
 def _write(group, tmp: str, block: Block, dtype, counts, before, attrs, tok) -> str | None:
     """Write ``tmp``; returns this rank's error (None: its part is written). Parallel HDF5:
     the collective open (its failure is every rank's), the datasets and attributes
-    (collective, in memory), then each rank's slices (an error is kept, so that the rank
-    still takes part in the collective close). Without parallel HDF5 (an h5py built without
-    MPI, or ``SERIAL_ENV`` set): rank 0 creates the file and the ranks write in turn."""
+    (collective, in memory, the same on every rank), then each rank's slices (an error is
+    kept, so that the rank still takes part in the collective close). Without parallel
+    HDF5 (an h5py built without MPI, or ``SERIAL_ENV`` set): rank 0 creates the file and
+    the ranks write in turn."""
     import h5py
 
     args = (block, dtype, counts.sum(axis=0), before, tok)
@@ -292,14 +296,10 @@ def _write(group, tmp: str, block: Block, dtype, counts, before, attrs, tok) -> 
         f = h5py.File(tmp, "w", driver="mpio", comm=group.mpi)
     except OSError as e:
         return _oneline(e)
-    why = None
-    try:
-        with f:
-            _create(f, attrs, *args)
-            why = _attempt(lambda: _slices(f, group.rank == 0, *args), "")
-    except OSError as e:  # the collective close
-        why = why or _oneline(e)
-    return why
+    _create(f, attrs, *args)  # not caught: an error here ends the job (no close to wait in)
+    why = _attempt(lambda: _slices(f, group.rank == 0, *args), "")
+    closed = _attempt(f.close, "")  # collective
+    return why or closed
 
 
 def _oneline(e: Exception) -> str:
@@ -360,14 +360,13 @@ def _finish(tmp: str, out: str, attrs: dict) -> str | None:
     """Rank 0, after the collective close: the content hash, then the atomic rename."""
     import h5py
 
-    try:
+    def commit() -> None:
         with h5py.File(tmp, "r+") as f:
             attrs["content_hash"] = tokens_hash(f)
             f.attrs["content_hash"] = attrs["content_hash"]
         os.replace(tmp, out)
-    except OSError as e:
-        return f"cannot write {out}: {' '.join(str(e).split())}"
-    return None
+
+    return _attempt(commit, f"cannot write {out}")
 
 
 def tokens_hash(f, chunk: int = 1 << 24) -> str:
