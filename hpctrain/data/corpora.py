@@ -3,8 +3,9 @@
 - ``nanogpt``: a flat ``.bin`` of uint16 token ids (nanoGPT's ``prepare.py``), or llm.c's
   form (``dev/data/data_common.py`` ``write_datafile``): a header of 256 little-endian int32
   (magic, version, token count, zeros), then the ids: magic 20240520 version 1 (GPT-2,
-  uint16) or magic 20240801 version 7 (Llama-3, uint32). A file whose first word looks like
-  such a magic (a date, :data:`LLMC_DATES`) with another magic or version is refused.
+  uint16) or magic 20240801 version 7 (Llama-3, uint32). A file that starts like such a
+  header (a date, :data:`LLMC_DATES`, then zeros from word 8) with another magic or version
+  is refused.
   Documents are separated by an end-of-text id (``--eot``; by default GPT-2's 50256 for
   uint16 ids, Llama-3's ``<|begin_of_text|>`` 128000, which llm.c puts between documents,
   for uint32): a document ends with its end-of-text token, ids after the last one are the
@@ -104,8 +105,10 @@ def read_nanogpt(path: str, eot: int | None) -> TokenCorpus:
 
 def _llmc_header(path: str, data: np.ndarray) -> tuple[int, str, int]:
     """(bytes before the ids, their dtype, the default end-of-text id): llm.c's header when
-    the first word is a date, else none (nanoGPT: uint16, GPT-2's 50256)."""
-    if data.size < LLMC_HEADER or int(np.frombuffer(data[:4], "<i4")[0]) not in LLMC_DATES:
+    the first word is a date and words 8 to 255 are zero (no nanoGPT text starts with 496
+    ids 0), else none (nanoGPT: uint16, GPT-2's 50256)."""
+    words = np.frombuffer(data[:LLMC_HEADER], "<i4") if data.size >= LLMC_HEADER else None
+    if words is None or int(words[0]) not in LLMC_DATES or words[8:].any():
         return 0, "<u2", 50256
     magic, version, count = (int(x) for x in np.frombuffer(data[:12], "<i4"))
     known = "; ".join(f"{m} version {v} ({name}, {np.dtype(t).name} ids)"

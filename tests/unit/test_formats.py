@@ -86,6 +86,9 @@ def test_llmc_headers_and_end_of_text_ids_that_cannot_be_read_are_refused(tmp_pa
         read("nanogpt", str(tmp_path / "g.bin"), 65536)
     write_llmc(tmp_path / "l.bin", [1, 2, 3], "llama-3")
     assert len(read("nanogpt", str(tmp_path / "l.bin"), 65536)) == 1
+    doc = [9000, 318] + list(range(1, 600))  # a first word of 20849448 (a date): no header
+    write_nanogpt(tmp_path / "d.bin", [doc])
+    assert read("nanogpt", str(tmp_path / "d.bin"), None).document(0).tolist() == doc + [EOT]
 
 
 @FAST
