@@ -94,3 +94,9 @@ def test_inspect_shows_a_data_file(tmp_path, capsys):
     assert info["kind"] == "data" and info["splits"]["val"]["documents"] == attrs["val_documents"]
     assert info["attrs"]["tokenizer_hash"] == digest
     assert np.isfinite(info["splits"]["train"]["tokens"])
+    assert inspect_cli.run(p.parse_args([str(path), "--verify"])) == 0
+    assert "verify ok" in capsys.readouterr().out
+    with h5py.File(path, "a") as f:
+        f["val/tokens"][0] = f["val/tokens"][0] + 1
+    assert inspect_cli.run(p.parse_args([str(path), "--verify"])) == 1
+    assert "VERIFY FAILED: content_hash" in capsys.readouterr().out
