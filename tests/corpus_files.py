@@ -22,6 +22,22 @@ def write_nanogpt(path, docs: list[list[int]], llmc: bool = False) -> None:
         f.write(flat.tobytes())
 
 
+LLMC = {"gpt-2": (20240520, 1, "<u2"), "llama-3": (20240801, 7, "<u4")}  # magic, version, ids
+
+
+def write_llmc(path, tokens: list[int], model: str = "llama-3", header: tuple = ()) -> None:
+    """llm.c's write_datafile (dev/data/data_common.py): 256 int32 (magic, version, token
+    count, zeros), then the ids as uint16 (gpt-2) or uint32 (llama-3); ``header`` replaces
+    the first words (a damaged or unknown header)."""
+    magic, version, dtype = LLMC[model]
+    words = np.zeros(256, dtype="<i4")
+    words[:3] = [magic, version, len(tokens)]
+    words[:len(header)] = header
+    with open(path, "wb") as f:
+        f.write(words.tobytes())
+        f.write(np.array(tokens, dtype=dtype).tobytes())
+
+
 def write_megatron(prefix, docs: list[list[list[int]]], dtype=np.uint16) -> None:
     """Megatron's indexed dataset: PREFIX.bin (ids), PREFIX.idx (magic, version 1, dtype
     code, sequence and document counts, int32 lengths, int64 byte pointers, int64 document

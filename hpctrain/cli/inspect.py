@@ -1,7 +1,9 @@
 """``hpctrain inspect CKPT [--verify] [--json]``: tensors, shapes, dtypes and lineage of a
 checkpoint (a file, or a checkpoint directory: its ``latest``), and how it was written (MPI-IO
 hints requested and applied, alignment, I/O mode). ``--verify`` recomputes every
-dataset's CRC-32 and exits 1 when any differs or the file is damaged. One process, no MPI."""
+dataset's CRC-32 and exits 1 when any differs or the file is damaged. A data file written by
+``hpctrain prepare``: tokens and documents per split, the tokenizer and its hash, every
+attribute (``--verify``: the content hash recomputed). One process, no MPI."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ LINEAGE = ("format", "step", "optim_step", "data_next_step", "data_samples_seen"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("checkpoint", help="checkpoint file, or a directory holding `latest`")
+    p.add_argument("checkpoint", help="checkpoint file, or a directory holding `latest`, or a "
+                   "data file written by `hpctrain prepare`")
     p.add_argument("--verify", action="store_true",
                    help="recompute every dataset's checksum (exit 1 if any differs)")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
@@ -40,6 +43,9 @@ def run(args) -> int:
     from ..checkpoint import integrity as cv
 
     path = resolve(args.checkpoint)
+    data = data_file(path)
+    if data is not None:
+        return _data(data, args)
     problems = cv.verify(path) if args.verify else []
     try:
         info = cv.describe(path)
@@ -103,3 +109,67 @@ def _print(info: dict, with_config: bool) -> None:
     print(f"  {len(info['tensors'])} datasets, about {total / 2**20:.2f} MiB")
     if with_config:
         print(attrs.get("config", ""))
+
+
+def data_file(path: Path) -> dict | None:
+    """A prepared data file's attributes and, per split, its tokens, documents and token
+    dtype; None for anything else (a checkpoint has no ``train/tokens``)."""
+    import h5py
+    import numpy as np
+
+    def plain(v):
+        return v.decode() if isinstance(v, bytes) else v.item() if isinstance(v, np.generic) \
+            else v.tolist() if isinstance(v, np.ndarray) else v
+
+    try:
+        with h5py.File(path, "r") as f:
+            if not isinstance(f.get("train/tokens"), h5py.Dataset):
+                return None
+            splits = {s: {"tokens": int(f[f"{s}/tokens"].shape[0]),
+                          "documents": (int(f[f"{s}/doc_starts"].shape[0])
+                                        if f"{s}/doc_starts" in f else None),
+                          "dtype": str(f[f"{s}/tokens"].dtype)}
+                      for s in ("train", "val") if f"{s}/tokens" in f}
+            attrs = {k: plain(v) for k, v in f.attrs.items()}
+            chars = int(f["tokenizer_json"].shape[0]) if "tokenizer_json" in f else 0
+    except OSError:
+        return None
+    return {"kind": "data", "path": str(path), "splits": splits, "attrs": attrs,
+            "tokenizer_json_bytes": chars}
+
+
+def _data(info: dict, args) -> int:
+    """Print a data file (``--verify``: recompute its content hash); 1 when it differs."""
+    problems = []
+    if args.verify:
+        import h5py
+
+        from ..data.prepare import tokens_hash
+
+        with h5py.File(info["path"], "r") as f:
+            digest = tokens_hash(f)
+        if digest != info["attrs"].get("content_hash"):
+            problems.append(f"content_hash {info['attrs'].get('content_hash')} recorded, the "
+                            f"tokens hash to {digest}")
+    if args.json:
+        print(json.dumps({**info, "problems": problems if args.verify else None}, indent=1))
+        return 1 if problems else 0
+    attrs = dict(info["attrs"])
+    print(f"data file {info['path']}")
+    for split, s in info["splits"].items():
+        docs = "unrecorded" if s["documents"] is None else s["documents"]
+        print(f"  {split:18s} {s['tokens']} tokens, {docs} documents ({s['dtype']})")
+    for key in ("tokenizer", "tokenizer_hash"):
+        print(f"  {key:18s} {attrs.pop(key, 'unrecorded') or '(none)'}")
+    print(f"  {'tokenizer_json':18s} {info['tokenizer_json_bytes'] or 'absent'} bytes")
+    sources = str(attrs.pop("sources", "")).splitlines()
+    for key, value in sorted(attrs.items()):
+        print(f"  {key:18s} {value}")
+    if sources:
+        more = f" (and {len(sources) - 1} more)" if len(sources) > 1 else ""
+        print(f"  {'sources':18s} {sources[0]}{more}")
+    for line in problems:
+        print(f"VERIFY FAILED: {line}")
+    if args.verify and not problems:
+        print("verify ok: the tokens match content_hash")
+    return 1 if problems else 0

@@ -19,10 +19,16 @@ def add_arguments(p) -> None:
     p.add_argument("--tokenizer", default="", help="a tokenizer.json (any Hugging Face "
                    "tokenizer; `hpctrain tokenizer train` makes one); default: byte-level. "
                    "With --from it is only recorded (the ids are not re-tokenized)")
+    p.add_argument("--hidden", action="store_true", help="also read hidden files and "
+                   "directories below a directory (names starting with '.', e.g. .git/)")
+    p.add_argument("--binary", action="store_true", help="also read binary files (a NUL "
+                   "byte or an executable, archive or image signature at the start), e.g. "
+                   "for byte-level models of any data")
     p.add_argument("--from", dest="form", choices=FORMATS, default=None,
                    help="read an already tokenized corpus instead of text")
-    p.add_argument("--eot", type=int, default=50256, help="end-of-text id that ends each "
-                   "document of a --from nanogpt file (GPT-2: 50256)")
+    p.add_argument("--eot", type=int, default=None, help="end-of-text id that ends each "
+                   "document of a --from nanogpt file (default: the file's: GPT-2's 50256 for "
+                   "uint16 ids, 128000 for llm.c's Llama-3 files)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="share of documents held out for validation (by content hash)")
     p.add_argument("--corpus-mb", type=float, default=2.0,
@@ -36,7 +42,7 @@ def problems(args) -> str | None:
     if args.form and len(args.sources) != 1:
         return (f"--from {args.form} reads one corpus (a .bin file or a Megatron prefix), "
                 f"got {len(args.sources)}")
-    if not 0 <= args.eot < 2**32:
+    if args.eot is not None and not 0 <= args.eot < 2**32:
         return f"--eot={args.eot} must be a token id in [0, 2**32)"
     return None
 
@@ -57,7 +63,8 @@ def run(args) -> int:
         if args.form:
             src = token_source(args.form, args.sources[0], args.eot)
         else:
-            src = text_source(args.sources) if args.sources else embedded_source(args.corpus_mb)
+            src = (text_source(args.sources, args.hidden, args.binary) if args.sources
+                   else embedded_source(args.corpus_mb))
             tok = tok or byte_level()
         attrs = prepare(src, tok, args.out, args.val_fraction, world)
     except (DataError, TokenizerError) as e:  # the same verdict on every rank
@@ -69,4 +76,9 @@ def run(args) -> int:
               f"held out), largest token id {attrs['max_token_id']} (tokenizer "
               f"{attrs['tokenizer']}, vocabulary {attrs['vocab_size']}), hash "
               f"{attrs['content_hash'][:16]}", flush=True)
+        if attrs.get("skipped_hidden") or attrs.get("skipped_binary"):
+            print(f"skipped {attrs['skipped_hidden']} hidden files or directories (a name "
+                  f"starting with '.'; --hidden reads them) and "
+                  f"{attrs['skipped_binary']} binary files (a NUL byte or an executable, "
+                  "archive or image signature at the start; --binary reads them)", flush=True)
     return 0

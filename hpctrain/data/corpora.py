@@ -1,9 +1,15 @@
 """Corpora that are already tokens, read without re-tokenizing (``hpctrain prepare --from``).
 
-- ``nanogpt``: a flat ``.bin`` of uint16 token ids (nanoGPT's ``prepare.py``; llm.c's files,
-  which start with a 256 x int32 header whose first word is 20240520, are read too).
-  Documents are separated by an end-of-text id (``--eot``, GPT-2's 50256 by default): a
-  document ends with its end-of-text token, text after the last one is the last document.
+- ``nanogpt``: a flat ``.bin`` of uint16 token ids (nanoGPT's ``prepare.py``), or llm.c's
+  form (``dev/data/data_common.py`` ``write_datafile``): a header of 256 little-endian int32
+  (magic, version, token count, zeros), then the ids: magic 20240520 version 1 (GPT-2,
+  uint16) or magic 20240801 version 7 (Llama-3, uint32). A file that starts like such a
+  header (a date, :data:`LLMC_DATES`, then zeros from word 8) with another magic or version
+  is refused.
+  Documents are separated by an end-of-text id (``--eot``; by default GPT-2's 50256 for
+  uint16 ids, Llama-3's ``<|begin_of_text|>`` 128000, which llm.c puts between documents,
+  for uint32): a document ends with its end-of-text token, ids after the last one are the
+  last document. An ``--eot`` the ids cannot hold is refused.
 - ``megatron``: Megatron-LM's indexed dataset, ``PREFIX.bin`` (token ids) and ``PREFIX.idx``:
   the 9-byte magic ``MMIDIDX\\x00\\x00``, version (uint64, 1), dtype code (uint8: 1 uint8,
   2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16), sequence count N and
@@ -24,7 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-LLMC_MAGIC = 20240520
+# llm.c's token files: magic -> (version, dtype of the ids, default end-of-text id, model)
+LLMC = {20240520: (1, "<u2", 50256, "GPT-2"), 20240801: (7, "<u4", 128000, "Llama-3")}
+LLMC_DATES = range(20230101, 20991232)  # first words taken for an llm.c magic (a date)
+LLMC_HEADER = 1024  # bytes: 256 int32
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                    6: np.float64, 7: np.float32, 8: np.uint16}
@@ -44,6 +53,7 @@ class TokenCorpus:
     starts: np.ndarray  # int64 per sequence
     ends: np.ndarray
     doc_seqs: np.ndarray  # int64, documents + 1
+    eot: int | None = None  # the end-of-text id that separated the documents (nanoGPT)
 
     def __post_init__(self):
         lens = np.concatenate([[0], np.cumsum(self.ends - self.starts)])
@@ -63,26 +73,26 @@ class TokenCorpus:
         return doc
 
 
-def read(kind: str, path: str, eot: int = 50256) -> TokenCorpus:
-    """The documents of a corpus in format ``kind`` (a key of :data:`READERS`)."""
+def read(kind: str, path: str, eot: int | None = None) -> TokenCorpus:
+    """The documents of a corpus in format ``kind`` (a key of :data:`READERS`); ``eot``
+    None: the end-of-text id the file implies (nanoGPT)."""
     if kind not in READERS:
         raise FormatError(f"--from {kind}: unknown format; valid: {', '.join(FORMATS)}")
     return READERS[kind](path, eot)
 
 
-def read_nanogpt(path: str, eot: int) -> TokenCorpus:
+def read_nanogpt(path: str, eot: int | None) -> TokenCorpus:
     data = _memmap(path, np.uint8)
-    offset = 0
-    if data.size >= 1024 and int(np.frombuffer(data[:4], "<i4")[0]) == LLMC_MAGIC:
-        header = np.frombuffer(data[:1024], "<i4")
-        offset, count = 1024, int(header[2])
-        if data.size != 1024 + 2 * count:
-            raise FormatError(f"{path}: llm.c header says {count} tokens, the file holds "
-                              f"{(data.size - 1024) / 2:g}")
-    if (data.size - offset) % 2:
+    offset, dtype, default = _llmc_header(path, data)
+    eot = default if eot is None else eot
+    if eot > np.iinfo(dtype).max:
+        raise FormatError(f"{path}: --eot {eot} cannot occur among its {np.dtype(dtype).name} "
+                          f"ids (at most {np.iinfo(dtype).max}); give the end-of-text id of "
+                          "the tokenizer that wrote it")
+    if (data.size - offset) % np.dtype(dtype).itemsize:
         raise FormatError(f"{path}: {data.size - offset} bytes of tokens is not a whole "
-                          "number of uint16 ids (not a nanoGPT .bin?)")
-    tokens = np.frombuffer(data, "<u2", offset=offset)
+                          f"number of {np.dtype(dtype).name} ids (not a nanoGPT .bin?)")
+    tokens = np.frombuffer(data, dtype, offset=offset)
     ends = np.flatnonzero(tokens == eot) + 1
     if not ends.size or ends[-1] != tokens.size:
         ends = np.append(ends, tokens.size)
@@ -90,7 +100,31 @@ def read_nanogpt(path: str, eot: int) -> TokenCorpus:
     ends = ends.astype(np.int64)
     keep = ends > starts
     return TokenCorpus(path, tokens, starts[keep], ends[keep],
-                       np.arange(int(keep.sum()) + 1, dtype=np.int64))
+                       np.arange(int(keep.sum()) + 1, dtype=np.int64), eot)
+
+
+def _llmc_header(path: str, data: np.ndarray) -> tuple[int, str, int]:
+    """(bytes before the ids, their dtype, the default end-of-text id): llm.c's header when
+    the first word is a date and words 8 to 255 are zero (no nanoGPT text starts with 496
+    ids 0), else none (nanoGPT: uint16, GPT-2's 50256)."""
+    words = np.frombuffer(data[:LLMC_HEADER], "<i4") if data.size >= LLMC_HEADER else None
+    if words is None or int(words[0]) not in LLMC_DATES or words[8:].any():
+        return 0, "<u2", 50256
+    magic, version, count = (int(x) for x in np.frombuffer(data[:12], "<i4"))
+    known = "; ".join(f"{m} version {v} ({name}, {np.dtype(t).name} ids)"
+                      for m, (v, t, _, name) in LLMC.items())
+    if magic not in LLMC:
+        raise FormatError(f"{path}: llm.c magic {magic} is not a token file's (known: "
+                          f"{known})")
+    want, dtype, eot, name = LLMC[magic]
+    if version != want:
+        raise FormatError(f"{path}: llm.c version {version} of magic {magic} is unknown "
+                          f"(known: {known})")
+    item = np.dtype(dtype).itemsize
+    if data.size != LLMC_HEADER + item * count:
+        raise FormatError(f"{path}: llm.c header says {count} tokens, the file holds "
+                          f"{(data.size - LLMC_HEADER) / item:g} {name} ids")
+    return LLMC_HEADER, dtype, eot
 
 
 def read_megatron(prefix: str) -> TokenCorpus:

@@ -77,7 +77,7 @@ def _all_bytes(tmp_path, name="all_bytes.h5"):
     for i in range(8):
         (src / f"{i}.bin").write_bytes(bytes(range(256)) * 8)
     out = tmp_path / name
-    hpctrain(["prepare", str(src), "--out", str(out)])
+    hpctrain(["prepare", str(src), "--binary", "--out", str(out)])
     return out
 
 

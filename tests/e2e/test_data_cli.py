@@ -125,3 +125,41 @@ def test_bad_prepare_inputs_are_one_message_on_every_rank(tmp_path):
     (line,) = [x for x in _refused(proc, "prepare").splitlines() if "hpctrain prepare" in x]
     assert "none.json does not exist" in line, line  # (mpirun may add its own lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+@pytest.mark.parametrize("where, serial, why", [
+    ("write", "0", "No space left on device"),  # parallel HDF5: after the collective open
+    ("write", "1", "No space left on device"),  # the ranks write in turn
+    ("read", "0", "RuntimeError: injected failure"),  # before the first collective
+])
+def test_one_rank_failing_fails_the_whole_prepare(tmp_path, where, serial, why):
+    """Rank 1 alone fails (a full disk, or an unexpected error reading its documents): every
+    rank knows before the rename, so nothing is committed: exit 2, one message naming rank
+    1 and its error, the file already at --out unchanged, no OUT.tmp left, no hang."""
+    src = _texts(tmp_path, 6)
+    out = tmp_path / "d.h5"
+    out.write_bytes(b"the previous data file")
+    proc = mpirun(2, ["tests/e2e/prepare_fault.py", "1", where, str(src), "--out", str(out)],
+                  check=False, timeout=90, extra_env={"HPCTRAIN_PREPARE_SERIAL": serial})
+    (line,) = [x for x in _refused(proc, "prepare").splitlines() if "hpctrain prepare" in x]
+    assert "rank 1" in line and why in line, line
+    assert "wrote" not in proc.stdout, proc.stdout
+    assert out.read_bytes() == b"the previous data file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.h5", "src"]
+
+
+def test_serial_writer_is_the_same_file_for_1_2_3_ranks(tmp_path):
+    """The writer for an h5py without MPI (the ranks write in turn): 2 files on 1, 2 and 3
+    ranks (ranks without a document) give the same bytes, and the parallel writer's."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("the first and longer document\n" * 150)
+    (src / "b.txt").write_text("the second\n" * 40)
+    files = {}
+    for n, serial in ((1, "1"), (2, "1"), (3, "1"), (3, "0")):
+        out = tmp_path / f"d{n}{serial}.h5"
+        proc = mpirun(n, ["-m", "hpctrain", "prepare", str(src), "--val-fraction", "0", "--out",
+                          str(out)], timeout=90, extra_env={"HPCTRAIN_PREPARE_SERIAL": serial})
+        assert proc.stdout.count("wrote ") == 1 and "2 documents" in proc.stdout, proc.stdout
+        files[n, serial] = out.read_bytes()
+    assert files[1, "1"] == files[2, "1"] == files[3, "1"] == files[3, "0"]

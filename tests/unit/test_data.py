@@ -19,8 +19,9 @@ from hpctrain.data.tokenizer import byte_level
 
 
 def prepare(paths: list[str], out: str, val_fraction: float = 0.05) -> dict:
-    """Byte-level preparation in this process (serial HDF5), as `hpctrain prepare` does."""
-    return prepare_source(text_source(paths), byte_level(), out, val_fraction)
+    """Byte-level preparation in this process (serial HDF5), as `hpctrain prepare --binary`
+    does (the files of these tests hold any byte)."""
+    return prepare_source(text_source(paths, binary=True), byte_level(), out, val_fraction)
 
 TOKENS = np.arange(5000, dtype=np.int64) % 251
 

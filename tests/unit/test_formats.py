@@ -8,7 +8,7 @@ import struct
 import h5py
 import numpy as np
 import pytest
-from corpus_files import EOT, write_megatron, write_nanogpt
+from corpus_files import EOT, write_llmc, write_megatron, write_nanogpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +39,56 @@ def test_nanogpt_text_after_the_last_end_of_text_is_a_document(tmp_path):
     corpus = read("nanogpt", str(path), EOT)
     assert [corpus.document(i).tolist() for i in range(len(corpus))] == \
         [[5, 6, EOT], [EOT], [7, 8]]
+
+
+LLAMA_BOS = 128000  # what llm.c's Llama-3 files put between documents
+
+
+def test_llmc_llama3_files_are_read_as_uint32(tmp_path):
+    """llm.c's Llama-3 form (magic 20240801, version 7, uint32 ids) keeps ids above 65535
+    and its documents (split at <|begin_of_text|> unless --eot says otherwise); its GPT-2
+    form (20240520, version 1, uint16) too."""
+    docs = [[128000, 70000, 5], [9, 128255, 1], [300000]]
+    write_llmc(tmp_path / "l.bin", [t for d in docs for t in [*d, LLAMA_BOS]])
+    corpus = read("nanogpt", str(tmp_path / "l.bin"), None)
+    assert corpus.tokens.dtype == np.uint32 and corpus.eot == LLAMA_BOS
+    assert [corpus.document(i).tolist() for i in range(len(corpus))] == \
+        [[LLAMA_BOS], [70000, 5, LLAMA_BOS], [9, 128255, 1, LLAMA_BOS], [300000, LLAMA_BOS]]
+    src = token_source("nanogpt", str(tmp_path / "l.bin"), 5)
+    attrs = prepare(src, None, str(tmp_path / "d.h5"), 0.0)
+    assert attrs["max_token_id"] == 300000 and attrs["eot"] == 5
+    with h5py.File(tmp_path / "d.h5", "r") as f:
+        assert f["train/tokens"].dtype == np.uint32 and f["train/tokens"].shape == (10,)
+        assert f["train/doc_starts"][...].tolist() == [0, 3]
+    write_llmc(tmp_path / "g.bin", [1, 2, EOT, 3, EOT], "gpt-2")
+    corpus = read("nanogpt", str(tmp_path / "g.bin"), None)
+    assert corpus.tokens.dtype == np.uint16 and corpus.eot == EOT and len(corpus) == 2
+
+
+def test_llmc_headers_and_end_of_text_ids_that_cannot_be_read_are_refused(tmp_path):
+    cases = {
+        "gpt-2 v2": ("gpt-2", (20240520, 2), "llm.c version 2"),
+        "llama v1": ("llama-3", (20240801, 1), "llm.c version 1"),
+        "eval file": ("gpt-2", (20240522, 1), "magic 20240522"),
+        "model file": ("llama-3", (20240326, 3), "magic 20240326"),
+        "count": ("llama-3", (20240801, 7, 9), "header says 9 tokens"),
+    }
+    for name, (model, header, why) in cases.items():
+        write_llmc(tmp_path / "x.bin", list(range(300)), model, header)
+        with pytest.raises(FormatError) as e:
+            read("nanogpt", str(tmp_path / "x.bin"), None)
+        assert why in str(e.value) and "x.bin" in str(e.value), (name, str(e.value))
+    write_nanogpt(tmp_path / "n.bin", [[1, 2], [3]])
+    with pytest.raises(FormatError, match="--eot 70000 .*uint16"):
+        read("nanogpt", str(tmp_path / "n.bin"), 70000)
+    write_llmc(tmp_path / "g.bin", [1, 2, 3], "gpt-2")
+    with pytest.raises(FormatError, match="--eot 65536 .*uint16"):
+        read("nanogpt", str(tmp_path / "g.bin"), 65536)
+    write_llmc(tmp_path / "l.bin", [1, 2, 3], "llama-3")
+    assert len(read("nanogpt", str(tmp_path / "l.bin"), 65536)) == 1
+    doc = [9000, 318] + list(range(1, 600))  # a first word of 20849448 (a date): no header
+    write_nanogpt(tmp_path / "d.bin", [doc])
+    assert read("nanogpt", str(tmp_path / "d.bin"), None).document(0).tolist() == doc + [EOT]
 
 
 @FAST
