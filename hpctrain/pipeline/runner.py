@@ -143,14 +143,18 @@ def _backward(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     grad = None if st.is_last(a) else st.take("RB", a)
     out, x = st.outputs[key], st.inputs.get(key)
-    if st.split:  # B: all but the weight matmuls (input_grad); W follows later
-        chunk = st.chunks[a.c]
-        with (st.sharded.input_pass(chunk) if st.sharded else contextlib.nullcontext()):
+    chunk = st.chunks[a.c]
+    # ZeRO-3: the chunk's gathered units are freed after (B: by the output hooks too)
+    with (st.sharded.backward_pass(chunk, st.split) if st.sharded else
+          contextlib.nullcontext()):
+        if st.split:  # B: all but the weight matmuls (input_grad); W follows later
             gx, st.grad_out[key] = input_grad(out, grad, x)
+        else:
+            torch.autograd.backward(out, grad)
+    if st.split:
         if gx is not None:
             st.grad_in[key] = gx
         return
-    torch.autograd.backward(out, grad)
     if x is not None:
         st.grad_in[key] = x.grad
     st.drop(key)
