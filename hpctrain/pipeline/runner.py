@@ -73,7 +73,7 @@ class StepState:
     def __init__(self, chunks, microbatches, topo, cfg, loss_scale: float, sched: Schedule,
                  sharded=None):
         self.chunks, self.microbatches, self.topo = chunks, microbatches, topo
-        self.sharded = sharded  # zero 3: grad_sync.zero3.ShardedParams (gathers around B, W)
+        self.sharded = sharded  # zero 3: grad_sync.zero3.ShardedParams (around backwards)
         self.loss_scale, self.sched = loss_scale, sched
         self.rank = topo.pp_rank
         self.split = any(a.kind == "W" for a in sched.ranks[self.rank])
@@ -246,7 +246,7 @@ def run_step(chunks, microbatches, topo, cfg, loss_scale: float,
     only on the last stage; this rank's timing of the step, see :func:`execute`).
     ``loss_scale`` = 1 / tokens in the global batch. Point-to-point over ``topo.pp_comm`` only
     (no collective of its own; tp/ep ops inside the model are, and so are ZeRO-3's gathers:
-    ``sharded``, the ``ShardedParams`` whose hooks a split backward's B steers)."""
+    ``sharded``, the ``ShardedParams`` that frees what each backward leaves gathered)."""
     st = _state(chunks, microbatches, topo, cfg, loss_scale,
                 schedule_for(cfg, len(microbatches)), sharded)
     with weight_grad.armed(st.split):  # the model's weight matmuls can defer to W
