@@ -137,3 +137,25 @@ def test_one_stage_sequence_and_the_root_released_when_unused(monkeypatch, tied)
     # at most one root and two blocks; the tied head is held from the embedding to the head
     most = head + 2 * block if tied else max(units["embed"].nbytes, head, block) + block
     assert units["b1"].nbytes == block and sharded.take_peak() == most
+
+
+def test_the_guard_catches_each_misuse(monkeypatch):
+    """The fake group fails a post into a buffer in flight or in use, and a backward that
+    reads a released buffer."""
+    from hpctrain.parallel.grad_sync import zero3
+
+    group = GuardedGroup()
+    group.watch(monkeypatch)
+    buf, shard = torch.zeros(4), torch.ones(4)
+    handle = group.iallgather(shard, buf)
+    with pytest.raises(AssertionError, match="in flight"):
+        group.iallgather(shard, buf)
+    handle.wait()
+    with pytest.raises(AssertionError, match="in use"):
+        group.iallgather(shard, buf)
+    x = torch.ones(4, requires_grad=True)
+    with group.reads():
+        y = (x * buf).sum()  # saves buf for the backward
+        zero3._free(buf)  # released: the group is told
+        with pytest.raises(AssertionError, match="not gathered"):
+            y.backward()
