@@ -7,7 +7,8 @@ and on a backward that reads a buffer not gathered. Per microbatch: every unit i
 once for its forward; once for its backward (``B``), except the embedding (its backward is a
 scatter-add of the gradient: it reads no weight); ``W`` gathers nothing. Units: each block;
 ``embed`` (the first stage's embedding); ``head`` (the last stage's final norm and head, and
-the embedding too when tied). pp=1 is pinned event by event (post, wait, free).
+the embedding too when tied). pp=1 is pinned event by event (post, wait, free), and its
+gradients equal one plain backward's.
 """
 
 import pytest
@@ -57,6 +58,15 @@ def run_rank(monkeypatch, pp: int, rank: int, *overrides, m: int = 4):
         run_step(chunks, mbs, topo, cfg, 1.0 / (m * T), Actions(group), sharded)
     grads.reduce()
     assert not group.errors and not group.flight and sharded.live == 0
+    if pp == 1:  # the gradients of one plain backward of the same model (float64, 1e-12)
+        ref = build_model(cfg, fake_topology(cp_size=1, local_rank=0, pp_size=1, pp_rank=0))
+        for x, y in mbs:
+            (ref[0](x, y) / (m * T)).backward()
+        want = dict(ref[0].named_parameters())
+        for b in grads.buckets:
+            for p, off in zip(b.params, b.offsets):
+                torch.testing.assert_close(b.shard[off:off + p.numel()].view_as(p),
+                                           want[names[id(p)]].grad, rtol=1e-12, atol=0)
     return group, units, chunk_units, sharded, of_key
 
 
