@@ -5,6 +5,9 @@ matmuls go through ``model.weight_grad.linear``.
 
 ``OneRank()`` is a group of one process: a collective returns what it would on one rank
 (nonblocking ones complete when waited for; all-gathers are counted in ``gathers``).
+``GuardedGroup`` is a ``OneRank`` that also checks ZeRO-3's gather buffers (see the class);
+``Pipe`` stands in for ``pp_comm`` with neighbours that send random activations and gradients;
+``Actions`` is a ``timers`` that tells a ``GuardedGroup`` which schedule action runs.
 ``fake_topology(...)`` is a layout of ``tp`` x ``dp`` (x ``ep``) ranks seen from one of them:
 sizes and ranks per axis, the data-parallel groups (``dpcp_comm``, ``edpcp_comm``: ``group``
 when given, else a group record of ``dp`` ranks), ``world`` and ``dims`` in the grid order of
@@ -13,6 +16,7 @@ when given, else a group record of ``dp`` ranks), ``world`` and ``dims`` in the 
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -37,6 +41,9 @@ class Done:
     def test(self):
         self.wait()
         return True
+
+    def wait_yielding(self):
+        self.wait()
 
 
 class OneRank:
@@ -78,6 +85,108 @@ class OneRank:
 
     def allreduce_array(self, arr, op="sum"):
         return np.array(arr, copy=True)
+
+
+class GuardedGroup(OneRank):
+    """A ``OneRank`` whose all-gathers guard their destination buffer (a ZeRO-3 unit's full
+    buffer, keyed by its storage). A buffer is *in flight* from the post to the wait and *in
+    use* from the wait until ``release`` (ZeRO-3 frees the storage: :meth:`watch`); posting
+    into a buffer in flight or in use, or a backward reading (unpacking a saved tensor of) a
+    gathered buffer that is not in use, is recorded in ``errors`` and raised. ``events``:
+    (label, "post" | "done" | "free", storage key, bytes), ``label`` the running action."""
+
+    def __init__(self, axis: str = "dp"):
+        super().__init__(axis)
+        self.flight: set = set()
+        self.use: set = set()
+        self.seen: set = set()  # every buffer ever gathered into
+        self.events: list = []
+        self.errors: list = []
+        self.label = ""
+
+    @staticmethod
+    def key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def _error(self, what: str) -> None:
+        self.errors.append(f"{self.label}: {what}")
+        raise AssertionError(self.errors[-1])
+
+    def _event(self, kind: str, key: int, nbytes: int) -> None:
+        self.events.append((self.label, kind, key, nbytes))
+
+    def iallgather(self, send, recv):
+        key, nbytes = self.key(recv), recv.numel() * recv.element_size()
+        if key in self.flight:
+            self._error("all-gather posted into a buffer with an all-gather in flight")
+        if key in self.use:
+            self._error("all-gather posted into a buffer in use (gathered, not released)")
+        self.gathers += 1
+        self.flight.add(key)
+        self.seen.add(key)
+        self._event("post", key, nbytes)
+
+        def done():
+            recv.copy_(send)
+            self.flight.discard(key)
+            self.use.add(key)
+            self._event("done", key, nbytes)
+        return Done(done)
+
+    def release(self, t: torch.Tensor) -> None:
+        key = self.key(t)
+        if key in self.seen:
+            self.use.discard(key)
+            self._event("free", key, 0)
+
+    def watch(self, monkeypatch) -> None:
+        """Learn of every release: ZeRO-3's ``_free`` tells this group first."""
+        from hpctrain.parallel.grad_sync import zero3
+
+        free = zero3._free
+        monkeypatch.setattr(zero3, "_free", lambda t: (self.release(t), free(t)))
+
+    def reads(self):
+        """Saved-tensor hooks (a context for forward and backward): a backward that reads a
+        gathered buffer while it is in flight or released is an error."""
+
+        def unpack(t):
+            key = self.key(t)
+            if key in self.seen and key not in self.use:
+                self._error("a backward reads a parameter buffer that is not gathered")
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack)
+
+
+class Pipe:
+    """``pp_comm`` of a rank whose neighbours are not there: a receive fills its buffer with
+    small random numbers when waited for, a send goes nowhere."""
+
+    def __init__(self, seed: int = 0):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def irecv(self, buf, peer, tag):
+        return Done(lambda: buf.copy_(torch.randn(buf.shape, generator=self.gen,
+                                                  dtype=buf.dtype) * 0.1))
+
+    def isend(self, t, peer, tag):
+        return Done()
+
+
+class Actions:
+    """A ``timers`` for ``pipeline.runner.run_step``: each action's name becomes the
+    ``label`` of ``group`` while it runs."""
+
+    def __init__(self, group: GuardedGroup):
+        self.group = group
+
+    @contextlib.contextmanager
+    def action(self, name: str):
+        self.group.label = name
+        try:
+            yield
+        finally:
+            self.group.label = ""
 
 
 def fake_group(size: int = 1, rank: int = 0, axis: str = "dp") -> SimpleNamespace:

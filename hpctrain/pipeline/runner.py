@@ -73,7 +73,7 @@ class StepState:
     def __init__(self, chunks, microbatches, topo, cfg, loss_scale: float, sched: Schedule,
                  sharded=None):
         self.chunks, self.microbatches, self.topo = chunks, microbatches, topo
-        self.sharded = sharded  # zero 3: grad_sync.zero3.ShardedParams (gathers around B, W)
+        self.sharded = sharded  # zero 3: grad_sync.zero3.ShardedParams (around backwards)
         self.loss_scale, self.sched = loss_scale, sched
         self.rank = topo.pp_rank
         self.split = any(a.kind == "W" for a in sched.ranks[self.rank])
@@ -143,14 +143,18 @@ def _backward(st: StepState, a: Action) -> None:
     key = (a.microbatch, a.c)
     grad = None if st.is_last(a) else st.take("RB", a)
     out, x = st.outputs[key], st.inputs.get(key)
-    if st.split:  # B: all but the weight matmuls (input_grad); W follows later
-        chunk = st.chunks[a.c]
-        with (st.sharded.input_pass(chunk) if st.sharded else contextlib.nullcontext()):
+    chunk = st.chunks[a.c]
+    # ZeRO-3: the chunk's gathered units are freed after (B: by the output hooks too)
+    with (st.sharded.backward_pass(chunk, st.split) if st.sharded else
+          contextlib.nullcontext()):
+        if st.split:  # B: all but the weight matmuls (input_grad); W follows later
             gx, st.grad_out[key] = input_grad(out, grad, x)
+        else:
+            torch.autograd.backward(out, grad)
+    if st.split:
         if gx is not None:
             st.grad_in[key] = gx
         return
-    torch.autograd.backward(out, grad)
     if x is not None:
         st.grad_in[key] = x.grad
     st.drop(key)
@@ -242,7 +246,7 @@ def run_step(chunks, microbatches, topo, cfg, loss_scale: float,
     only on the last stage; this rank's timing of the step, see :func:`execute`).
     ``loss_scale`` = 1 / tokens in the global batch. Point-to-point over ``topo.pp_comm`` only
     (no collective of its own; tp/ep ops inside the model are, and so are ZeRO-3's gathers:
-    ``sharded``, the ``ShardedParams`` whose hooks a split backward's B steers)."""
+    ``sharded``, the ``ShardedParams`` that frees what each backward leaves gathered)."""
     st = _state(chunks, microbatches, topo, cfg, loss_scale,
                 schedule_for(cfg, len(microbatches)), sharded)
     with weight_grad.armed(st.split):  # the model's weight matmuls can defer to W

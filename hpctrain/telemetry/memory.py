@@ -11,7 +11,7 @@
 - optimizer state: Adam's two moments (+ a float32 master copy for 16-bit parameters), all
   divided by dp under ZeRO;
 - zero 3: parameters divided by dp too, plus what is gathered at once (:func:`gathered`: the
-  stage's embedding/head and two blocks, the one running and the one prefetched);
+  running unit and the prefetched one: two blocks, or a block and the embedding or head);
 - activations: what autograd saves per microbatch, times the microbatches in flight on the
   first stage (pp=1: 1; 1f1b/zb-h1/zbv/interleaved: min(pp, microbatches); gpipe: all).
   Recompute keeps each block's input plus one block's activations during its backward.
@@ -170,14 +170,16 @@ def estimate(cfg: Config) -> Estimate:
 
 
 def gathered(cfg: Config) -> tuple[int, int]:
-    """ZeRO-3: (elements of the largest unit, elements gathered at once at the peak): the
-    embedding/final norm/head of the stage (both ends when pp = 1) and two blocks."""
+    """ZeRO-3: (elements of the largest unit, elements gathered at once at the peak): a
+    block and the next unit (a block, or a root: the embedding, or the final norm and
+    head); with a tied head (pp = 1) the root, held from the embedding to the head, and two
+    blocks."""
     block = stage_params(cfg, 1, False, False)  # block 0: an MoE block if any
-    if cfg.topology.pp == 1:
+    if cfg.model.tie_embeddings:
         root = stage_params(cfg, 0, True, True)
-    else:
-        root = max(stage_params(cfg, 0, True, False), stage_params(cfg, 0, False, True))
-    return max(block, root), root + 2 * block
+        return max(block, root), root + 2 * block
+    big = max(block, stage_params(cfg, 0, True, False), stage_params(cfg, 0, False, True))
+    return big, big + block
 
 
 def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
@@ -190,7 +192,8 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
         frac = (d - 1) / d
         rs = M if cfg.optim.zero >= 2 else 1  # zero 2/3 reduce every microbatch
         # zero 3: forward and backward gather the stage per microbatch (a split backward's W
-        # reads no weight: model/weight_grad.py)
+        # reads no weight: model/weight_grad.py; the embedding, gathered for the forward
+        # only, is counted twice: an upper bound)
         gathers = 2 * M if cfg.optim.zero == 3 else 1
         out["dp"] = int(2 * P * ps * frac) if cfg.optim.zero == 0 else int(
             (rs + gathers) * P * ps * frac)

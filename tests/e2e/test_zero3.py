@@ -2,14 +2,17 @@
 
 Sharding never changes the model: losses, gradient norms, final parameters and the Adam
 moments equal the one-rank run (invariant 1, rel <= 1e-9) with dp, tp + sequence
-parallelism, pp (1f1b, and the split backward of zb-h1 and zbv) and ep; the checkpoint is
+parallelism, pp (1f1b, gpipe, and the split backward of zb-h1 and zbv) and ep; the checkpoint is
 written from the shards and any layout continues it (zero=3 dp4 -> zero=0 dp1 -> zero=3
 dp2); each rank keeps ~1/dp of the parameters, gradients and optimizer state. The
 baselines are the ones test_zero.py and test_moe_equivalence.py use (one run per session).
 """
 
 import pytest
-from launch import assert_same, baseline, read_params, rel_err, train_cli
+from launch import TINY, assert_same, baseline, read_params, rel_err, train_cli
+
+from hpctrain.config import load
+from hpctrain.telemetry import memory
 
 pytestmark = pytest.mark.e2e
 
@@ -62,6 +65,22 @@ def test_zero3_equals_one_rank(tmp_path, session_dir, n, layout):
         assert_about_one_dp(run, ref, 2, what)
         # gradients were reduce-scattered block by block while backward ran
         assert all(m["grad_buckets_posted_in_backward"] > 0 for m in run.metrics)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "zb-h1"])
+def test_zero3_pipeline_schedules_equal_one_rank(tmp_path, session_dir, kind):
+    """gpipe (every forward, then every backward) and zb-h1 (B and a later W) under ZeRO-3,
+    dp2 x pp2: the one-rank run's losses, norms, parameters and optimizer state (1e-9); at
+    most two units gathered at once on a rank (the plan's ``memory.gathered``: a block and
+    the next block, embedding or head)."""
+    ref = baseline(session_dir)
+    layout = ("topology.dp=2", "topology.pp=2", f'schedule.kind="{kind}"', "optim.zero=3")
+    run = train_cli(tmp_path / "run", 4, *layout)
+    assert_same(run, ref, rel=1e-9, what=kind)
+    assert_state_same(run, ref, kind)
+    _, at_once = memory.gathered(load(TINY, list(layout)))
+    assert all(0 < m["mem_params_gathered"] <= at_once * 8 for m in run.metrics), (
+        at_once * 8, [m["mem_params_gathered"] for m in run.metrics])
 
 
 def test_zero3_checkpoints_continue_on_any_layout(tmp_path, session_dir):

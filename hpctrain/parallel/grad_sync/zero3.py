@@ -1,8 +1,9 @@
 """ZeRO-3: parameters sharded like their gradients and optimizer state, gathered per block.
 
 With ``optim.zero = 3`` the strategy :class:`Zero3` cuts one bucket per
-*unit* and reduction group (:func:`units_of`: every block of a stage, and the stage's
-embedding / final norm / head as its "root" unit; a block's expert weights form a second
+*unit* and reduction group (:func:`units_of`: every block of a stage, and the stage's two
+roots (:func:`roots`): the embedding, and the "head unit", the final norm and head (with the
+embedding when the head is tied to it); a block's expert weights form a second
 bucket over ``edp_comm``). :class:`ShardedParams` then keeps, per bucket, only this rank's
 contiguous shard of the flattened parameters (``bucket.pshard``, the model dtype; padded
 like the gradient shard) and a full buffer ``bucket.full`` whose storage exists only while
@@ -10,34 +11,43 @@ the unit is gathered. Every parameter is a view into its bucket's full buffer (`
 so the model code is unchanged: autograd saves the views, and the storage under them is
 freed after use and all-gathered again before the backward.
 
-Events (module hooks, no model change; the forward of a stage is always a module call):
+Events (module hooks, no model change; the forward of a stage is always a module call),
+per microbatch:
 
-- stage forward pre-hook: gather the root unit, prefetch the first block (``iallgather``);
-- block forward pre-hook: gather the block (wait for its prefetch), prefetch the next one;
-  forward post-hook: free the block (the stage's post-hook frees the root);
-- the output of a block or stage that requires grad gets a tensor hook, which fires when its
-  gradient is complete, i.e. just before the unit's backward: gather the unit again and
-  prefetch the unit whose backward comes next (the previous block);
+- forward: the stage's pre-hook gathers the embedding (tied: the head unit) and prefetches
+  the first block (``iallgather``); a block's pre-hook frees the embedding (first block),
+  gathers the block (waits for its prefetch) and prefetches the next unit (after the last
+  block: the head unit); its post-hook frees it (the last block's then gathers the head
+  unit); the stage's post-hook frees the roots. Every unit: one all-gather.
+- backward: the loss (a stage with a head) and each block's output get a tensor hook, which
+  fires when that gradient is complete, i.e. just before the unit's backward: gather the
+  unit (the loss: the head unit), free the unit the gradient has just left (its backward is
+  done: the head unit, or the next block) and prefetch the block whose backward comes next.
+  Another stage's output is its last block's output: only the block's hook acts on it. The
+  embedding's backward is a scatter-add of the gradient and reads no weight: it is not
+  gathered. Every unit but the embedding: one all-gather.
 - every parameter's post-accumulate-grad hook: once all parameters of a unit have their
   gradient of this backward, the unit is freed. :class:`Zero3` (ZeRO-2's hooks,
   ``sharded.Zero2``) has already moved the gradient into the unit's staging bucket and
-  reduce-scatters it as soon as the whole unit is done. :meth:`Zero3.reduce` frees whatever
-  is left.
+  reduce-scatters it as soon as the whole unit is done. The runner wraps each backward in
+  :meth:`ShardedParams.backward_pass`, which frees what is left (a unit whose parameter got
+  no gradient, e.g. an expert without tokens).
 
-Every gather is issued on every rank of the group at the same point of the same program
-(forward calls and gradient-ready hooks of the same graph), on a duplicate of the group's
-communicator, so its order never mixes with the gradient reduce-scatters' on the group.
+So a gather never writes into a buffer in flight or in use: each unit is freed at a fixed
+point of the program between two gathers into it, whatever its gradients did. Every gather
+is issued on every rank of the group at the same point of the same program (forward calls
+and gradient-ready hooks of the same graph), on a duplicate of the group's communicator, so
+its order never mixes with the gradient reduce-scatters' on the group.
 
 Pipeline parallelism gathers per microbatch: each forward and each backward action gathers
 the blocks it runs and frees them after (two all-gathers of the stage per microbatch, the
-memory of one unit at a time); see docs/parallelism.md for the choice.
+memory of two units at a time); see docs/parallelism.md for the choice.
 
 Zero-bubble schedules split a stage's backward into ``B`` (everything but the weight
 matmuls) and ``W`` (those matmuls' weight gradients, later; ``pipeline.runner.input_grad``). B
 delivers no gradient to the matmul weights, so the "all gradients arrived" rule above never
-frees a unit during B; the runner therefore wraps B in :meth:`ShardedParams.input_pass`: the
-output hooks gather each unit as before and free the unit the input gradient has just left
-(its part of B is done); nothing of the chunk stays gathered after B. W computes
+frees a unit during B: the output hooks' "free the unit the gradient has just left" does
+(:meth:`ShardedParams.input_pass`); nothing of the chunk stays gathered after B. W computes
 ``grad_out^T @ input`` from what B kept and reads no weight: it gathers nothing (two gathers
 of the stage per microbatch, as 1F1B); its gradients reach the staging buckets through the
 same post-accumulate hooks.
@@ -46,23 +56,30 @@ same post-accumulate hooks.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
 from .sharded import Zero2
 
 
+def roots(chunk) -> tuple[list[str], list[str]]:
+    """The parameter names of a chunk's two root units: (the embedding, whose backward is a
+    scatter-add of the gradient and reads no weight; the head unit: final norm and head, and
+    the embedding too when the head is tied to it). Either may be empty."""
+    rest = [n for n, _ in chunk.named_parameters() if not n.startswith("blocks.")]
+    tied = getattr(getattr(chunk, "cfg", None), "tie_embeddings", False)
+    embed = [n for n in rest if n == "embed" and not tied]
+    return embed, [n for n in rest if n not in embed]
+
+
 def units_of(chunks) -> list[list[str]]:
-    """Parameter names of each unit, in backward order: chunks last first; in each, its
-    blocks last first, then its root (embedding, final norm, head)."""
+    """Parameter names of each unit: chunks last first; in each, its blocks last first, then
+    its head unit, then its embedding (:func:`roots`)."""
     out = []
     for chunk in reversed(chunks):
         for i, block in reversed(list(chunk.blocks.items())):
             out.append([f"blocks.{i}.{n}" for n, _ in block.named_parameters()])
-        root = [n for n, _ in chunk.named_parameters() if not n.startswith("blocks.")]
-        if root:
-            out.append(root)
+        out += [names for names in reversed(roots(chunk)) if names]
     return out
 
 
@@ -107,7 +124,6 @@ class ShardedParams:
         self.live = self.peak = 0  # gathered bytes now, and the peak since take_peak
         self.storages: set[int] = set()  # data pointers of gathered full buffers
         self.mode = "full"  # or "inputs" during B of a split backward
-        self._prev: tuple | None = None  # inputs: (unit B passed through last, its tensor)
         self._chunk_units: dict[int, list[Unit]] = {}  # id(chunk) -> units, backward order
         for chunk in chunks:
             self._attach(chunk)
@@ -172,55 +188,88 @@ class ShardedParams:
 
     # -- hooks -------------------------------------------------------------------------
     def _attach(self, chunk) -> None:
+        params = dict(chunk.named_parameters())
+        embed_names, head_names = roots(chunk)
+        embed = self._unit_of[id(params[embed_names[0]])] if embed_names else None
+        head = self._unit_of[id(params[head_names[0]])] if head_names else None
+        # the unit the stage's forward reads first: its embedding (tied: the head unit)
+        entry = self._unit_of[id(params["embed"])] if "embed" in params else None
         blocks = [self._unit_of[id(next(b.parameters()))] for b in chunk.blocks.values()]
-        rest = [p for n, p in chunk.named_parameters() if not n.startswith("blocks.")]
-        root = self._unit_of[id(rest[0])] if rest else None
-        first = blocks[0] if blocks else None
-        last = blocks[-1] if blocks else None
-        self._hooks(chunk, root, ahead=first, behind=last)
-        mine = {id(u): u for u in [*blocks, root] if u is not None}
+        mine = {id(u): u for u in [*blocks, embed, head] if u is not None}
         self._chunk_units[id(chunk)] = [u for u in self.units if id(u) in mine]
+        self._stage_hooks(chunk, entry, head, blocks)
+        tail = head if head is not entry else None  # gathered after the last block
         for k, block in enumerate(chunk.blocks.values()):
-            ahead = blocks[k + 1] if k + 1 < len(blocks) else None
-            behind = blocks[k - 1] if k else None
-            self._hooks(block, blocks[k], ahead, behind)
+            last = k + 1 == len(blocks)
+            self._block_hooks(block, blocks[k], before=embed if k == 0 else None,
+                              ahead=tail if last else blocks[k + 1],
+                              then=tail if last else None,
+                              after=head if last else blocks[k + 1],
+                              behind=blocks[k - 1] if k else None)
         for p in chunk.parameters():
             p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def _hooks(self, module, unit, ahead, behind) -> None:
-        """Forward: gather ``unit``, prefetch ``ahead``, free after. Backward (when the
-        output's gradient is ready): gather ``unit``, prefetch ``behind``."""
+    def _stage_hooks(self, chunk, entry, head, blocks) -> None:
+        """Forward: gather ``entry``, prefetch the first block; free the roots after. The
+        loss (a stage with a head) gathers the head for its backward and prefetches the last
+        block; another stage's output is its last block's, whose hook does the work."""
 
         def pre(_module, _args):
-            if unit is not None:
-                self.gather(unit)
+            if entry is not None:
+                self.gather(entry)
+            self.prefetch(blocks[0])
+
+        def post(_module, _args, out):
+            for unit in self._chunk_units[id(chunk)]:
+                if unit not in blocks:
+                    self.free(unit)
+            if head is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(loss_grad)
+
+        def loss_grad(grad):
+            self._arrive(head)
+            self.prefetch(blocks[-1])
+            return grad
+
+        chunk.register_forward_pre_hook(pre)
+        chunk.register_forward_hook(post)
+
+    def _block_hooks(self, block, unit, before, ahead, then, after, behind) -> None:
+        """Forward: free ``before`` (the embedding: read before the first block only), gather
+        ``unit``, prefetch ``ahead``; after it free ``unit`` and gather ``then`` (after the
+        last block: the head). Backward (when the output's gradient is ready): gather
+        ``unit``, free ``after`` (the unit the gradient has just left: its backward is done),
+        prefetch ``behind``."""
+
+        def pre(_module, _args):
+            if before is not None:
+                self.free(before)
+            self.gather(unit)
             self.prefetch(ahead)
 
         def post(_module, _args, out):
-            if unit is not None:
-                self.free(unit)
+            self.free(unit)
+            if then is not None:
+                self.gather(then)
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(functools.partial(backward, key=id(out)))
+                out.register_hook(output_grad)
 
-        def backward(grad, key):
-            if unit is not None:
-                self.gather(unit)
-                if self.mode == "inputs":  # B: the unit it left is done (no weight grads)
-                    # (a first stage's output is also its last block's: both hooks fire on
-                    # one tensor, before that block's backward, which must keep its unit)
-                    if self._prev is not None and self._prev[1] != key:
-                        if self._prev[0] is not unit:
-                            self.free(self._prev[0])
-                        self._prev = None
-                    if self._prev is None:
-                        self._prev = (unit, key)
-                else:
-                    unit.waiting = set(unit.ids)
+        def output_grad(grad):
+            self._arrive(unit)
+            if after is not None:
+                self.free(after)
             self.prefetch(behind)
             return grad
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
+
+    def _arrive(self, unit) -> None:
+        """The unit's backward is next: gather it; in a whole backward, free it once all its
+        parameters have their gradient."""
+        self.gather(unit)
+        if self.mode == "full":
+            unit.waiting = set(unit.ids)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         unit = self._unit_of[id(p)]
@@ -229,20 +278,24 @@ class ShardedParams:
             if not unit.waiting:
                 self.free(unit)
 
-
-    # -- split backward (zero-bubble schedules) --------------------------------------------
+    # -- the end of a backward -------------------------------------------------------------
     @contextlib.contextmanager
-    def input_pass(self, chunk):
-        """Around ``B`` of ``chunk``: the hooks free each unit once the input gradient has
-        left it; the chunk's units are all freed after."""
-        self.mode, self._prev = "inputs", None
+    def backward_pass(self, chunk, split: bool = False):
+        """Around a backward of ``chunk`` (``split``: ``B`` of a zero-bubble schedule, which
+        delivers no matmul weight gradient: units are freed by the output hooks only); the
+        chunk's units are all freed after."""
+        self.mode = "inputs" if split else "full"
         try:
             yield
         finally:
-            self.mode, self._prev = "full", None
+            self.mode = "full"
             for unit in self._chunk_units[id(chunk)]:
                 self.free(unit)
                 unit.waiting = set()
+
+    def input_pass(self, chunk):
+        """:meth:`backward_pass` of ``B``."""
+        return self.backward_pass(chunk, split=True)
 
 
 class Zero3(Zero2):
