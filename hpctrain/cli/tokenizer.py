@@ -26,7 +26,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from ..data.dataset import DataError
-    from ..data.prepare import embedded_source, text_source
+    from ..data.prepare import binary, embedded_source, text_source
     from ..data.tokenizer import train_bpe
 
     bad = problems(args)
@@ -38,6 +38,14 @@ def run(args) -> int:
         docs = [src.load(i) for i in range(len(src.names))]
     except DataError as e:
         print(f"hpctrain tokenizer: {e}", file=sys.stderr)
+        return 2
+    if not args.embedded:  # as prepare: binary files are not documents
+        kept = [d for d in docs if not binary(d)]
+        if len(kept) < len(docs) or src.hidden:
+            print(f"skipped {len(docs) - len(kept)} binary files, {src.hidden} hidden entries")
+        docs = kept
+    if not docs:
+        print("hpctrain tokenizer: no text documents (every file is binary)", file=sys.stderr)
         return 2
     text = train_bpe(docs, args.vocab_size)
     out = Path(args.out)

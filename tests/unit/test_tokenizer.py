@@ -178,6 +178,30 @@ def test_cli_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
 
+def test_tokenizer_train_leaves_out_binary_and_hidden_files(tmp_path, capsys):
+    """As ``prepare`` does, ``tokenizer train`` trains on text only: a binary file (ELF) and a
+    hidden directory are counted, not learned from; with only binary files it refuses."""
+    from hpctrain.__main__ import main
+    from hpctrain.data.tokenizer import load
+
+    src = tmp_path / "src"
+    (src / ".git").mkdir(parents=True)
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (src / "a.txt").write_text("hello world " * 50)
+    (src / "tool").write_bytes(b"\x7fELF" + bytes(range(256)) * 8)
+    out = tmp_path / "t.json"
+    assert main(["tokenizer", "train", str(src), "--vocab-size", "300", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "skipped 1 binary files, 1 hidden entries" in said and "from 1 documents" in said
+    ids = load(str(out)).encode([b"ref: refs/heads"])[0]
+    assert len(ids) > 1  # nothing of the hidden file was merged
+    (src / "a.txt").unlink()
+    assert main(["tokenizer", "train", str(src), "--vocab-size", "300",
+                 "--out", str(tmp_path / "u.json")]) == 2
+    assert "every file is binary" in capsys.readouterr().err
+    assert not (tmp_path / "u.json").exists()
+
+
 def test_prepare_argument_rules():
     from types import SimpleNamespace
 
