@@ -16,8 +16,9 @@ appended (and fsynced) by rank 0 only:
 :func:`trajectory` replays the log: the names of the current trajectory's files, oldest
 first, that exist. Retention (write.py) deletes only the oldest of these, and
 ``resume = "auto"`` falls back only along them. A directory without the log (written
-before it existed) is one trajectory in step order; the first event written seeds the log
-with it. No MPI here: the Checkpointer calls these on rank 0.
+before it existed), or whose log names none of its files, is one trajectory in step order;
+the first event written seeds a missing log with it. No MPI here: the Checkpointer calls
+these on rank 0.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def trajectory(directory) -> list[str]:
             start = event.get("from")
             names = (names[:names.index(start) + 1] if start in names
                      else [start] if start else [])
-    return [n for n in names if n in present]
+    return [n for n in names if n in present] or present  # none logged: as without a log
 
 
 def append(directory, event: dict) -> None:
