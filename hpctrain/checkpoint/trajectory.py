@@ -97,15 +97,20 @@ def start(directory, resumed_from: str | None, folder: str) -> tuple[list[str], 
             else [resumed_from] if resumed_from in _present(d) else [])
     moved = [n for n in _present(d) if n not in keep]
     if moved:
-        target.mkdir(parents=True, exist_ok=False)
+        n = 1
+        while target.exists():  # never into a folder that holds files already
+            n += 1
+            target = d / ASIDE / f"{folder}-{n}"
+        target.mkdir(parents=True)
         for name in moved:
             os.replace(d / name, target / name)
         fsync_dir(target)
+        fsync_dir(d)
     if moved and keep:
         write_durably(d / LATEST, keep[-1] + "\n")
     elif moved:
         (d / LATEST).unlink(missing_ok=True)
     append(d, {"event": "start", "from": resumed_from, "set_aside": moved,
-               "to": f"{ASIDE}/{folder}" if moved else None})
+               "to": str(target.relative_to(d)) if moved else None})
     return moved, target
 

@@ -139,7 +139,10 @@ class RunLog:
             (keep if done else later).append(line)
         if not later:
             return
-        aside = self.dir / "abandoned" / folder
+        aside, n = self.dir / "abandoned" / folder, 1
+        while (aside / "metrics.jsonl").exists():  # never over records set aside before
+            n += 1
+            aside = self.dir / "abandoned" / f"{folder}-{n}"
         aside.mkdir(parents=True, exist_ok=True)
         (aside / "metrics.jsonl").write_text("".join(later))
         self._metrics.close()
