@@ -86,3 +86,21 @@ def test_retention_keeps_the_newest_of_the_trajectory(tmp_path, monkeypatch):
     assert sorted(x.name for x in (tmp_path / "abandoned" / folder).iterdir()) == \
         [_name(3), _name(4)]
     assert checkpointer.latest(tmp_path) == tmp_path / _name(4)
+
+
+def test_metrics_after_the_start_step_are_set_aside(tmp_path, capsys):
+    """metrics.jsonl keeps the records up to the step the run continues from; the later ones
+    (and a torn last line) move to abandoned/<folder>/metrics.jsonl; new records append."""
+    from hpctrain.telemetry import RunLog
+
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 7)] + ['{"step": 7, "lo']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    log = RunLog(tmp_path, fake_topology(), 4)
+    log.continue_at(2, "f")
+    log.continue_at(2, "f")  # nothing left to set aside: nothing happens
+    log._metrics.write(json.dumps({"step": 3, "loss": 0.5}) + "\n")
+    log.close()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert (tmp_path / "abandoned/f/metrics.jsonl").read_text().splitlines() == lines[2:]
+    assert "5 record(s) of metrics.jsonl after step 2 set aside" in capsys.readouterr().out
