@@ -26,7 +26,8 @@ def check_inputs(cfg: Config, run_dir: str) -> None:
     if resume not in ("", "never", "auto") and not Path(resume).exists():
         errors.append(f"checkpoint.resume={resume!r}: no checkpoint there")
     if resume in ("", "never"):
-        errors += _fresh_start_problems(Path(cfg.checkpoint.dir or Path(run_dir) / "checkpoints"))
+        errors += _fresh_start_problems(resume, Path(cfg.checkpoint.dir or
+                                                     Path(run_dir) / "checkpoints"))
     errors += data_problems(cfg)
     errors += init_from.problems(cfg)
     refuse(errors)
@@ -62,13 +63,13 @@ def data_problems(cfg: Config, missing_ok: bool = False) -> list[str]:
     return fit_problems(s, cfg.model.vocab_size, t.seq_len, t.eval_every)
 
 
-def _fresh_start_problems(ckpt_dir: Path) -> list[str]:
+def _fresh_start_problems(resume: str, ckpt_dir: Path) -> list[str]:
     """A fresh start (``checkpoint.resume = "never"``) would overwrite the committed
     checkpoints of ``ckpt_dir``: refused, saying how to continue or start anew."""
     found = sorted(ckpt_dir.glob("step_*.h5")) if ckpt_dir.is_dir() else []
     if not found:
         return []
-    return [f"checkpoint.resume=never: {ckpt_dir} holds {len(found)} checkpoint(s) of an "
+    return [f"checkpoint.resume={resume!r}: {ckpt_dir} holds {len(found)} checkpoint(s) of an "
             f"earlier run (newest {found[-1].name}) that a fresh start would overwrite. "
             f"To continue that run, set checkpoint.resume=auto (the default); to start anew, "
             f"use another --run-dir (or checkpoint.dir), or move the checkpoints aside"]
