@@ -175,7 +175,7 @@ class ScheduleConfig:
 class CheckpointConfig:
     dir: str = key("", "where checkpoints go; \"\" = RUN_DIR/checkpoints")
     every: int = key(0, "save every N steps; 0: only at the end (when save_final)", ge=0)
-    resume: str = key("", "\"\" fresh, \"auto\" the latest if any, or a checkpoint path")
+    resume: str = key("auto", "\"auto\" the run's newest checkpoint if any, \"never\", or a path")
     init_from: str = key("", "a new run's parameters from a checkpoint or a Hugging Face directory")
     keep: int = key(3, "checkpoints kept; 0: every one", ge=0)
     save_final: bool = key(True, "save a checkpoint after the last step")

@@ -133,7 +133,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
 def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict,
             run_dir: Path) -> tuple[int, dict]:
     """5 (restore). Continue from a checkpoint if asked (a damaged one falls back to the one
-    before); the data stream follows the step. Records the run's lineage. A checkpoint this
+    before); the data stream follows the step. Records the run's lineage, then sets aside
+    the checkpoints and metrics records of an abandoned trajectory. A checkpoint this
     run cannot continue (another model's shapes, a missing tensor; another data content hash,
     data seed, global batch size or seq_len unless ``data.allow_changed``) raises a LineageError
     alike on every rank, before any step. Returns (steps already done, the attributes every
@@ -144,6 +145,10 @@ def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict
         start = int(resumed["step"])
         log.info(f"resumed from {resumed['path']} at step {start}")
     run_lineage = lineage.start(run_dir, cfg, topo, data_lineage, resumed, log.info)
+    folder, set_aside = saver.take_over(resumed, start)  # nothing earlier is overwritten
+    if set_aside:
+        log.info(set_aside)
+    log.continue_at(start, folder)  # metrics.jsonl: one trajectory
     attrs = {"config": dumps_toml(cfg), "topology": str(topo.dims),
              "lineage": json.dumps(run_lineage),
              "data_hash": data_lineage.get("content_hash", ""),

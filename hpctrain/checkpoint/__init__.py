@@ -10,6 +10,8 @@
   and the transfer of pieces into and out of the file.
 - ``integrity.py``: the format, CRC-32 per dataset, verification, the run's environment.
 - ``lineage.py``: what a run was made from (data hash, config, resumed-from chain).
+- ``trajectory.py``: the commit log: which files of the directory the run trains on
+  (retention, fallback) and what a run starting elsewhere sets aside.
 """
 
 from importlib import import_module

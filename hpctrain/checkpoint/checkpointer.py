@@ -43,6 +43,7 @@ from .files import Opener
 from .layout import Piece, misfits, pieces_of, transfer, unknown_params
 from .lineage import LineageError
 from .read import read_pieces
+from .trajectory import aside_name, start, trajectory
 from .write import (
     KILL_RANK_ENV,
     KILL_STEP_ENV,
@@ -88,16 +89,15 @@ def latest(directory: str | Path) -> Path | None:
 
 
 def candidates(how: str, directory: Path) -> list[Path]:
-    """Checkpoints to try for ``checkpoint.resume = how``, best first: the one ``latest``
-    names, then older committed files, newest first. An explicit file is the only one."""
+    """Checkpoints to try for ``checkpoint.resume = how``, best first: the checkpoint
+    directory's (``auto``) or the named directory's trajectory, newest first (never a file
+    of an abandoned trajectory: trajectory.py). An explicit file is the only one."""
     path = directory if how == "auto" else Path(how)
     if path.is_file():
         return [path]
     if not path.is_dir():
         return []
-    out = [p for p in [latest(path)] if p is not None]
-    out += [p for p in sorted(path.glob("step_*.h5"), reverse=True) if p not in out]
-    return out
+    return [path / name for name in reversed(trajectory(path))]
 
 
 class Checkpointer:
@@ -253,12 +253,12 @@ class Checkpointer:
         return [p for part in world.allgather_obj(mine) for p in part]
 
     def restore(self, how: str, named_params, optimizer) -> dict | None:
-        """``checkpoint.resume``: "" -> None; "auto" -> the newest sound checkpoint in the
-        checkpoint directory, or None when there is none; a directory -> its newest sound
-        one; a file -> that file. A damaged checkpoint is skipped with a warning for the
-        previous one (not for an explicit file). Returns the loaded file's attributes plus
-        ``path``. Collective over the world."""
-        if not how:
+        """``checkpoint.resume``: "never" or "" -> None; "auto" -> the newest sound
+        checkpoint of the checkpoint directory's trajectory, or None when there is none; a
+        directory -> its newest sound one; a file -> that file. A damaged checkpoint is
+        skipped with a warning for the one before it on the trajectory (not for an explicit
+        file). Returns the loaded file's attributes plus ``path``. Collective over the world."""
+        if how in ("", "never"):
             return None
         self.wait()  # a rollback reads what the save in flight is committing
         world = self.topo.world
@@ -272,7 +272,15 @@ class Checkpointer:
             problems = self.check(path)
             if not problems:
                 self.metrics["ckpt_verify_s"] = time.perf_counter() - t0
-                return {**self.load(path, named_params, optimizer), "path": str(path)}
+                try:
+                    return {**self.load(path, named_params, optimizer), "path": str(path)}
+                except CheckpointMismatch as e:
+                    if how != "auto":
+                        raise
+                    raise CheckpointMismatch(
+                        f"{e}. checkpoint.resume=auto continues the checkpoints of "
+                        f"{self.dir}: to start a new run, use another --run-dir (or "
+                        f"checkpoint.dir)") from None
             detail = "; ".join(problems[:3])
             if i + 1 == len(cands) or Path(how).is_file():
                 raise CorruptCheckpoint(f"{path} is damaged ({detail}) and no earlier "
@@ -281,6 +289,30 @@ class Checkpointer:
                 self.warn(f"checkpoint {path} is damaged ({detail}); falling back to "
                           f"{cands[i + 1]}")
         return None  # unreachable
+
+    def take_over(self, resumed: dict | None, step: int) -> tuple[str, str]:
+        """The run starts at ``step`` (from ``resumed``, or fresh): before any save, rank 0
+        moves every checkpoint of the directory that is not on the trajectory this run
+        continues (the newer files of an abandoned one) into
+        ``abandoned/<time>-from-step-<step>/`` and logs the start (trajectory.py): no save
+        overwrites what another run wrote. Returns (the folder's name, for the metrics set
+        aside with them; what was set aside, a sentence for the log, "" when nothing and on
+        ranks but 0). Collective: a failure raises on every rank."""
+        world, folder, said, failed = self.topo.world, aside_name(step), "", None
+        if world.rank == 0:
+            src = Path(resumed["path"]) if resumed else None
+            own = src is not None and src.resolve().parent == self.dir.resolve()
+            try:
+                moved, where = start(self.dir, src.name if own else None, folder)
+            except OSError as e:
+                failed = f"cannot set aside the checkpoints of {self.dir}: {e}"
+            else:
+                said = (f"{len(moved)} checkpoint(s) not on the trajectory this run continues "
+                        f"({', '.join(moved)}) set aside in {where}" if moved else "")
+        failed = world.bcast_obj(failed)
+        if failed:
+            raise OSError(failed)
+        return folder, said
 
     def roll_back(self, named_params, optimizer) -> str | None:
         """Restore the newest sound checkpoint of this run (the numeric guard's rollback);

@@ -17,10 +17,11 @@ training world, or its duplicate in the background):
    ``MPI_File_sync`` before the close: the fsync after it covers them), then one barrier;
 3. with ``checkpoint.verify_write`` the file is read back (datasets round-robin) and each
    CRC compared with the one computed from memory;
-4. rank 0 renames it to ``step_N.h5``, points ``latest`` at it (one directory sync makes
-   both renames durable; a crash before it leaves at worst a ``latest`` naming a missing
-   file, which ``latest()`` treats as absent, so ``resume=auto`` takes the newest file
-   present), starts a thread that deletes old files, and a barrier ends the save.
+4. rank 0 appends the commit to the directory's log (trajectory.py), renames the file to
+   ``step_N.h5``, points ``latest`` at it (one directory sync makes both renames durable; a
+   crash before it leaves at worst a ``latest`` naming a missing file, which ``latest()``
+   treats as absent), starts a thread that deletes the oldest files of the trajectory
+   beyond ``checkpoint.keep``, and a barrier ends the save.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ import numpy as np
 
 from . import integrity as cv
 from .layout import Piece, transfer, uncovered
+from .trajectory import LATEST, trajectory
+from .trajectory import append as log_event
 
-LATEST = "latest"
 KILL_RANK_ENV, KILL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_KILL_RANK", "HPCTRAIN_FAULT_CKPT_KILL_STEP"
 SLOW_ENV = "HPCTRAIN_FAULT_CKPT_SLOW_S"  # tests: seconds a write sleeps before its commit
 FAIL_RANK_ENV, FAIL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_FAIL_RANK", "HPCTRAIN_FAULT_CKPT_FAIL_STEP"
@@ -255,12 +257,14 @@ class Writer:
                                     f"dataset(s) differ from what was written: {bad[:5]}")
 
     def _commit(self, tmp: Path, final: Path) -> None:
-        """Rank 0 renames the file, points ``latest`` at it (both made durable by one
-        directory sync) and deletes old checkpoints in a thread of its own (off the
+        """Rank 0 logs the commit (trajectory.py), renames the file, points ``latest`` at
+        it (both made durable by one directory sync) and deletes the trajectory's old
+        checkpoints in a thread of its own (off the
         critical path: deleting a large file takes as long as writing a small one); every
         rank returns once the file is committed. Collective."""
         if self.world.rank == 0:
             self.join_prune()
+            log_event(self.dir, {"event": "commit", "file": final.name})
             os.replace(tmp, final)
             cv.write_durably(self.dir / LATEST, final.name + "\n")  # syncs the directory
             if self.cfg.keep > 0:
@@ -276,10 +280,11 @@ class Writer:
             self._pruner = None
 
     def _prune(self, keep_name: str) -> None:
-        files = sorted(self.dir.glob("step_*.h5"))
-        for old in files[:-self.cfg.keep]:
-            if old.name != keep_name:
-                old.unlink(missing_ok=True)
+        """Delete all but the newest ``checkpoint.keep`` of the trajectory being trained
+        (trajectory.py); files of no trajectory are never touched here."""
+        for old in trajectory(self.dir)[:-self.cfg.keep]:
+            if old != keep_name:
+                (self.dir / old).unlink(missing_ok=True)
 
 
 def _create(f, specs, meta: dict) -> dict:

@@ -15,16 +15,19 @@ from ..config import Config, InputError
 
 def check_inputs(cfg: Config, run_dir: str) -> None:
     """``hpctrain train``: the data (:func:`data_problems`), the run and checkpoint
-    directories (writable, or creatable), the checkpoint to resume from, the parameters to
-    initialise from. Nothing is written."""
+    directories (writable, or creatable; no committed checkpoints there for a fresh start),
+    the checkpoint to resume from, the parameters to initialise from. Nothing is written."""
     from ..interchange import init_from
 
     errors = _dir_problems(f"--run-dir {run_dir}", run_dir)
     if cfg.checkpoint.dir:
         errors += _dir_problems(f"checkpoint.dir={cfg.checkpoint.dir}", cfg.checkpoint.dir)
     resume = cfg.checkpoint.resume
-    if resume not in ("", "auto") and not Path(resume).exists():
+    if resume not in ("", "never", "auto") and not Path(resume).exists():
         errors.append(f"checkpoint.resume={resume!r}: no checkpoint there")
+    if resume in ("", "never"):
+        errors += _fresh_start_problems(resume, Path(cfg.checkpoint.dir or
+                                                     Path(run_dir) / "checkpoints"))
     errors += data_problems(cfg)
     errors += init_from.problems(cfg)
     refuse(errors)
@@ -58,6 +61,18 @@ def data_problems(cfg: Config, missing_ok: bool = False) -> list[str]:
     except DataError as e:
         return [str(e)]
     return fit_problems(s, cfg.model.vocab_size, t.seq_len, t.eval_every)
+
+
+def _fresh_start_problems(resume: str, ckpt_dir: Path) -> list[str]:
+    """A fresh start (``checkpoint.resume = "never"``) would overwrite the committed
+    checkpoints of ``ckpt_dir``: refused, saying how to continue or start anew."""
+    found = sorted(ckpt_dir.glob("step_*.h5")) if ckpt_dir.is_dir() else []
+    if not found:
+        return []
+    return [f"checkpoint.resume={resume!r}: {ckpt_dir} holds {len(found)} checkpoint(s) of an "
+            f"earlier run (newest {found[-1].name}) that a fresh start would overwrite. "
+            f"To continue that run, set checkpoint.resume=auto (the default); to start anew, "
+            f"use another --run-dir (or checkpoint.dir), or move the checkpoints aside"]
 
 
 def _dir_problems(what: str, path: str) -> list[str]:

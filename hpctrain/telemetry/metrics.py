@@ -122,6 +122,37 @@ class RunLog:
             self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
             self._log = open(self.dir / "train.log", "a", buffering=1)
 
+    def continue_at(self, step: int, folder: str) -> None:
+        """The run starts after ``step`` (0: a fresh start): records of later steps in
+        ``metrics.jsonl`` (an abandoned trajectory, or steps redone after a crash) move to
+        ``RUN_DIR/abandoned/<folder>/metrics.jsonl``, so the file holds one trajectory
+        (rank 0; logged)."""
+        path = self.dir / "metrics.jsonl"
+        if not self.is_writer or not path.is_file():
+            return
+        keep, later = [], []
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                done = int(json.loads(line)["step"]) <= step
+            except (ValueError, KeyError, TypeError):
+                done = False  # a torn line
+            (keep if done else later).append(line)
+        if not later:
+            return
+        aside, n = self.dir / "abandoned" / folder, 1
+        while (aside / "metrics.jsonl").exists():  # never over records set aside before
+            n += 1
+            aside = self.dir / "abandoned" / f"{folder}-{n}"
+        aside.mkdir(parents=True, exist_ok=True)
+        (aside / "metrics.jsonl").write_text("".join(later))
+        self._metrics.close()
+        tmp = self.dir / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(keep))
+        tmp.replace(path)
+        self._metrics = open(path, "a", buffering=1)
+        self.info(f"{len(later)} record(s) of metrics.jsonl after step {step} set aside in "
+                  f"{aside / 'metrics.jsonl'}")
+
     def info(self, msg: str) -> None:
         """A line for the log and stdout (rank 0)."""
         if self.is_writer:

@@ -86,4 +86,4 @@ def test_a_region_nobody_writes_is_refused(tmp_path, monkeypatch):
         saver.save(2, named, opt, {})
     d = saver.dir
     assert (d / "latest").read_text().strip() == first.name
-    assert sorted(p.name for p in d.iterdir()) == ["latest", first.name]  # no .tmp left
+    assert sorted(p.name for p in d.iterdir()) == ["commits.jsonl", "latest", first.name]  # no .tmp

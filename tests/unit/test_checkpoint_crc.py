@@ -96,7 +96,8 @@ def test_verify_write_refuses_bytes_that_differ_from_memory(tmp_path, monkeypatc
         with pytest.raises(checkpointer.CorruptCheckpoint, match=r"model/w"):
             saver.save(2, named, opt, {})
         assert checkpointer.latest(saver.dir) == first
-        assert sorted(p.name for p in saver.dir.iterdir()) == ["latest", first.name]
+        assert sorted(p.name for p in saver.dir.iterdir()) == ["commits.jsonl", "latest",
+                                                               first.name]
     else:
         second = saver.save(2, named, opt, {})
         assert cv.verify(second) == ["model/w: checksum mismatch"]

@@ -82,3 +82,22 @@ def test_a_missing_tokenizer_and_a_tokenizer_with_a_file_are_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="carries its own tokenizer"):
         validate(load(TINY, ['data.tokenizer="t.json"', 'data.path="d.h5"']), 1)
+
+
+def test_a_fresh_start_over_committed_checkpoints_is_refused(tmp_path):
+    """checkpoint.resume = "never" (or "") where checkpoints are, in the run directory or in
+    checkpoint.dir: refused, saying how to continue and how to start anew; "auto" passes."""
+    own, other = tmp_path / "run" / "checkpoints", tmp_path / "ckpt"
+    for d in (own, other):
+        d.mkdir(parents=True)
+        (d / "step_00000004.h5").write_text("x")
+    for extra, where in (([], own), ([f'checkpoint.dir="{other}"'], other)):
+        for value in ('""', '"never"'):
+            with pytest.raises(InputError) as e:
+                inputs.check_inputs(load(TINY, [*extra, f"checkpoint.resume={value}"]),
+                                    str(tmp_path / "run"))
+            text = str(e.value)
+            for part in (f"{where} holds 1 checkpoint(s)", "step_00000004.h5",
+                         "checkpoint.resume=auto", "another --run-dir", "move the checkpoints"):
+                assert part in text, text
+        inputs.check_inputs(load(TINY, extra), str(tmp_path / "run"))  # auto: continues
