@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
+
+from .integrity import git_commit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,20 +28,6 @@ class LineageError(RuntimeError):
     """Resuming is refused: it would silently change what the run trains on (data, seed,
     global batch, sequence length), or the checkpoint cannot be continued
     (``store.CheckpointMismatch``). The CLI prints it once and exits 2 on every rank."""
-
-
-def git_commit() -> str | None:
-    here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                           capture_output=True, text=True, timeout=5).stdout.strip()
-    return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def versions() -> dict:

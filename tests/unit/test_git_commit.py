@@ -9,7 +9,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = "from hpctrain.checkpoint import integrity; print(repr(integrity.git_commit()))"
+# the checkpoint's attribute and the run's lineage.json (``lineage.collect``) say the same
+PROBE = ("from hpctrain.checkpoint import integrity, lineage\n"
+         "c = integrity.git_commit()\n"
+         "assert lineage.collect({}, (1,), 1)['commit'] == c\n"
+         "print(repr(c))")
 
 
 def commit_seen(pythonpath: Path, cwd: Path) -> str:
