@@ -73,11 +73,11 @@ class Trainer:
     pipeline_timing: dict = field(default_factory=dict)  # this rank's last step (runner)
 
 
-def setup_run_dir(cfg: Config, run_dir: Path, topo) -> Path:
-    """Rank 0 creates the run directory and writes the resolved config."""
+def setup_run_dir(run_dir: Path, topo) -> Path:
+    """Rank 0 creates the run directory (the resolved config is written once the run is
+    accepted: :func:`restore`)."""
     if topo.world.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(dumps_toml(cfg))
     topo.world.barrier()
     return run_dir
 
@@ -87,7 +87,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     0/1/2/3) and its slice of every batch; then restore, telemetry, the numeric guard,
     evaluation and stop rules. Collective over the world."""
     topo = Topology(cfg.topology, world, placement=cfg.experimental.placement)
-    run_dir = setup_run_dir(cfg, Path(run_dir), topo)
+    run_dir = setup_run_dir(Path(run_dir), topo)
     log = RunLog(run_dir, topo, cfg.train.steps, cfg.train.log_every)
     log.info(f"MPI: {comm.library()}")  # the first line: which MPI this run found
     job = slurm.attach(topo.world, log.info)  # log the SLURM job; SIGUSR1/SIGTERM set a flag
@@ -149,6 +149,8 @@ def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict
     if set_aside:
         log.info(set_aside)
     log.continue_at(start, folder)  # metrics.jsonl: one trajectory
+    if topo.world.rank == 0:  # accepted: a refused resume leaves the earlier config
+        (run_dir / "config.toml").write_text(dumps_toml(cfg))
     attrs = {"config": dumps_toml(cfg), "topology": str(topo.dims),
              "lineage": json.dumps(run_lineage),
              "data_hash": data_lineage.get("content_hash", ""),

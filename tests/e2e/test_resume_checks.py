@@ -37,6 +37,8 @@ def _refused(run_dir: Path, ckpt_dir: Path, *overrides: str, n: int = 2):
     """Resume from ``ckpt_dir`` (also the directory new checkpoints would go to); returns
     the stderr lines of the refusal after checking the exit code and that nothing changed."""
     before = _snapshot(ckpt_dir)
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text("# the earlier run's config\n")
     args = ["-m", "hpctrain", "train", TINY, "--run-dir", str(run_dir), "--set",
             f"topology.dp={n}", "--set", "checkpoint.resume=auto", "--set",
             f"checkpoint.dir={ckpt_dir}"]
@@ -51,6 +53,7 @@ def _refused(run_dir: Path, ckpt_dir: Path, *overrides: str, n: int = 2):
     assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl") \
         .read_text().strip(), "a step was taken"
     assert _snapshot(ckpt_dir) == before, "the checkpoint directory changed"
+    assert (run_dir / "config.toml").read_text() == "# the earlier run's config\n"
     return lines[0]
 
 
