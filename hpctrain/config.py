@@ -72,8 +72,7 @@ class ModelConfig:
     n_layers: int = key(4, "transformer blocks", ge=1)
     d_model: int = key(128, "hidden size", ge=1)
     n_heads: int = key(4, "attention (query) heads", ge=1)
-    n_kv_heads: int = key(0, "llama: key/value heads (grouped-query attention); 0 = n_heads",
-                          ge=0)
+    n_kv_heads: int = key(0, "llama: key/value heads (grouped-query attention); 0 = n_heads", ge=0)
     rope_theta: float = key(10000.0, "llama: rotary embedding base", gt=0)
     d_ff: int = key(0, "MLP hidden size; 0: 4 * d_model", ge=0)
     vocab_size: int = key(256, "embedding rows; every token id of the data needs one", ge=2)
@@ -161,6 +160,7 @@ class DataConfig:
                              "prepared data.path carries its own)")
     val_fraction: float = key(0.05, "share of the tokens held out for validation", within=(0, 1))
     allow_changed: bool = key(False, "resume though the sample stream changes (recorded)")
+    document_mask: bool = key(False, "attention stays inside each document; positions restart")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ once. The result equals the one-rank value (invariant 1).
 
 from __future__ import annotations
 
+from .data import segments
 from .data.dataset import Sampler, load_tokens
 from .pipeline.runner import run_forward
 
@@ -30,7 +31,8 @@ class Evaluator:
         self.cfg, self.topo, self.chunks = cfg, topo, chunks
         self.sampler = Sampler(val.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
                                topo.dp_size, topo.dp_rank, t.seed + EVAL_SEED_OFFSET,
-                               device=device, cp_size=topo.cp_size, cp_rank=topo.cp_rank)
+                               device=device, cp_size=topo.cp_size, cp_rank=topo.cp_rank,
+                               documents=segments.for_split(d, "val", t.seq_len))
         self.tokens = t.eval_batches * t.global_batch_size * t.seq_len
         self.info = info or (lambda msg: None)
 

@@ -26,6 +26,7 @@ from .checkpoint import Checkpointer, lineage
 from .checks.validate import validate
 from .comm import gpu
 from .config import Config, dumps_toml
+from .data import segments
 from .data.dataset import Sampler, load_tokens
 from .evaluate import Evaluator
 from .interchange import init_from
@@ -105,7 +106,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     device = params[0][1].device
     sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
                       topo.dp_size, topo.dp_rank, t.seed, device=device,
-                      cp_size=topo.cp_size, cp_rank=topo.cp_rank)
+                      cp_size=topo.cp_size, cp_rank=topo.cp_rank,
+                      documents=segments.for_split(d, "train", t.seq_len))
     global_tokens = t.global_batch_size * t.seq_len
     log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, cp, tp) = {topo.dims}, "
              f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "

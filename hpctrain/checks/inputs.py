@@ -51,6 +51,7 @@ def data_problems(cfg: Config, missing_ok: bool = False) -> list[str]:
     hpctrain's, a token id has no row in ``model.vocab_size``, a split is too short. Reads
     the file's attributes (the embedded corpus: its tokens, once). ``missing_ok``: a data
     file that is not here is no problem (``hpctrain plan`` on another machine)."""
+    from ..data import segments
     from ..data.dataset import DataError, fit_problems, summarize
 
     d, t = cfg.data, cfg.train
@@ -60,7 +61,9 @@ def data_problems(cfg: Config, missing_ok: bool = False) -> list[str]:
         s = summarize(d.path, d.corpus_mb, d.val_fraction, d.tokenizer)
     except DataError as e:
         return [str(e)]
-    return fit_problems(s, cfg.model.vocab_size, t.seq_len, t.eval_every)
+    splits = ("train", "val") if t.eval_every else ("train",)
+    return fit_problems(s, cfg.model.vocab_size, t.seq_len, t.eval_every) + (segments.problems(
+        d.path, splits, d.corpus_mb, d.val_fraction, d.tokenizer) if d.document_mask else [])
 
 
 def _fresh_start_problems(resume: str, ckpt_dir: Path) -> list[str]:

@@ -299,12 +299,14 @@ class Sampler:
 
     ``global_batch(step)`` -> (x, y) int64 tensors of shape (G, T); ``local(step)`` -> the
     list of this dp rank's microbatches [(x_j, y_j)], each (mbs, T), or with context
-    parallelism (mbs, T/cp): this cp rank's positions (:func:`context_positions`).
+    parallelism (mbs, T/cp): this cp rank's positions (:func:`context_positions`). With
+    ``documents`` (``data.segments.Documents``) each microbatch is (x_j, y_j, d_j): d_j its
+    windows' document ids and positions, (mbs, 2, T) (all T, with cp too).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, micro_batch: int,
                  dp_size: int, dp_rank: int, seed: int, device=None, cp_size: int = 1,
-                 cp_rank: int = 0):
+                 cp_rank: int = 0, documents=None):
         if len(tokens) < seq_len + 2:
             raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2 = "
                              f"{seq_len + 2}")
@@ -313,6 +315,7 @@ class Sampler:
         self.microbatches = global_batch // (dp_size * micro_batch)
         self.device = device  # batches are moved there (the GPU of this rank)
         self.columns = None if cp_size == 1 else context_positions(seq_len, cp_size, cp_rank)
+        self.documents = documents  # window starts -> (B, 2, T) ids and positions, or None
 
     def starts(self, step: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, step])
@@ -341,4 +344,7 @@ class Sampler:
         for j in range(self.microbatches):
             lo = j * self.dp * self.mbs + self.r * self.mbs
             out.append(self._rows(starts[lo:lo + self.mbs], self.columns))
+            if self.documents is not None:
+                d = self.documents(starts[lo:lo + self.mbs])
+                out[-1] += (d if self.device is None else d.to(self.device),)
         return out

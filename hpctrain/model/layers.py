@@ -121,6 +121,15 @@ class Rotary:
         else:
             parts = [self.cos_sin(a, n, x.dtype, x.device) for a, n in segments]
             cos, sin = (torch.cat([p[i] for p in parts]) for i in (0, 1))
+        return self._rotate(x, cos, sin)
+
+    def at(self, x: torch.Tensor, positions: torch.Tensor, bound: int) -> torch.Tensor:
+        """Rotate ``x`` (B, heads, T, hd) at per-sequence positions ``positions`` (B, T),
+        each below ``bound`` (document masks: positions restart at each document)."""
+        cos, sin = self.cos_sin(0, bound, x.dtype, x.device)
+        return self._rotate(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+
+    def _rotate(self, x, cos, sin):
         half = self.hd // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -166,15 +175,20 @@ class Attention(nn.Module):
         self.wo = _param((C, self.heads * hd), ParamMeta((C, cfg.n_heads * hd), tp_dim=1,
                                                          std=resid_std), dtype)
 
-    def forward(self, x, cache: KVCache | None = None, layer=None):
+    def forward(self, x, cache: KVCache | None = None, layer=None, doc=None):
         """x: (B, T, C), the full sequence (or, with ``cache``, the new tokens only),
-        replicated over tp. Returns this rank's partial sum of the output (B, T, C)."""
+        replicated over tp. Returns this rank's partial sum of the output (B, T, C).
+        ``doc`` (B, 2, T): document ids and positions of the whole windows: a query sees
+        only keys of its own document, rotary positions are the given ones (None: causal
+        over the whole sequence, positions 0..T-1)."""
         B, T, _ = x.shape
         q = linear(x, self.wq).view(B, T, self.heads, self.hd).transpose(1, 2)
         k = linear(x, self.wk).view(B, T, self.kv, self.hd).transpose(1, 2)
         v = linear(x, self.wv).view(B, T, self.kv, self.hd).transpose(1, 2)
         if self.context is not None and cache is None:  # this rank's chunks of the sequence
-            return linear(self._context_attention(q, k, v), self.wo)
+            return linear(self._context_attention(q, k, v, doc), self.wo)
+        if doc is not None and cache is None:
+            return linear(self._document_attention(q, k, v, doc), self.wo)
         start = cache.length if cache is not None else 0
         if self.rotary is not None:
             q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
@@ -192,15 +206,36 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
         return linear(y, self.wo)  # partial sum over tp: (B, T, C)
 
-    def _context_attention(self, q, k, v):
+    def _document_attention(self, q, k, v, doc):
+        """Attention inside documents: q (B, H_local, T, hd), k/v (B, kv_local, T, hd); a
+        query sees the keys at or before it with the same document id. (B, T, H_local*hd)."""
+        B, _, T, _ = q.shape
+        ids, pos = doc[:, 0], doc[:, 1]  # (B, T)
+        if self.rotary is not None:
+            q, k = self.rotary.at(q, pos, T), self.rotary.at(k, pos, T)
+        if self.kv != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv, dim=1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        mask = (ids.unsqueeze(2) == ids.unsqueeze(1)) & causal  # (B, T, T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        return y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
+
+    def _context_attention(self, q, k, v, doc=None):
         """Context parallelism: q (B, H_local, T/cp, hd), k/v (B, kv_local, T/cp, hd) at the
         global positions ``context.segments``; the context attends across the ring (causal,
-        grouped-query) and returns (B, T/cp, H_local * hd)."""
+        grouped-query; with ``doc`` (B, 2, T) inside documents, at their positions) and
+        returns (B, T/cp, H_local * hd)."""
         B, _, T, _ = q.shape
-        if self.rotary is not None:
-            segs = self.context.segments(T)
+        segs = self.context.segments(T)
+        if self.rotary is not None and doc is None:
             q, k = self.rotary.apply(q, 0, segs), self.rotary.apply(k, 0, segs)
-        y = self.context.attention(q, k, v, self.heads // self.kv)  # (B, H_local, T, hd)
+        elif self.rotary is not None:
+            cols = torch.cat([torch.arange(a, a + n, device=q.device) for a, n in segs])
+            pos = doc[:, 1][:, cols]  # (B, T/cp): this rank's tokens' document positions
+            q, k = self.rotary.at(q, pos, doc.shape[2]), self.rotary.at(k, pos, doc.shape[2])
+        ids = None if doc is None else doc[:, 0]
+        y = self.context.attention(q, k, v, self.heads // self.kv, ids)  # (B, H_local, T, hd)
         return y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
 
 

@@ -79,12 +79,13 @@ class Block(nn.Module):
         """Whether the block can pause (an MoE feed-forward yields at its exchanges)."""
         return self.mlp.stepped
 
-    def steps(self, x):  # x: (B, T, C), or (B, T/tp, C) with sequence parallelism
+    def steps(self, x, doc=None):  # x: (B, T, C), or (B, T/tp, C) with sequence parallelism
         """The block's forward as a generator (``model/steps.py``): attention, then the
         feed-forward; an MoE feed-forward is requested with :class:`RunExperts`. Returns the
-        block's output, shaped like ``x``."""
+        block's output, shaped like ``x``. ``doc``: document ids and positions (B, 2, T) of
+        the whole windows (attention stays inside documents), or None."""
         ops = self.ops
-        h = x + ops.exit_tp(self.attn(ops.enter_tp(self.norm1(x))))
+        h = x + ops.exit_tp(self.attn(ops.enter_tp(self.norm1(x)), doc=doc))
         xs = ops.enter_tp(self.norm2(h))  # (B, T, C)
         if self.mlp.stepped:
             h, m = yield RunExperts(self.mlp, h, xs)
@@ -92,8 +93,8 @@ class Block(nn.Module):
             m = self.mlp(xs)
         return h + ops.exit_tp(m)
 
-    def forward(self, x):
-        return drive(self.steps(x))
+    def forward(self, x, doc=None):
+        return drive(self.steps(x, doc))
 
     def decode(self, x, cache: KVCache, layer):
         """Incremental forward of new tokens ``x`` (B, T_new, C) against ``cache`` (one
@@ -174,26 +175,29 @@ class DecoderStage(nn.Module):
         w = self.embed if self.cfg.tie_embeddings else self.head
         return F.linear(self.ops.enter_tp(self.norm_f(x)), w)
 
-    def hidden_steps(self, x: torch.Tensor):
+    def hidden_steps(self, x: torch.Tensor, doc: torch.Tensor | None = None):
         """Generator (``model/steps.py``): the embedding (first stage) and every block, each
         requested with :class:`RunBlock`; returns the activations (B, T, C). With
-        ``model.recompute`` each block runs under activation checkpointing, in one go."""
+        ``model.recompute`` each block runs under activation checkpointing, in one go.
+        ``doc``: document ids and positions (B, 2, T) (``data.document_mask``), or None."""
         if self.first:
             x = self.embed_tokens(x)
         for block in self.blocks.values():
             if self.cfg.recompute and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, *((x,) if doc is None else (x, doc)), use_reentrant=False)
             else:
-                x = yield RunBlock(block, x)
+                x = yield RunBlock(block, x, doc)
         return x
 
-    def steps(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+    def steps(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+              doc: torch.Tensor | None = None):
         """Generator: the stage's forward; returns what :meth:`forward` returns."""
-        x = yield from self.hidden_steps(x)
+        x = yield from self.hidden_steps(x, doc)
         return self.head_loss(x, targets) if self.last else x
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
-        return drive(self.steps(x, targets))
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                doc: torch.Tensor | None = None):
+        return drive(self.steps(x, targets, doc))
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -26,6 +26,11 @@ from typing import Any, NamedTuple
 class RunBlock(NamedTuple):
     block: Any  # a Block module
     x: Any  # its input (B, T, C), or (B, T/tp, C) with sequence parallelism
+    doc: Any = None  # document ids and positions (B, 2, T) (data.document_mask), or None
+
+    def call(self):
+        """The block as an ordinary module call (hooks fire)."""
+        return self.block(self.x) if self.doc is None else self.block(self.x, self.doc)
 
 
 class RunExperts(NamedTuple):
@@ -68,7 +73,7 @@ def drive(gen):
 def _blocking(req):
     """The plain answer to a request: a module call, the layer, the blocking exchange."""
     if isinstance(req, RunBlock):
-        return req.block(req.x)
+        return req.call()
     if isinstance(req, RunExperts):
         return (req.h, req.layer(req.xs))
     ex = req.layer.exchange

@@ -21,9 +21,13 @@ Partial results are merged with the log-sum-exp rule ``lse = logaddexp(lse_a, ls
 ``out = out_a e^(lse_a - lse) + out_b e^(lse_b - lse)``. The backward pass recomputes each
 block's probabilities from the saved output's ``lse``, sends the key/value blocks around the
 ring again and returns each block's key/value gradient around the ring to its owner (one
-more hop). Grouped-query attention: blocks travel with ``kv`` heads; query head ``h`` reads
-kv head ``h // groups``; the kv gradients of a group's query heads are summed. 16-bit inputs
-are computed in float32. Every transfer is a ``comm.Group`` method (axis ``cp``).
+more hop). Document masks (``data.document_mask``): every rank has the document ids of the
+whole window (B, T); a block's mask is "key at or before the query, same document", from the
+global positions of the queries' and the keys' chunks (a query with no key of its document
+in a block gets nothing from it). Grouped-query attention: blocks travel with ``kv`` heads;
+query head ``h`` reads kv head ``h // groups``; the kv gradients of a group's query heads are
+summed. 16-bit inputs are computed in float32. Every transfer is a ``comm.Group`` method
+(axis ``cp``).
 """
 
 from __future__ import annotations
@@ -60,10 +64,11 @@ class RingContext:
     def segments(self, T_local: int) -> list[tuple[int, int]]:
         return segments(T_local, self.cp_size, self.cp_rank)
 
-    def attention(self, q, k, v, groups: int) -> torch.Tensor:
+    def attention(self, q, k, v, groups: int, ids=None) -> torch.Tensor:
         """Causal attention of local queries q (B, H, T/cp, hd) over the whole sequence's
-        keys and values, of which this rank holds k, v (B, H/groups, T/cp, hd)."""
-        return _RingAttention.apply(q, k, v, self.group, groups)
+        keys and values, of which this rank holds k, v (B, H/groups, T/cp, hd); with ``ids``
+        (B, T), the document id of every position of the window, only inside documents."""
+        return _RingAttention.apply(q, k, v, self.group, groups, ids)
 
 
 # -- one block of attention --------------------------------------------------------------
@@ -79,20 +84,39 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(B, H // groups, groups, T, hd).sum(2)
 
 
-def _scores(q, k, groups: int, causal: bool) -> torch.Tensor:
+def _columns(rank: int, size: int, c: int, device) -> torch.Tensor:
+    """Global positions of ``rank``'s 2c tokens (chunks ``rank`` and ``2 size-1-rank``)."""
+    return torch.cat([torch.arange(a, a + n, device=device)
+                      for a, n in segments(2 * c, size, rank)])
+
+
+def _document_mask(ids, rank: int, src: int, size: int, c: int, qs: slice, ks: slice):
+    """(B, 1, Tq, Tk) True where ``rank``'s query ``qs`` may see ``src``'s key ``ks``: at or
+    before it, in the same document (``ids`` (B, T): the window's document ids)."""
+    qpos = _columns(rank, size, c, ids.device)[qs]
+    kpos = _columns(src, size, c, ids.device)[ks]
+    same = ids[:, qpos].unsqueeze(2) == ids[:, kpos].unsqueeze(1)
+    return (same & (kpos.unsqueeze(0) <= qpos.unsqueeze(1))).unsqueeze(1)
+
+
+def _scores(q, k, groups: int, causal: bool, allowed=None) -> torch.Tensor:
     s = torch.matmul(q, _repeat(k, groups).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if causal:
+    if allowed is not None:  # document masks: the block's own mask, causality included
+        s = s.masked_fill(~allowed, float("-inf"))
+    elif causal:
         Tq, Tk = s.shape[-2:]
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
     return s
 
 
-def _block_forward(q, k, v, groups: int, causal: bool):
-    """(out (B, H, Tq, hd), lse (B, H, Tq)) of q against one key/value block."""
-    s = _scores(q, k, groups, causal)
+def _block_forward(q, k, v, groups: int, causal: bool, allowed=None):
+    """(out (B, H, Tq, hd), lse (B, H, Tq)) of q against one key/value block; a query that
+    ``allowed`` lets see no key gets out 0, lse -inf."""
+    s = _scores(q, k, groups, causal, allowed)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _repeat(v, groups)), lse
+    shift = lse if allowed is None else lse.masked_fill(torch.isinf(lse), 0.0)
+    return torch.matmul(torch.exp(s - shift.unsqueeze(-1)), _repeat(v, groups)), lse
 
 
 def _merge(out, lse, part, part_lse) -> None:
@@ -103,9 +127,9 @@ def _merge(out, lse, part, part_lse) -> None:
     lse.copy_(new)
 
 
-def _block_backward(q, k, v, dout, lse, delta, groups: int, causal: bool):
+def _block_backward(q, k, v, dout, lse, delta, groups: int, causal: bool, allowed=None):
     """Gradients (dq, dk, dv) of one block, given the final lse and delta = sum(dout*out)."""
-    p = torch.exp(_scores(q, k, groups, causal) - lse.unsqueeze(-1))  # (B, H, Tq, Tk)
+    p = torch.exp(_scores(q, k, groups, causal, allowed) - lse.unsqueeze(-1))  # (B,H,Tq,Tk)
     dv = _fold(torch.matmul(p.transpose(-1, -2), dout), groups)
     dp = torch.matmul(dout, _repeat(v, groups).transpose(-1, -2))
     ds = p * (dp - delta.unsqueeze(-1)) / math.sqrt(q.shape[-1])
@@ -124,6 +148,13 @@ def _plan(step: int, rank: int, size: int, c: int):
     return slice(c, None), slice(None), False
 
 
+def _mask(ids, step: int, rank: int, size: int, c: int, qs: slice, ks: slice):
+    """The block's document mask at ring step ``step`` (None without ``ids``)."""
+    if ids is None:
+        return None
+    return _document_mask(ids, rank, (rank - step) % size, size, c, qs, ks)
+
+
 def _post_shift(group: comm.Group, send: torch.Tensor, tag: int):
     """Post the send of ``send`` to the next rank and the receive of the previous rank's
     tensor of the same shape: (handles, receive buffer)."""
@@ -136,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
     """Causal ring attention over ``group`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, groups):
+    def forward(ctx, q, k, v, group, groups, ids=None):
         dtype = q.dtype
         work = torch.float32 if dtype in _LOW else dtype
         q, k, v = q.to(work), k.to(work), v.to(work)
@@ -148,13 +179,14 @@ class _RingAttention(torch.autograd.Function):
             last = step == group.size - 1
             handles, nxt = ([], None) if last else _post_shift(group, kv, _KV)
             qs, ks, causal = _plan(step, group.rank, group.size, c)
+            allowed = _mask(ids, step, group.rank, group.size, c, qs, ks)
             part, part_lse = _block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                            groups, causal)
+                                            groups, causal, allowed)
             _merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
             comm.wait_all(handles)
             kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.groups, ctx.dtype = group, groups, dtype
+        ctx.group, ctx.groups, ctx.dtype, ctx.ids = group, groups, dtype, ids
         return out.to(dtype)
 
     @staticmethod
@@ -171,9 +203,10 @@ class _RingAttention(torch.autograd.Function):
             last = step == group.size - 1
             handles, nxt = ([], None) if last else _post_shift(group, kv, _KV)
             qs, ks, causal = _plan(step, group.rank, group.size, c)
+            allowed = _mask(ctx.ids, step, group.rank, group.size, c, qs, ks)
             dq_part, dk, dv = _block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
                                               dout[:, :, qs], lse[:, :, qs],
-                                              delta[:, :, qs], groups, causal)
+                                              delta[:, :, qs], groups, causal, allowed)
             dq[:, :, qs] += dq_part
             acc = torch.zeros_like(kv)  # this block's dk/dv so far, travelling with it
             acc[0][:, :, ks] += dk
@@ -189,4 +222,5 @@ class _RingAttention(torch.autograd.Function):
         incoming[0].wait()  # this rank's own block, summed over the whole ring
         comm.wait_all(sends)
         dkv = incoming[1]
-        return (dq.to(ctx.dtype), dkv[0].to(ctx.dtype), dkv[1].to(ctx.dtype), None, None)
+        return (dq.to(ctx.dtype), dkv[0].to(ctx.dtype), dkv[1].to(ctx.dtype), None, None,
+                None)

@@ -28,14 +28,14 @@ from .actions import Action, parse
 from .moe_overlap import check_ep_order
 
 
-def stage_steps(stage, x, targets, cuts: list | None, exchange):
+def stage_steps(stage, x, targets, cuts: list | None, exchange, doc=None):
     """Generator over the stage's own forward (``DecoderStage.steps``) that yields only its
     exchange requests; returns the loss sum or the activations. With ``cuts`` (a list) the
     graph is cut before each MoE layer and the cut recorded; after each block the posted
     exchanges are driven (``exchange.progress``)."""
     if stage.cfg.recompute:
         raise ValueError("schedule.moe_overlap does not support model.recompute")
-    return (yield from _relay(stage.steps(x, targets), cuts, exchange))
+    return (yield from _relay(stage.steps(x, targets, doc), cuts, exchange))
 
 
 def _relay(gen, cuts: list | None, exchange):
@@ -47,9 +47,9 @@ def _relay(gen, cuts: list | None, exchange):
 def _respond(req, cuts: list | None, exchange):
     if isinstance(req, RunBlock):
         if req.block.stepped:
-            value = yield from _relay(req.block.steps(req.x), cuts, exchange)
+            value = yield from _relay(req.block.steps(req.x, req.doc), cuts, exchange)
         else:
-            value = req.block(req.x)  # nothing to pause for
+            value = req.call()  # nothing to pause for
         if exchange is not None:  # None: no MoE layer on this rank
             exchange.progress()
         return value
@@ -138,7 +138,7 @@ def check_ep_comm(st) -> None:
 def _forward(st, a: Action) -> None:
     key = (a.microbatch, a.c)
     check_ep_comm(st)
-    x, y = st.microbatches[a.microbatch]
+    x, y, *doc = st.microbatches[a.microbatch]  # doc: [document ids and positions] or []
     if st.stage(a) > 0:
         x = st.take("RF", a)
         if st.training:
@@ -146,7 +146,7 @@ def _forward(st, a: Action) -> None:
     _states(st)
     cuts = st.moe_cuts.setdefault(key, []) if _segmented_backward(st) else None
     gen = stage_steps(st.chunks[a.c], x, y if st.is_last(a) else None, cuts,
-                      exchange_of(st.chunks))
+                      exchange_of(st.chunks), *doc)
     st.moe_steps[(*key, False)] = {"gen": gen}
     _advance(st, a)
 

@@ -130,12 +130,13 @@ class StepState:
 
 # -- handlers: one per action kind -------------------------------------------------------
 def _forward(st: StepState, a: Action) -> None:
-    x, y = st.microbatches[a.microbatch]  # token ids (B, T), targets (B, T)
+    # token ids (B, T), targets (B, T) [, document ids and positions (B, 2, T): every stage]
+    x, y, *doc = st.microbatches[a.microbatch]
     if st.stage(a) > 0:
         x = st.take("RF", a)  # (B, T[/tp], C)
         if st.training:  # a leaf: the graph ends here
             st.inputs[(a.microbatch, a.c)] = x.requires_grad_(True)
-    st.forwarded(a, st.chunks[a.c](x, y if st.is_last(a) else None))
+    st.forwarded(a, st.chunks[a.c](x, y if st.is_last(a) else None, *doc))
 
 
 def _backward(st: StepState, a: Action) -> None:
