@@ -75,3 +75,65 @@ def test_llama_attention_layer_with_ring(ring):
     pos = torch.from_numpy(context_positions(T, ring.cp_size, ring.cp_rank))
     y = one(x)
     torch.testing.assert_close(cp(x[:, pos]), y[:, pos], **TOL)
+
+
+def per_document(q, k, v, ids, groups):
+    """Causal attention of each document of each row alone (B, H, T, hd)."""
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        for d in ids[b].unique():
+            at = (ids[b] == d).nonzero().flatten()
+            kk, vv = (t[b:b + 1, :, at].repeat_interleave(groups, 1) for t in (k, v))
+            out[b:b + 1, :, at] = F.scaled_dot_product_attention(q[b:b + 1, :, at], kk, vv,
+                                                                 is_causal=True)
+    return out
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ring_with_documents_equals_each_document_alone(ring, groups):
+    """Document masks over the ring: each cp rank's queries see only keys of their own
+    document, wherever on the ring those keys live (documents cut across chunks, one that
+    starts inside a chunk, a row that is one document); gradients too."""
+    g = torch.Generator().manual_seed(11)
+    B, H, T, hd = 3, 4, 4 * ring.cp_size, 6
+    q, dout = (torch.randn(B, H, T, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, H // groups, T, hd, generator=g, dtype=torch.float64)
+            for _ in range(2))
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    ids[0, T // 3:] = 1
+    ids[0, T - 1:] = 2  # a one-token document at the very end
+    ids[1, 1:] = 1  # a one-token document first
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = per_document(*whole, ids, groups)
+    (y * dout).sum().backward()
+    local = [mine(t, ring, T).clone().requires_grad_() for t in (q, k, v)]
+    y_local = ring.attention(*local, groups, ids)
+    (y_local * mine(dout, ring, T)).sum().backward()
+    torch.testing.assert_close(y_local, mine(y, ring, T), **TOL)
+    for a, b in zip(local, whole):
+        torch.testing.assert_close(a.grad, mine(b.grad, ring, T), **TOL)
+
+
+def test_llama_attention_layer_with_ring_and_documents(ring):
+    """The llama attention layer with a ring context and document ids and positions (rotary
+    restarted per document) equals the same layer on one rank with the same documents."""
+    cfg = replace(ModelConfig(dtype="float64"), arch="llama", d_model=32, n_heads=8,
+                  n_kv_heads=4)
+    T = 4 * ring.cp_size
+    rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+    one = Attention(cfg, LocalOps(), torch.float64, 0.02, rotary)
+    cp = Attention(cfg, LocalOps(), torch.float64, 0.02, rotary, ring)
+    for layer in (one, cp):
+        stage = torch.nn.Module()
+        stage.attn = layer
+        init_parameters([stage], seed=3)
+    x = torch.randn(2, T, cfg.d_model, generator=torch.Generator().manual_seed(1),
+                    dtype=torch.float64)
+    cut = T // 2 + 1
+    ids = torch.stack([(torch.arange(T) >= cut).long(), torch.zeros(T, dtype=torch.long)])
+    positions = torch.stack([torch.cat([torch.arange(cut), torch.arange(T - cut)]),
+                             torch.arange(T)])
+    doc = torch.stack([ids, positions], dim=1)  # (B, 2, T)
+    pos = torch.from_numpy(context_positions(T, ring.cp_size, ring.cp_rank))
+    y = one(x, doc=doc)
+    torch.testing.assert_close(cp(x[:, pos], doc=doc), y[:, pos], **TOL)
