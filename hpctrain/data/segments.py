@@ -12,9 +12,9 @@ document, whole documents and the start of another. Its inputs (the first ``T`` 
   there, as running that part alone would). Rotary positions are these.
 
 Document starts come from the data: ``/train/doc_starts`` and ``/val/doc_starts`` of a
-prepared file (where each document starts in its split's tokens), or the lengths of the
-embedded corpus's documents. A file without them (prepared by an older hpctrain) cannot
-be masked: :func:`problems` says so before any collective.
+prepared file (where each document starts in its split's tokens; memory-mapped, not read
+whole), or the lengths of the embedded corpus's documents. A file without them (prepared by
+an older hpctrain) cannot be masked: :func:`problems` says so before any collective.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def ids_and_positions(starts: np.ndarray, seq_len: int,
     starts = np.asarray(starts, dtype=np.int64)
     offsets = starts[:, None] + np.arange(seq_len, dtype=np.int64)[None, :]
     doc = np.searchsorted(doc_starts, offsets, side="right") - 1  # -1: before the first
-    began = np.where(doc >= 0, np.asarray(doc_starts, dtype=np.int64)[np.maximum(doc, 0)], 0)
+    began = np.where(doc >= 0, np.asarray(doc_starts[np.maximum(doc, 0)], np.int64), 0)
     positions = offsets - np.maximum(began, starts[:, None])
     return doc - doc[:, :1], positions
 
@@ -47,7 +47,7 @@ class Documents:
     of the key/value blocks other ranks send)."""
 
     def __init__(self, doc_starts: np.ndarray, seq_len: int):
-        self.doc_starts, self.T = np.asarray(doc_starts, dtype=np.int64), seq_len
+        self.doc_starts, self.T = doc_starts, seq_len  # a memory map stays one
 
     def __call__(self, starts: np.ndarray) -> torch.Tensor:
         import torch
@@ -78,7 +78,21 @@ def doc_starts(path: str, split: str, corpus_mb: float = 2.0, val_fraction: floa
                 f"data.path={path} has no {split}/doc_starts (prepared by an older hpctrain), "
                 "so data.document_mask = true cannot tell where its documents start: prepare "
                 "it again with `hpctrain prepare`, or set data.document_mask = false")
-        return dataset._read(d, path).astype(np.int64) if read else None
+        return _mapped(d, path) if read else None
+
+
+def _mapped(d, path: str) -> np.ndarray:
+    """``d``'s elements as a read-only memory map when the file stores them contiguously
+    (how ``hpctrain prepare`` writes them): a window's look-up touches a few pages, so a
+    rank's memory does not grow with the number of documents. Else read whole."""
+    from . import dataset
+
+    plain = (d.chunks is None and d.dtype == np.dtype("<i8") and d.shape[0] > 0
+             and d.id.get_create_plist().get_external_count() == 0)
+    offset = d.id.get_offset() if plain else None
+    if offset is None:
+        return dataset._read(d, path).astype(np.int64)
+    return np.memmap(path, dtype="<i8", mode="r", offset=offset, shape=d.shape)
 
 
 def problems(path: str, splits, corpus_mb: float, val_fraction: float,

@@ -141,3 +141,30 @@ def test_embedded_corpus_knows_its_documents():
     starts = segments.doc_starts("", "train", corpus_mb=0.2)
     n = len(load_tokens("", "train", corpus_mb=0.2).tokens)
     assert starts[0] == 0 and (np.diff(starts) > 0).all() and starts[-1] < n
+
+
+def test_file_doc_starts_are_mapped_and_a_file_without_them_is_refused(tmp_path):
+    import h5py
+
+    from hpctrain.data.dataset import DataError
+
+    path = tmp_path / "d.h5"
+    want = np.array([0, 4, 9, 30], dtype=np.int64)
+    with h5py.File(path, "w") as f:
+        for split in ("train", "val"):
+            f[f"{split}/tokens"] = np.zeros(40, np.uint8)
+            f[f"{split}/doc_starts"] = want
+    got = segments.doc_starts(str(path), "val")
+    assert isinstance(got, np.memmap) and (got == want).all()
+    d = segments.Documents(got, 8)(np.array([2, 26]))
+    ids, pos = d[:, 0], d[:, 1]
+    assert ids.tolist() == [[0, 0, 1, 1, 1, 1, 1, 2], [0] * 4 + [1] * 4]
+    assert pos.tolist() == [[0, 1, 0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 0, 1, 2, 3]]
+    assert segments.problems(str(path), ("train", "val"), 2.0, 0.05, "") == []
+    with h5py.File(path, "a") as f:
+        del f["val/doc_starts"]
+    assert segments.problems(str(path), ("train",), 2.0, 0.05, "") == []
+    (msg,) = segments.problems(str(path), ("train", "val"), 2.0, 0.05, "")
+    assert "has no val/doc_starts" in msg and "hpctrain prepare" in msg
+    with pytest.raises(DataError):
+        segments.doc_starts(str(path), "val")
