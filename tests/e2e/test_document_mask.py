@@ -2,13 +2,13 @@
 held-out evaluation): attention kept inside documents and positions restarted at each one
 train the same model on combined layouts as on one rank: tp x pp (interleaved, sequence
 parallel), cp x dp with ZeRO-3 (ring attention with masks), pp x dp (zbv), experts with the
-overlapped exchange executor. The data is a prepared file of short documents (byte-level, 5
-to 40 tokens), so nearly every 16-token window holds a boundary. A file without
-``doc_starts`` is refused before any collective, exit 2."""
+overlapped exchange executor, and the gpt form (no positions) on cp x tp. The data is a
+prepared file of short documents (byte-level, 5 to 40 tokens), so nearly every 16-token window
+holds a boundary. A file without ``doc_starts`` is refused before any collective, exit 2."""
 
 import h5py
 import pytest
-from launch import TINY, assert_same, baseline, hpctrain, mpirun, train_args, train_cli
+from launch import TINY, TINY_GPT, assert_same, baseline, hpctrain, mpirun, train_args, train_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -16,17 +16,19 @@ MASK = ("data.document_mask=true", "train.eval_every=5")
 MOE = ("model.num_experts=4", "model.moe_every=2")
 HALF = "train.micro_batch_size=4"
 
-# (name, ranks, overrides, one-rank reference overrides)
+# (name, ranks, overrides, one-rank reference overrides, config)
 LAYOUTS = [
     ("tp2xpp2-interleaved-sp", 4, ["topology.tp=2", "topology.pp=2", "schedule.kind=interleaved",
                                    "schedule.virtual_stages=2",
-                                   "topology.sequence_parallel=true"], []),
-    ("cp2xdp2-zero3", 4, ["topology.cp=2", "topology.dp=2", HALF, "optim.zero=3"], []),
-    ("pp2xdp2-zbv", 4, ["topology.pp=2", "topology.dp=2", "schedule.kind=zbv"], []),
+                                   "topology.sequence_parallel=true"], [], TINY),
+    ("cp2xdp2-zero3", 4, ["topology.cp=2", "topology.dp=2", HALF, "optim.zero=3"], [], TINY),
+    ("pp2xdp2-zbv", 4, ["topology.pp=2", "topology.dp=2", "schedule.kind=zbv"], [], TINY),
     # the MoE reference takes the global microbatch (dp * mbs = 2 sequences) at once
     ("ep2xpp2-moe-overlap", 4, [*MOE, "topology.dp=2", "topology.ep=2", "topology.pp=2",
                                 "schedule.moe_overlap=true"],
-     [*MOE, "train.micro_batch_size=2"]),
+     [*MOE, "train.micro_batch_size=2"], TINY),
+    # the gpt form (no positions: the mask alone) over the cp ring with tp
+    ("gpt-cp2xtp2", 4, ["topology.cp=2", "topology.tp=2"], [], TINY_GPT),
 ]
 
 
@@ -52,11 +54,11 @@ def data(documents) -> str:
     return f"data.path={str(documents[0])!r}"
 
 
-@pytest.mark.parametrize("name,n,overrides,ref", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+@pytest.mark.parametrize("name,n,overrides,ref,config", LAYOUTS, ids=[c[0] for c in LAYOUTS])
 def test_document_mask_equals_one_rank(tmp_path, session_dir, documents, name, n, overrides,
-                                       ref):
-    reference = baseline(session_dir, *MASK, data(documents), *ref)
-    run = train_cli(tmp_path / name, n, *MASK, data(documents), *overrides)
+                                       ref, config):
+    reference = baseline(session_dir, *MASK, data(documents), *ref, config=config)
+    run = train_cli(tmp_path / name, n, *MASK, data(documents), *overrides, config=config)
     assert_same(run, reference, rel=1e-9, what=name)
     val = [m["val_loss"] for m in run.metrics if "val_loss" in m]
     want = [m["val_loss"] for m in reference.metrics if "val_loss" in m]

@@ -2,7 +2,9 @@
 each holding chunks r and 2cp-1-r of the sequence. The output and the gradients of queries,
 keys and values (this rank's positions) must equal causal attention over the whole sequence
 in float64, with grouped-query heads; and the llama attention layer with a ring context
-(rotary at global positions) must equal the same layer on one rank."""
+(rotary at global positions) must equal the same layer on one rank. With document ids
+(``data.document_mask``) the ring equals causal attention of each document alone, and the
+layer (rotary at document positions) equals one rank's."""
 
 from dataclasses import replace
 
