@@ -61,7 +61,10 @@ def test_segments_are_the_sampler_positions():
     assert sorted(p for r in range(4) for p in context_positions(16, 4, r)) == list(range(16))
 
 
-def test_llama_attention_layer_with_ring(ring):
+@pytest.mark.parametrize("documents", [False, True])
+def test_llama_attention_layer_with_ring(ring, documents):
+    """With ``documents``: document ids and positions (rotary restarted per document), the
+    same on both layers."""
     cfg = replace(ModelConfig(dtype="float64"), arch="llama", d_model=32, n_heads=8,
                   n_kv_heads=4)
     T = 4 * ring.cp_size
@@ -75,8 +78,15 @@ def test_llama_attention_layer_with_ring(ring):
     x = torch.randn(2, T, cfg.d_model, generator=torch.Generator().manual_seed(1),
                     dtype=torch.float64)
     pos = torch.from_numpy(context_positions(T, ring.cp_size, ring.cp_rank))
-    y = one(x)
-    torch.testing.assert_close(cp(x[:, pos]), y[:, pos], **TOL)
+    doc = None
+    if documents:  # row 0: two documents, the second starting inside a chunk; row 1: one
+        cut = T // 2 + 1
+        ids = torch.stack([(torch.arange(T) >= cut).long(), torch.zeros(T, dtype=torch.long)])
+        positions = torch.stack([torch.cat([torch.arange(cut), torch.arange(T - cut)]),
+                                 torch.arange(T)])
+        doc = torch.stack([ids, positions], dim=1)  # (B, 2, T)
+    y = one(x, doc=doc)
+    torch.testing.assert_close(cp(x[:, pos], doc=doc), y[:, pos], **TOL)
 
 
 def per_document(q, k, v, ids, groups):
@@ -115,27 +125,3 @@ def test_ring_with_documents_equals_each_document_alone(ring, groups):
     for a, b in zip(local, whole):
         torch.testing.assert_close(a.grad, mine(b.grad, ring, T), **TOL)
 
-
-def test_llama_attention_layer_with_ring_and_documents(ring):
-    """The llama attention layer with a ring context and document ids and positions (rotary
-    restarted per document) equals the same layer on one rank with the same documents."""
-    cfg = replace(ModelConfig(dtype="float64"), arch="llama", d_model=32, n_heads=8,
-                  n_kv_heads=4)
-    T = 4 * ring.cp_size
-    rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-    one = Attention(cfg, LocalOps(), torch.float64, 0.02, rotary)
-    cp = Attention(cfg, LocalOps(), torch.float64, 0.02, rotary, ring)
-    for layer in (one, cp):
-        stage = torch.nn.Module()
-        stage.attn = layer
-        init_parameters([stage], seed=3)
-    x = torch.randn(2, T, cfg.d_model, generator=torch.Generator().manual_seed(1),
-                    dtype=torch.float64)
-    cut = T // 2 + 1
-    ids = torch.stack([(torch.arange(T) >= cut).long(), torch.zeros(T, dtype=torch.long)])
-    positions = torch.stack([torch.cat([torch.arange(cut), torch.arange(T - cut)]),
-                             torch.arange(T)])
-    doc = torch.stack([ids, positions], dim=1)  # (B, 2, T)
-    pos = torch.from_numpy(context_positions(T, ring.cp_size, ring.cp_rank))
-    y = one(x, doc=doc)
-    torch.testing.assert_close(cp(x[:, pos], doc=doc), y[:, pos], **TOL)
