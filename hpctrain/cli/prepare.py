@@ -71,7 +71,8 @@ def run(args) -> int:
         if args.form:
             src = token_source(args.form, args.sources[0], args.eot)
         else:
-            src = (text_source(args.sources, args.hidden, args.binary, args.text_key)
+            src = (text_source(args.sources, args.hidden, args.binary, args.text_key,
+                               group=world)
                    if args.sources else embedded_source(args.corpus_mb))
             tok = tok or byte_level()
         attrs = prepare(src, tok, args.out, args.val_fraction, world, args.skip_bad_records)

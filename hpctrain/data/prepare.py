@@ -81,16 +81,33 @@ class Source:
 
 
 def text_source(paths: list[str], hidden: bool = False, binary: bool = False,
-                key: str = "text", chunk: int = 0) -> Source:
+                key: str = "text", chunk: int = 0, group=None) -> Source:
     """Files, directories (every regular file below that is not hidden, unless ``hidden``)
     and globs, in the global order of :func:`documents.listing` (a file named in ``paths`` is
     read even when its name starts with a dot); JSONL and Parquet files by their suffix,
     their documents in the field or column ``key``; ``binary``: binary text files are
-    documents too."""
-    files, left_out = documents.listing(paths, hidden)
-    if not files:
-        raise DataError(f"no input documents in {', '.join(paths)}")
-    units = documents.units(files, chunk)
+    documents too. With ``group`` (collective) rank 0 alone lists the files and reads the
+    Parquet footers and broadcasts the units or its error, so that a parallel file system
+    sees one listing, not one per rank."""
+    def listed() -> tuple[list[documents.Unit], int]:
+        files, left_out = documents.listing(paths, hidden)
+        if not files:
+            raise DataError(f"no input documents in {', '.join(paths)}")
+        return documents.units(files, chunk), left_out
+
+    if group is None or group.size == 1:
+        units, left_out = listed()
+    else:
+        got = None
+        if group.rank == 0:
+            try:
+                got = listed()
+            except DataError as e:
+                got = str(e)
+        got = group.bcast_obj(got)
+        if isinstance(got, str):
+            raise DataError(got)
+        units, left_out = got
     return Source("text", [u.path for u in units], np.array([u.size for u in units],
                                                             dtype=np.int64),
                   hidden=left_out, binary=binary,

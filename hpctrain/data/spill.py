@@ -151,11 +151,13 @@ def _slices(f, first: bool, spill: Spill, dtype, tot, before, tok) -> None:
         f["tokenizer_json"][...] = np.frombuffer(tok.json.encode(), dtype=np.uint8)
 
 
-def tokens_hash(f, chunk: int = 1 << 24) -> str:
-    """sha256 of the train then the val tokens (data.content_hash, read in chunks)."""
+def tokens_hash(f, chunk: int = 1 << 22) -> str:
+    """sha256 of the train then the val tokens (data.content_hash, read ``chunk`` bytes at a
+    time)."""
     h = hashlib.sha256()
     for split in SPLITS:
         d = f[f"{split}/tokens"]
-        for a in range(0, d.shape[0], chunk):
-            h.update(np.ascontiguousarray(d[a:a + chunk]).tobytes())
+        step = max(1, chunk // d.dtype.itemsize)
+        for a in range(0, d.shape[0], step):
+            h.update(np.ascontiguousarray(d[a:a + step]).tobytes())
     return h.hexdigest()
