@@ -1,8 +1,8 @@
 """How ``hpctrain prepare`` writes: each rank streams its tokens to rank-local spill files
 (:class:`Spill`) while it reads, then, once the counts are all-gathered, the ranks create the
 HDF5 file together and copy their spill files into their slices in chunks
-(:data:`COPY` tokens at a time). A rank thus never holds more than one batch of documents
-and one chunk of tokens, whatever the size of its share.
+(:data:`COPY` bytes at a time). A rank thus never holds more than one batch of documents
+and one chunk of tokens or lengths, whatever the size of its share.
 
 Every dataset's storage is allocated when it is created (``ALLOC_TIME_EARLY``), so where a
 dataset lies in the file does not depend on which rank writes first: the file is the same,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-COPY = 1 << 22  # tokens (and document lengths) copied from a spill file at a time
+COPY = 1 << 22  # bytes of tokens (or document lengths) copied from a spill file at a time
 SERIAL_ENV = "HPCTRAIN_PREPARE_SERIAL"  # force the serial writer (tests, file systems)
 SPLITS = ("train", "val")
 
@@ -51,7 +51,7 @@ class Spill:
     def chunks(self, split: str, kind: str) -> object:
         dtype = self.dtype if kind == "tokens" else np.dtype(np.int64)
         with open(self.paths[split, kind], "rb") as f:
-            while (a := np.fromfile(f, dtype=dtype, count=COPY)).size:
+            while (a := np.fromfile(f, dtype=dtype, count=COPY // dtype.itemsize)).size:
                 yield a
 
 

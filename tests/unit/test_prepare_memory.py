@@ -1,5 +1,6 @@
 """``hpctrain prepare`` streams: the peak RSS of the process does not grow with the corpus
-(two JSONL corpora 10x apart, each prepared in a fresh process; ``ru_maxrss``)."""
+(two JSONL corpora 10x apart, each prepared in a fresh process: its own peak, ``VmHWM``;
+``ru_maxrss`` would include the parent's RSS, which a child inherits at fork and exec)."""
 
 import json
 import os
@@ -12,7 +13,10 @@ import resource, sys
 from hpctrain.data.prepare import prepare, text_source
 from hpctrain.data.tokenizer import byte_level
 prepare(text_source([sys.argv[1]]), byte_level(), sys.argv[2], 0.05)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+try:  # this process's own peak: ru_maxrss would include the parent's at exec
+    print([int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM")][0])
+except OSError:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
