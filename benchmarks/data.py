@@ -65,11 +65,11 @@ def shards(top: Path, mb: float, n: int = 8) -> None:
 
 def peak_rss(corpus: Path, out: Path) -> float:
     """MiB: the peak RSS of a fresh process (no MPI) preparing ``corpus`` byte-level."""
-    root = str(Path(__file__).resolve().parents[1])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    from hpctrain.launch import with_checkout, without_job
+
+    env = with_checkout({**without_job(dict(os.environ)), "HPCTRAIN_PREPARE_SERIAL": "1"})
     proc = subprocess.run([sys.executable, "-c", RSS, str(corpus), str(out)], check=True,
-                          capture_output=True, text=True, env={**env, "PYTHONPATH": root,
-                                                               "HPCTRAIN_PREPARE_SERIAL": "1"})
+                          capture_output=True, text=True, env=env)
     return int(proc.stdout.split()[-1]) / 1024
 
 
