@@ -13,16 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import (
-    max_over_ranks,
-    median,
-    pair_ratios,
-    pairs_of,
-    ratio,
-    result,
-    row,
-    scratch_dir,
-)
+from .common import max_over_ranks, median, pair_ratios, pairs_of, ratio, result, row, scratch_dir
 
 RANKS = (1, 2, 4)
 CORPUS_MB = {"tiny": 0.5, "small": 6.0}
@@ -63,8 +54,9 @@ def shards(top: Path, mb: float, n: int = 8) -> None:
             (top / f"{s:02d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
 
 
-def peak_rss(corpus: Path, out: Path) -> float:
-    """MiB: the peak RSS of a fresh process (no MPI) preparing ``corpus`` byte-level."""
+def peak_rss(corpus, out) -> float:
+    """MiB: the peak RSS of a fresh process (no MPI) preparing ``corpus`` (a file, directory
+    or glob) byte-level into ``out`` (tests/unit/test_prepare_memory.py uses it too)."""
     from hpctrain.launch import with_checkout, without_job
 
     env = with_checkout({**without_job(dict(os.environ)), "HPCTRAIN_PREPARE_SERIAL": "1"})

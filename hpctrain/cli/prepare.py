@@ -18,11 +18,6 @@ def add_arguments(p) -> None:
                    "other file one text document (default: the embedded corpus, Python's "
                    "own standard-library sources); with --from: the nanoGPT .bin file or "
                    "the Megatron PREFIX (of PREFIX.bin/.idx)")
-    p.add_argument("--text-key", default="text", help="the JSON field or Parquet column "
-                   "holding each document's text")
-    p.add_argument("--skip-bad-records", action="store_true", help="skip and count records "
-                   "that are not documents (bad JSON or UTF-8, the field missing or not a "
-                   "string, a Parquet file without the column) instead of refusing them")
     p.add_argument("--out", required=True, help="dataset file to write")
     p.add_argument("--tokenizer", default="", help="a tokenizer.json (any Hugging Face "
                    "tokenizer; `hpctrain tokenizer train` makes one); default: byte-level. "
@@ -41,6 +36,11 @@ def add_arguments(p) -> None:
                    help="share of documents held out for validation (by content hash)")
     p.add_argument("--corpus-mb", type=float, default=2.0,
                    help="size of the embedded corpus when no sources are given")
+    bad = ("skip and count records that are not documents (bad JSON or UTF-8, the field "
+           "missing or not a string, a Parquet file without the column) instead of refusing")
+    p.add_argument("--skip-bad-records", action="store_true", help=bad)
+    p.add_argument("--text-key", default="text",
+                   help="the JSON field or Parquet column holding each document's text")
 
 
 def problems(args) -> str | None:
