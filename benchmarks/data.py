@@ -100,7 +100,7 @@ def run(world, size: str, repeats: int) -> dict:
                 times[name].append(fn())
         docs = world.allreduce(len(mine), "sum")
         rss = {}
-        if world.size == 1:
+        if world.size == 1 and size != "tiny":  # CI's test_prepare_memory checks the bound
             for mb in (CORPUS_MB[size], 10 * CORPUS_MB[size]):
                 shards(Path(tmp) / f"rss{mb}", mb)
                 rss[mb] = peak_rss(Path(tmp) / f"rss{mb}", Path(tmp) / f"rss{mb}.h5")
@@ -112,8 +112,14 @@ def run(world, size: str, repeats: int) -> dict:
                    row("tokenizers encode_batch of the same documents", times["library"], "s"),
                    row("prepare documents/s per rank", [per_rank / t for t in times["prepare"]],
                        "docs/s")]
-    out["ratios"] = [ratio("prepare throughput / library batch encoding", 0.0, ">= 0.8",
-                           pair_ratios(times["library"], times["prepare"]))]
+    q = ratio("prepare throughput / library batch encoding", 0.0, ">= 0.8",
+              pair_ratios(times["library"], times["prepare"]))
+    rest = median([a - b for a, b in zip(times["prepare"], times["library"])])
+    q["why"] = (f"prepare {median(times['prepare']):.2f} s against the library's "
+                f"{median(times['library']):.2f} s for the same documents: {rest:.2f} s of "
+                "reading, decompressing, splitting, the spill copy, the collective file and "
+                f"rank 0's hash{' (more ranks than cores)' if world.size > os.cpu_count() else ''}")
+    out["ratios"] = [q]
     out["check"] = {"what": "documents prepared = documents encoded",
                     "values": {"prepare": attrs.get("documents"), "library": docs},
                     "rel_err": 0.0, "tol": 0.0, "ok": attrs.get("documents") == docs}
