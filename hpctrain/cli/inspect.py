@@ -2,8 +2,9 @@
 checkpoint (a file, or a checkpoint directory: its ``latest``), and how it was written (MPI-IO
 hints requested and applied, alignment, I/O mode). ``--verify`` recomputes every
 dataset's CRC-32 and exits 1 when any differs or the file is damaged. A data file written by
-``hpctrain prepare``: tokens and documents per split, the tokenizer and its hash, every
-attribute (``--verify``: the content hash recomputed). One process, no MPI."""
+``hpctrain prepare``: tokens and documents per split and per input, the tokenizer and its
+hash, every attribute (skipped files and records among them; ``--verify``: the content hash
+recomputed). One process, no MPI."""
 
 from __future__ import annotations
 

@@ -85,6 +85,9 @@ def run(args) -> int:
     return 0
 
 
+SHOWN = 20  # inputs listed one per line in the summary
+
+
 def summary(out: str, attrs: dict) -> list[str]:
     """What ``prepare`` says when it has written ``out``: totals, per input when there are
     several, and what was skipped."""
@@ -99,7 +102,10 @@ def summary(out: str, attrs: dict) -> list[str]:
     if len(per_source) > 1:
         lines += [f"  {s['source']}: {s['train_documents']} + {s['val_documents']} documents, "
                   f"{s['train_tokens']} + {s['val_tokens']} tokens (train + val)"
-                  for s in per_source]
+                  for s in per_source[:SHOWN]]
+        if len(per_source) > SHOWN:
+            lines.append(f"  ... {len(per_source) - SHOWN} more inputs (hpctrain inspect "
+                         f"{out} --json lists them)")
     if attrs.get("skipped_hidden") or attrs.get("skipped_binary"):
         lines.append(f"skipped {attrs['skipped_hidden']} hidden files or directories (a name "
                      f"starting with '.'; --hidden reads them) and "

@@ -304,10 +304,7 @@ def _attrs(src: Source, tok: Tokenizer | None, per_source: np.ndarray, rows: np.
              "train_tokens": int(total[0]), "val_tokens": int(total[1]),
              "val_fraction": float(val_fraction), "source_format": src.form,
              "sources": "\n".join(dict.fromkeys(src.names))[:60000],
-             "source_counts": json.dumps([
-                 {"source": s, "train_documents": int(c[2]), "val_documents": int(c[3]),
-                  "train_tokens": int(c[0]), "val_tokens": int(c[1])}
-                 for s, c in zip(src.inputs or [src.form], per_source)])[:60000],
+             "source_counts": source_counts(src.inputs or [src.form], per_source),
              "created_by": "hpctrain prepare"}
     if src.eot is not None:
         attrs["eot"] = int(src.eot)
@@ -315,6 +312,25 @@ def _attrs(src: Source, tok: Tokenizer | None, per_source: np.ndarray, rows: np.
         attrs.update(skipped_hidden=src.hidden, skipped_binary=int(rows[:, 1].sum()),
                      skipped_records=int(rows[:, 2].sum()), skipped_files=int(rows[:, 3].sum()))
     return attrs
+
+
+def source_counts(inputs: list[str], per_source: np.ndarray, limit: int = 60000) -> str:
+    """The ``source_counts`` attribute: JSON, one entry per input; past ``limit`` characters
+    the last inputs are summed into one entry named ``(N more inputs)``."""
+    rows = [{"source": s, "train_documents": int(c[2]), "val_documents": int(c[3]),
+             "train_tokens": int(c[0]), "val_tokens": int(c[1])}
+            for s, c in zip(inputs, per_source)]
+    keep = len(rows)
+    while len(text := json.dumps(rows[:keep] + _rest(rows[keep:]))) > limit:
+        keep = keep // 2
+    return text
+
+
+def _rest(rows: list[dict]) -> list[dict]:
+    if not rows:
+        return []
+    total = {k: sum(r[k] for r in rows) for k in rows[0] if k != "source"}
+    return [{"source": f"({len(rows)} more inputs)", **total}]
 
 
 def _finish(tmp: str, out: str, attrs: dict) -> str | None:

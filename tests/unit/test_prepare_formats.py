@@ -169,3 +169,16 @@ def test_the_command_refuses_a_bad_record_in_one_line_and_keeps_the_old_file(
     shown = capsys.readouterr().out
     assert f"source {tmp_path / 'p.parquet'}" in shown, shown
     assert ["skipped_records", "1"] in [line.split() for line in shown.splitlines()], shown
+
+
+def test_counts_of_many_inputs_stay_valid_json_in_an_attribute():
+    import numpy as np
+
+    from hpctrain.data.prepare import source_counts
+
+    inputs = [f"shards/part-{i:06d}-of-a-long-name.jsonl.zst" for i in range(3000)]
+    per = np.arange(3000 * 4).reshape(3000, 4)
+    rows = json.loads(source_counts(inputs, per))
+    assert len(json.dumps(rows)) <= 60000 and rows[-1]["source"].endswith("more inputs)")
+    assert sum(r["train_documents"] for r in rows) == int(per[:, 2].sum())
+    assert [r["source"] for r in rows[:-1]] == inputs[:len(rows) - 1]
