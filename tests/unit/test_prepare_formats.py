@@ -182,3 +182,14 @@ def test_counts_of_many_inputs_stay_valid_json_in_an_attribute():
     assert len(json.dumps(rows)) <= 60000 and rows[-1]["source"].endswith("more inputs)")
     assert sum(r["train_documents"] for r in rows) == int(per[:, 2].sum())
     assert [r["source"] for r in rows[:-1]] == inputs[:len(rows) - 1]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst", ".parquet"])
+def test_a_damaged_shard_is_refused_even_when_skipping(tmp_path, suffix):
+    path = tmp_path / f"c{suffix}"
+    (write_parquet if suffix == ".parquet" else write_jsonl)(path, TEXTS)
+    path.write_bytes(path.read_bytes()[:-40] if suffix != ".parquet" else b"PAR1 damaged")
+    with pytest.raises(DataError, match=f"{path}") as e:
+        src = text_source([str(path)])
+        prepare(src, byte_level(), str(tmp_path / "d.h5"), skip_bad=True)
+    assert "\n" not in str(e.value) and not (tmp_path / "d.h5").exists()
