@@ -54,3 +54,32 @@ def write_megatron(prefix, docs: list[list[list[int]]], dtype=np.uint16) -> None
         f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", CODES[dtype]))
         f.write(struct.pack("<Q", len(seqs)) + struct.pack("<Q", len(doc_idx)))
         f.write(lengths.tobytes() + pointers[:len(seqs)].tobytes() + doc_idx.tobytes())
+
+
+def write_jsonl(path, texts: list, key: str = "text", lines: dict | None = None) -> None:
+    """One JSON record per line ({key: text, "id": i}); ``lines``: raw lines put in place of
+    some records (line number from 1 -> bytes); compressed by the name's ``.gz``/``.zst``."""
+    import gzip
+    import json
+
+    raw = [(lines or {}).get(i + 1) or json.dumps({key: t, "id": i}).encode() + b"\n"
+           for i, t in enumerate(texts)]
+    data = b"".join(raw)
+    if str(path).endswith(".gz"):
+        data = gzip.compress(data, mtime=0)
+    elif str(path).endswith(".zst"):
+        import zstandard
+
+        data = zstandard.ZstdCompressor().compress(data)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def write_parquet(path, texts: list, column: str = "text", rows_per_group: int = 3) -> None:
+    """A Parquet file written by pyarrow itself: the column ``column`` and an ``id``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({column: pa.array(texts, type=pa.string()),
+                      "id": pa.array(range(len(texts)), type=pa.int64())})
+    pq.write_table(table, path, row_group_size=rows_per_group)

@@ -2,8 +2,9 @@
 checkpoint (a file, or a checkpoint directory: its ``latest``), and how it was written (MPI-IO
 hints requested and applied, alignment, I/O mode). ``--verify`` recomputes every
 dataset's CRC-32 and exits 1 when any differs or the file is damaged. A data file written by
-``hpctrain prepare``: tokens and documents per split, the tokenizer and its hash, every
-attribute (``--verify``: the content hash recomputed). One process, no MPI."""
+``hpctrain prepare``: tokens and documents per split and per input, the tokenizer and its
+hash, every attribute (skipped files and records among them; ``--verify``: the content hash
+recomputed). One process, no MPI."""
 
 from __future__ import annotations
 
@@ -138,13 +139,24 @@ def data_file(path: Path) -> dict | None:
             "tokenizer_json_bytes": chars}
 
 
+def per_source(text: str) -> list[str]:
+    """The documents and tokens of each input, from a data file's ``source_counts``."""
+    try:
+        counts = json.loads(text)
+    except ValueError:
+        return [f"source_counts      unreadable ({text[:60]}...)"]
+    return [f"source {c['source']}: train {c['train_documents']} documents "
+            f"{c['train_tokens']} tokens, val {c['val_documents']} documents "
+            f"{c['val_tokens']} tokens" for c in counts]
+
+
 def _data(info: dict, args) -> int:
     """Print a data file (``--verify``: recompute its content hash); 1 when it differs."""
     problems = []
     if args.verify:
         import h5py
 
-        from ..data.prepare import tokens_hash
+        from ..data.spill import tokens_hash
 
         with h5py.File(info["path"], "r") as f:
             digest = tokens_hash(f)
@@ -163,6 +175,8 @@ def _data(info: dict, args) -> int:
         print(f"  {key:18s} {attrs.pop(key, 'unrecorded') or '(none)'}")
     print(f"  {'tokenizer_json':18s} {info['tokenizer_json_bytes'] or 'absent'} bytes")
     sources = str(attrs.pop("sources", "")).splitlines()
+    for line in per_source(attrs.pop("source_counts", "[]")):
+        print(f"  {line}")
     for key, value in sorted(attrs.items()):
         print(f"  {key:18s} {value}")
     if sources:

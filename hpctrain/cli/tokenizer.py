@@ -34,8 +34,9 @@ def run(args) -> int:
         print(f"hpctrain tokenizer: {bad}", file=sys.stderr)
         return 2
     try:
-        src = embedded_source(args.corpus_mb) if args.embedded else text_source(args.sources)
-        docs = [src.load(i) for i in range(len(src.names))]
+        src = (embedded_source(args.corpus_mb) if args.embedded
+               else text_source(args.sources, binary=True))  # binary files: counted below
+        docs = [d for i in range(len(src.names)) for d in src.texts(i)]
     except DataError as e:
         print(f"hpctrain tokenizer: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 - ``dataset.py``: reading prepared HDF5 token files and the embedded corpus; the
   :class:`Sampler` whose global batch for a step is the same whatever the layout.
-- ``prepare.py``: ``hpctrain prepare``: documents -> one HDF5 token file, on any number of ranks.
+- ``prepare.py``: ``hpctrain prepare``: documents -> one HDF5 token file, on any number of ranks;
+  ``documents.py`` lists its inputs and reads JSONL, Parquet and text; ``spill.py`` writes.
 - ``corpora.py``: corpora that are already tokens (nanoGPT / llm.c ``.bin``, Megatron-LM's
   indexed dataset), read without re-tokenizing.
 - ``tokenizer.py``: byte-level tokens or a Hugging Face ``tokenizer.json``; training a BPE;

@@ -9,7 +9,7 @@ import json
 import h5py
 import numpy as np
 import pytest
-from corpus_files import EOT, write_megatron, write_nanogpt
+from corpus_files import EOT, write_jsonl, write_megatron, write_nanogpt, write_parquet
 from launch import TINY, hpctrain, mpirun, train_cli
 
 pytestmark = pytest.mark.e2e
@@ -149,17 +149,35 @@ def test_one_rank_failing_fails_the_whole_prepare(tmp_path, where, serial, why):
 
 
 def test_serial_writer_is_the_same_file_for_1_2_3_ranks(tmp_path):
-    """The writer for an h5py without MPI (the ranks write in turn): 2 files on 1, 2 and 3
-    ranks (ranks without a document) give the same bytes, and the parallel writer's."""
+    """The writer for an h5py without MPI (the ranks write in turn): 2 text files, JSONL
+    shards (plain, .gz, .zst) and Parquet shards on 1, 2 and 3 ranks (ranks without a
+    document) give the same bytes, and the parallel writer's; the counts per input are the
+    same and no spill file is left."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("the first and longer document\n" * 150)
     (src / "b.txt").write_text("the second\n" * 40)
-    files = {}
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    texts = [f"record {i}: " + "some text " * (i % 5 + 1) for i in range(24)]
+    write_jsonl(shards / "0.jsonl", texts[:8])
+    write_jsonl(shards / "1.jsonl.gz", texts[8:12])
+    write_jsonl(shards / "2.jsonl.zst", texts[12:16])
+    write_parquet(shards / "3.parquet", texts[16:], rows_per_group=3)
+    files, said = {}, {}
     for n, serial in ((1, "1"), (2, "1"), (3, "1"), (3, "0")):
         out = tmp_path / f"d{n}{serial}.h5"
-        proc = mpirun(n, ["-m", "hpctrain", "prepare", str(src), "--val-fraction", "0", "--out",
-                          str(out)], timeout=90, extra_env={"HPCTRAIN_PREPARE_SERIAL": serial})
-        assert proc.stdout.count("wrote ") == 1 and "2 documents" in proc.stdout, proc.stdout
-        files[n, serial] = out.read_bytes()
+        proc = mpirun(n, ["-m", "hpctrain", "prepare", str(src), str(shards / "*"),
+                          "--val-fraction", "0", "--out", str(out)], timeout=90,
+                      extra_env={"HPCTRAIN_PREPARE_SERIAL": serial})
+        assert proc.stdout.count("wrote ") == 1 and "26 documents" in proc.stdout, proc.stdout
+        files[n, serial], said[n, serial] = out.read_bytes(), proc.stdout.replace(out.name, "")
     assert files[1, "1"] == files[2, "1"] == files[3, "1"] == files[3, "0"]
+    assert len(set(said.values())) == 1
+    assert f"  {shards / '*'}: 24 + 0 documents" in said[1, "1"], said[1, "1"]
+    with h5py.File(tmp_path / "d31.h5", "r") as f:
+        counts = json.loads(f.attrs["source_counts"])
+        assert [c["train_documents"] for c in counts] == [2, 24]
+        tokens = f["train/tokens"][...].tobytes()
+    assert tokens.endswith("".join(texts).encode())  # the global order: inputs, paths, records
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp" in p.name) == []
