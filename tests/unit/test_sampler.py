@@ -159,3 +159,16 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
                              text=True, check=True)
         peaks.append(int(out.stdout.split()[-1]) / 1024)
     assert peaks[1] < peaks[0] + 30, f"peak RSS {peaks[0]:.0f} MB -> {peaks[1]:.0f} MB"
+
+
+def test_plan_says_how_many_epochs_the_run_covers(tmp_path, cli):
+    from launch import TINY
+
+    path = write_token_file(tmp_path / "d.h5", np.arange(641) % 256, np.arange(100) % 256)
+    rc, out, err = cli("plan", TINY, "--world-size", "1", "--set", f"data.path={path}",
+                       "--set", "train.steps=6")
+    assert rc == 0, err
+    assert f"this run covers 2.4 epochs of {path} (6 steps x 16 samples; 40 samples of 17 " \
+        "tokens per epoch)" in out
+    rc, out, _ = cli("plan", TINY, "--world-size", "1", "--set", "data.path=/elsewhere.h5")
+    assert rc == 0 and "data: /elsewhere.h5 is not here (epochs not counted)" in out
