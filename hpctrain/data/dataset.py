@@ -1,6 +1,7 @@
-"""Token data: reading prepared HDF5 files, an embedded corpus (byte-level, or tokenized with
-``data.tokenizer``), and a sampler whose global batch for step ``s`` is the same whatever the
-layout. Writing the files is :mod:`hpctrain.data.prepare` (``hpctrain prepare``).
+"""Token data: reading prepared HDF5 files (lazily) and an embedded corpus (byte-level, or
+tokenized with ``data.tokenizer``); the checks before a run. Which windows a step trains on
+is :mod:`hpctrain.data.sampler` (re-exported here); writing the files is
+:mod:`hpctrain.data.prepare` (``hpctrain prepare``).
 
 Layout of a dataset file (docs/data.md)::
 
@@ -19,7 +20,7 @@ tokenizer's vocabulary (byte-level data: only the largest id).
 Reading: :func:`load_tokens` opens a prepared split lazily (:class:`TokenFile`): a rank
 reads only the windows it trains on, with positional reads at the dataset's offset in the
 file (HDF5 hyperslab reads for a chunked or filtered dataset), so its memory does not grow
-with the corpus. Which windows a step takes is :mod:`hpctrain.data.sampler`.
+with the corpus.
 """
 
 from __future__ import annotations
@@ -163,6 +164,10 @@ class TokenFile:
             self._fd = None
         else:
             self._file.close()
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
 
 def _contiguous_offset(d) -> int | None:
