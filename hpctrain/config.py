@@ -156,11 +156,11 @@ class OptimConfig:
 class DataConfig:
     path: str = key("", "HDF5 file from `hpctrain prepare`; \"\" = the embedded corpus")
     corpus_mb: float = key(2.0, "size of the embedded corpus (Python's own sources)", gt=0)
-    tokenizer: str = key("", "tokenizer.json for the embedded corpus; \"\" = byte-level tokens (a "
-                             "prepared data.path carries its own)")
+    tokenizer: str = key("", "embedded corpus: tokenizer.json, \"\" = bytes (a file has its own)")
     val_fraction: float = key(0.05, "share of the tokens held out for validation", within=(0, 1))
     allow_changed: bool = key(False, "resume though the sample stream changes (recorded)")
     document_mask: bool = key(False, "attention stays inside each document; positions restart")
+    prefetch: bool = key(True, "read the next step's batch in a thread during this step")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ once. The result equals the one-rank value (invariant 1).
 from __future__ import annotations
 
 from .data import segments
-from .data.dataset import Sampler, load_tokens
+from .data.dataset import load_tokens
+from .data.sampler import Sampler
 from .pipeline.runner import run_forward
 
 EVAL_SEED_OFFSET = 7919  # the validation stream is independent of the training stream

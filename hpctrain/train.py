@@ -27,7 +27,8 @@ from .checks.validate import validate
 from .comm import gpu
 from .config import Config, dumps_toml
 from .data import segments
-from .data.dataset import Sampler, load_tokens
+from .data.dataset import load_tokens
+from .data.sampler import ReadAhead, Sampler
 from .evaluate import Evaluator
 from .interchange import init_from
 from .optim import NumericGuard, build_optimizer, lr_at
@@ -59,6 +60,7 @@ class Trainer:
     grads: grad_sync.GradSync  # the strategy chosen for this config
     optimizer: object  # AdamW or ZeroAdamW
     sampler: Sampler
+    batches: ReadAhead  # the sampler's batches, the next step's read in a thread
     global_tokens: int
     meter: Meter  # measured bytes: metrics mem_*
     saver: Checkpointer
@@ -112,7 +114,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, cp, tp) = {topo.dims}, "
              f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "
              f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "
-             f"data: {tokens.lineage.get('source')} ({len(tokens.tokens):,} tokens)")
+             f"data: {tokens.lineage.get('source')} ({len(tokens.tokens):,} tokens, "
+             f"{sampler.n:,} samples per epoch)")
     if cfg.model.device == "cuda":
         log.info(f"device {device}; {gpu.describe()}")
     meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)
@@ -128,8 +131,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     stops = StopRules.from_config(t, topo.world, job.end_time)
     faults = Faults(cfg.experimental.faults, topo.world.rank)
     return Trainer(cfg, topo, log, job, chunks, params, grads, optimizer, sampler,
-                   global_tokens, meter, saver, start, ckpt_attrs, tel, guard, evaluator,
-                   stops, faults)
+                   ReadAhead(sampler, d.prefetch), global_tokens, meter, saver, start,
+                   ckpt_attrs, tel, guard, evaluator, stops, faults)
 
 
 def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict,
@@ -166,8 +169,10 @@ def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict
 def train_step(tr: Trainer, step: int) -> dict:
     """Stages 2-4 of step ``step`` (counted from 0); returns the step's record."""
     cfg, topo, timers, optimizer, guard = tr.cfg, tr.topo, tr.tel.timers, tr.optimizer, tr.guard
-    with timers("data"):
-        microbatches = tr.sampler.local(step)
+    t_data = time.perf_counter()
+    with timers("data"):  # waits for the read-ahead (none: reads here), then to the device
+        microbatches = tr.batches.get(step)
+    data_s = time.perf_counter() - t_data
 
     # 2. Compute: forward and backward of every microbatch (the schedule). The token loss
     #    and the MoE auxiliary losses get the same factor, float16's loss scale included:
@@ -195,7 +200,7 @@ def train_step(tr: Trainer, step: int) -> dict:
         if optimizer.scaler_admits(grad_norm) and guard.admit(loss, grad_norm, step + 1):
             optimizer.clip_and_step(lr, grad_norm)
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            **guard.metrics()}
+            "data_s": data_s, **guard.metrics()}
 
 
 def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
@@ -216,7 +221,8 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
             done == t.steps and cfg.checkpoint.save_final):
         with timers("checkpoint"):
-            tr.last_saved = tr.saver.save(done, tr.params, tr.optimizer, tr.ckpt_attrs)
+            tr.last_saved = tr.saver.save(done, tr.params, tr.optimizer,
+                                          {**tr.ckpt_attrs, **tr.sampler.position(done)})
     if stop or done == t.steps:
         with timers("checkpoint"):
             tr.saver.wait()
@@ -242,6 +248,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
         if end_of_step(tr, record, t0):
             break
     tr.saver.wait()  # no save left in flight
+    tr.batches.close()  # the read-ahead thread
     tr.grads.close()  # the overlap's progress thread
     tr.tel.close()
     tr.log.close()

@@ -5,7 +5,8 @@ File ``DIR/step_00000012.h5`` (see docs/checkpoints.md)::
     /model/<name>                          parameter, global (unsharded) shape, attr crc32
     /optim/<name>/<exp_avg|exp_avg_sq|master>   same shape as the parameter, attr crc32
     /rng/torch                             (world_size, n) uint8: world rank r's torch RNG
-    attrs: format, step, optim_step, data_next_step, data_samples_seen, data_hash, config
+    attrs: format, step, optim_step, data_next_step, data_samples_seen, epoch and
+           epoch_position (from the trainer: data/sampler.py), data_hash, config
            (resolved TOML), topology, rng_layout, world_size, versions (JSON), git_commit,
            writer (mpio | serial), checksum (the scheme, see integrity.py), created, layout
            (grid, MPI-IO hints, alignment)

@@ -69,8 +69,8 @@ def recorded(ckpt_attrs: dict, attr: str, section: str, key: str):
         return None
 
 
-# The inputs of the sample stream besides the data (data/dataset.py, Sampler): step s draws
-# global_batch_size starts of seq_len + 1 tokens from a generator seeded by (seed, s).
+# The inputs of the sample stream besides the data (data/sampler.py, Sampler): step s takes
+# global samples s*G .. s*G+G-1 of the per-epoch orders drawn from the seed.
 STREAM = (("data_seed", "seed", "data seed (train.seed)"),
           ("global_batch_size", "global_batch_size", "train.global_batch_size"),
           ("seq_len", "seq_len", "train.seq_len"))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-LINEAGE = ("format", "step", "optim_step", "data_next_step", "data_samples_seen", "data_hash",
-           "topology", "world_size", "writer", "created", "git_commit", "versions",
-           "checksum", "layout")
+LINEAGE = ("format", "step", "optim_step", "data_next_step", "data_samples_seen", "epoch",
+           "epoch_position", "data_hash", "topology", "world_size", "writer", "created",
+           "git_commit", "versions", "checksum", "layout")
 
 
 def add_arguments(p) -> None:

@@ -175,6 +175,29 @@ def performance_section(cfg, cluster) -> list[str]:
             f"{fmt_bytes(cluster.memory)}: {fit}"]
 
 
+def data_section(cfg) -> list[str]:
+    """How many epochs of the training split the planned steps cover (when the data is here:
+    a plan may be made on another machine)."""
+    from pathlib import Path
+
+    from ..data.dataset import DataError, summarize
+    from ..data.sampler import epochs_covered, samples_per_epoch
+
+    d, t = cfg.data, cfg.train
+    if any(p and not Path(p).exists() for p in (d.path, d.tokenizer)):
+        return [f"data: {d.path} is not here (epochs not counted)"]
+    try:
+        s = summarize(d.path, d.corpus_mb, d.val_fraction, d.tokenizer)
+    except DataError:
+        return []
+    n = samples_per_epoch(s.tokens["train"], t.seq_len)
+    epochs = epochs_covered(s.tokens["train"], t.seq_len, t.global_batch_size, t.steps)
+    name = d.path or s.where
+    return [f"data: this run covers {epochs:.3g} epochs of {name} ({t.steps} steps x "
+            f"{t.global_batch_size} samples; {n:,} samples of {t.seq_len + 1} tokens per "
+            "epoch)"]
+
+
 def special(args) -> int | None:
     """--published, --search and --calibrate; None when none of them was asked for."""
     from ..config import load
@@ -257,6 +280,7 @@ def run(args) -> int:
              f"{' + sequence parallel' if t.sequence_parallel else ''}"]
     lines += schedule_section(cfg, args.width, costs)
     lines += memory_section(cfg, args.memory_per_rank)
+    lines += data_section(cfg)
     if args.nodes:
         try:  # topology.crossing: the nodes must hold the world
             lines += plan_section(cfg, args.nodes,

@@ -1,6 +1,7 @@
-"""Token data: reading prepared HDF5 files, an embedded corpus (byte-level, or tokenized with
-``data.tokenizer``), and a sampler whose global batch for step ``s`` is the same whatever the
-layout. Writing the files is :mod:`hpctrain.data.prepare` (``hpctrain prepare``).
+"""Token data: reading prepared HDF5 files (lazily) and an embedded corpus (byte-level, or
+tokenized with ``data.tokenizer``); the checks before a run. Which windows a step trains on
+is :mod:`hpctrain.data.sampler` (re-exported here); writing the files is
+:mod:`hpctrain.data.prepare` (``hpctrain prepare``).
 
 Layout of a dataset file (docs/data.md)::
 
@@ -16,12 +17,10 @@ Before a run (every rank, no collective) :func:`summarize` reads what a file say
 says whether a model can train on it: the vocabulary must cover the largest id and the
 tokenizer's vocabulary (byte-level data: only the largest id).
 
-Sampling (invariant 3): step ``s`` draws ``global_batch_size`` start offsets from a
-generator seeded by ``(seed, s)``; sequence ``i`` of the global batch is
-``tokens[start_i : start_i + T + 1]``. Global microbatch ``j`` is sequences
-``[j*dp*mbs, (j+1)*dp*mbs)``; dp rank ``r`` takes ``mbs`` consecutive sequences of it. With
-context parallelism every cp rank of a dp rank takes the same sequences and keeps its own
-positions of them (:func:`context_positions`: chunks ``i`` and ``2cp-1-i`` of ``2cp``).
+Reading: :func:`load_tokens` opens a prepared split lazily (:class:`TokenFile`): a rank
+reads only the windows it trains on, with positional reads at the dataset's offset in the
+file (HDF5 hyperslab reads for a chunked or filtered dataset), so its memory does not grow
+with the corpus.
 """
 
 from __future__ import annotations
@@ -33,16 +32,13 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .sampler import Sampler, context_positions  # noqa: F401 - where callers find them
 from .tokenizer import BYTES as TOKENIZER  # byte-level: token = byte value, vocabulary 256
 from .tokenizer import Tokenizer, TokenizerError, byte_level
 from .tokenizer import load as load_tokenizer
-
-if TYPE_CHECKING:
-    import torch
 
 SPLITS = ("train", "val")
 
@@ -110,18 +106,87 @@ def content_hash(*arrays: np.ndarray) -> str:
 
 @dataclass
 class TokenSource:
-    """Tokens of one split in memory, with the lineage of where they came from."""
+    """Tokens of one split (an array, or a lazily read :class:`TokenFile`), with the lineage
+    of where they came from."""
 
-    tokens: np.ndarray
+    tokens: np.ndarray | TokenFile
     lineage: dict
+
+
+class TokenFile:
+    """One split's ``tokens`` dataset of a prepared file, read on demand: ``len()``, slices
+    and :meth:`windows`. A contiguous dataset without filters is read with ``os.pread`` at
+    its byte offset in the file (no HDF5 call, no memory map: pages a map touches would stay
+    in the rank's resident memory, and over an epoch a rank touches most of them); any other
+    layout through h5py hyperslabs. Safe to use from one reader thread at a time."""
+
+    def __init__(self, path: str, split: str):
+        self.path, self.split = path, split
+        self._file = _open(path)
+        d = _tokens_of(self._file, path, split)
+        self.dtype, self._d = d.dtype, d
+        self.length = int(d.shape[0])
+        self.offset = _contiguous_offset(d)
+        self._fd = None
+        if self.offset is not None:
+            self._fd = os.open(path, os.O_RDONLY)
+            self._file.close()  # every read is a pread from here on
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        lo, hi, step = sl.indices(self.length)
+        if step != 1:
+            raise IndexError("a TokenFile is read in contiguous slices")
+        return self._read(lo, max(0, hi - lo))
+
+    def _read(self, start: int, count: int) -> np.ndarray:
+        if self._fd is None:
+            return _read(self._d, self.path, slice(start, start + count))
+        size = self.dtype.itemsize
+        data = os.pread(self._fd, count * size, self.offset + start * size)
+        if len(data) != count * size:
+            raise DataError(f"data.path={self.path}: {self.split}/tokens is shorter than its "
+                            "header says (truncated?)")
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """(len(starts), length) int64: the ``length`` tokens from each start."""
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for i, s in enumerate(np.asarray(starts, dtype=np.int64)):
+            out[i] = self._read(int(s), length)
+        return out
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        else:
+            self._file.close()
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+
+def _contiguous_offset(d) -> int | None:
+    """Byte offset of ``d``'s elements in its file when they lie there as one plain run:
+    contiguous layout, allocated, no filters, no external storage. None otherwise."""
+    if d.chunks is not None or d.is_virtual or d.dtype.byteorder == ">":
+        return None
+    if d.id.get_create_plist().get_external_count() > 0:
+        return None
+    return d.id.get_offset()
 
 
 def load_tokens(path: str, split: str = "train", corpus_mb: float = 2.0,
                 val_fraction: float = 0.05, tokenizer: str = "") -> TokenSource:
     """The tokens of ``split`` from a prepared file, or from the embedded corpus when
     ``path`` is empty (byte-level, or tokenized with the tokenizer.json at ``tokenizer``).
-    Every rank reads for itself (read-only, no collective). A file that is missing, damaged
-    or not hpctrain's raises :class:`DataError`."""
+    Every rank reads for itself (read-only, no collective); a file's tokens are read when a
+    window is asked for (:class:`TokenFile`). A file that is missing, damaged or not
+    hpctrain's raises :class:`DataError`."""
     if not path:
         limit = int(corpus_mb * 2**20)
         tok = _tokenizer(tokenizer)
@@ -136,10 +201,10 @@ def load_tokens(path: str, split: str = "train", corpus_mb: float = 2.0,
                            tokenizer_hash=tok.hash, vocab_size=tok.vocab_size)
         return TokenSource(train if split == "train" else val, lineage)
     with _open(path) as f:
-        tokens = _read(_tokens_of(f, path, split), path)
+        _tokens_of(f, path, split)
         lineage = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
     lineage["source"] = str(Path(path).resolve())
-    return TokenSource(tokens, lineage)
+    return TokenSource(TokenFile(path, split), lineage)
 
 
 def _tokenizer(path: str) -> Tokenizer:
@@ -269,9 +334,9 @@ def _tokens_of(f, path: str, split: str):
     return d
 
 
-def _read(d, path: str) -> np.ndarray:
+def _read(d, path: str, where=Ellipsis) -> np.ndarray:
     try:
-        return d[...]
+        return d[where]
     except OSError as e:
         raise DataError(f"data.path={path}: {d.name} cannot be read (damaged?): "
                         f"{_line(e)}") from None
@@ -279,72 +344,3 @@ def _read(d, path: str) -> np.ndarray:
 
 def _line(e: BaseException) -> str:
     return " ".join(str(e).split())
-
-
-def context_positions(seq_len: int, cp_size: int, cp_rank: int) -> np.ndarray:
-    """The positions of a sequence that cp rank ``cp_rank`` holds: chunks ``cp_rank`` and
-    ``2*cp_size-1-cp_rank`` of ``2*cp_size`` equal chunks (causal load balancing: every
-    rank gets one early and one late chunk, so the same attention work), in increasing
-    order. All positions when ``cp_size`` is 1. Matches ``parallel.ring_attention.segments``."""
-    if cp_size == 1:
-        return np.arange(seq_len)
-    c = seq_len // (2 * cp_size)
-    late = 2 * cp_size - 1 - cp_rank
-    return np.concatenate([np.arange(cp_rank * c, (cp_rank + 1) * c),
-                           np.arange(late * c, (late + 1) * c)])
-
-
-class Sampler:
-    """Deterministic, layout-independent batches.
-
-    ``global_batch(step)`` -> (x, y) int64 tensors of shape (G, T); ``local(step)`` -> the
-    list of this dp rank's microbatches [(x_j, y_j)], each (mbs, T), or with context
-    parallelism (mbs, T/cp): this cp rank's positions (:func:`context_positions`). With
-    ``documents`` (``data.segments.Documents``) each microbatch is (x_j, y_j, d_j): d_j its
-    windows' document ids and positions, (mbs, 2, T) (all T, with cp too).
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_size: int, dp_rank: int, seed: int, device=None, cp_size: int = 1,
-                 cp_rank: int = 0, documents=None):
-        if len(tokens) < seq_len + 2:
-            raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2 = "
-                             f"{seq_len + 2}")
-        self.tokens, self.T, self.G = tokens, seq_len, global_batch
-        self.mbs, self.dp, self.r, self.seed = micro_batch, dp_size, dp_rank, seed
-        self.microbatches = global_batch // (dp_size * micro_batch)
-        self.device = device  # batches are moved there (the GPU of this rank)
-        self.columns = None if cp_size == 1 else context_positions(seq_len, cp_size, cp_rank)
-        self.documents = documents  # window starts -> (B, 2, T) ids and positions, or None
-
-    def starts(self, step: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, step])
-        return rng.integers(0, len(self.tokens) - self.T - 1, size=self.G)
-
-    def _rows(self, starts: np.ndarray, columns=None) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch  # not at module level: `hpctrain prepare` runs without it
-
-        idx = starts[:, None] + np.arange(self.T + 1)[None, :]
-        seq = torch.from_numpy(self.tokens[idx].astype(np.int64))
-        if columns is not None:  # this cp rank's positions (inputs, then their targets)
-            cols = torch.from_numpy(np.concatenate([columns, columns + 1]))
-            seq = seq[:, cols]
-        if self.device is not None:
-            seq = seq.to(self.device)
-        if columns is None:
-            return seq[:, :-1], seq[:, 1:]
-        return seq[:, :len(columns)], seq[:, len(columns):]
-
-    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rows(self.starts(step))
-
-    def local(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        starts = self.starts(step)
-        out = []
-        for j in range(self.microbatches):
-            lo = j * self.dp * self.mbs + self.r * self.mbs
-            out.append(self._rows(starts[lo:lo + self.mbs], self.columns))
-            if self.documents is not None:
-                d = self.documents(starts[lo:lo + self.mbs])
-                out[-1] += (d if self.device is None else d.to(self.device),)
-        return out
