@@ -218,3 +218,20 @@ def test_the_blend_lineage_names_each_source_and_hash(two_files):
     _, moved = open_stream(_blend((a, 0.5), (b, 0.5)).data, "train", 16, 4, 1, 1, 0, 3)
     assert lin["content_hash"] == same["content_hash"] != moved["content_hash"]
     assert a in lin["blend"] and b in lin["blend"] and s.names == ["a", "b"]
+
+
+def test_a_changed_blend_is_refused_on_resume_unless_allowed(two_files):
+    """The blend's content hash (each source's hash and weight) is the checkpoint's
+    ``data_hash``: another weight is another stream, refused unless data.allow_changed."""
+    from hpctrain.checkpoint.lineage import LineageError, check_resume
+    from hpctrain.data.blend import open_stream
+
+    a, b = two_files
+    _, old = open_stream(_blend((a, 0.7), (b, 0.3)).data, "train", 16, 4, 1, 1, 0, 3)
+    _, new = open_stream(_blend((a, 0.6), (b, 0.4)).data, "train", 16, 4, 1, 1, 0, 3)
+    attrs = {"step": 2, "data_hash": old["content_hash"]}
+    assert check_resume(attrs, old["content_hash"], False, print) is None
+    with pytest.raises(LineageError, match="data.allow_changed"):
+        check_resume(attrs, new["content_hash"], False, print)
+    forced = check_resume(attrs, new["content_hash"], True, print)
+    assert forced == {"from": old["content_hash"], "to": new["content_hash"]}
