@@ -104,8 +104,6 @@ def test_each_source_sees_every_sample_once_per_its_own_epoch(sizes, w, G, seed)
     for i, p in enumerate(s.parts):
         for e in range(len(seen[i]) // p.n):
             assert sorted(seen[i][e * p.n:(e + 1) * p.n]) == list(range(p.n))
-        if len(seen[i]) >= 2 * p.n and p.n > 2:  # each epoch its own order
-            assert seen[i][:p.n] != seen[i][p.n:2 * p.n] or p.n < 4
 
 
 def test_a_source_has_its_own_order_and_one_file_keeps_its_keys():
