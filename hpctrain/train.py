@@ -110,7 +110,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, cp, tp) = {topo.dims}, "
              f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "
              f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "
-             f"data: {data_lineage.get('source')} ({sampler.n:,} samples per epoch)")
+             f"data: {data_lineage.get('source')} "
+             f"({' + '.join(f'{n:,}' for n in sampler.epoch_sizes())} samples per epoch)")
     if cfg.model.device == "cuda":
         log.info(f"device {device}; {gpu.describe()}")
     meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)

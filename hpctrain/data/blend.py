@@ -103,6 +103,9 @@ class BlendedSampler(Sampler):
         self.n = sum(p.n for p in parts)
         self.documents = None
 
+    def epoch_sizes(self) -> list[int]:
+        return [p.n for p in self.parts]
+
     def picks(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(G,) source and (G,) sample of that source for each sequence of step ``step``."""
         g = step * self.G + np.arange(self.G, dtype=np.int64)

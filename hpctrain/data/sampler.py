@@ -131,6 +131,10 @@ class Sampler:
         self.documents = documents  # window starts -> (B, 2, T) ids and positions, or None
         self.stream = stream  # a blend's source index: keys its EpochOrder (data/blend.py)
 
+    def epoch_sizes(self) -> list[int]:
+        """Samples per epoch of each source (one here; a blend's: one per source)."""
+        return [self.n]
+
     def order(self, epoch: int) -> EpochOrder:
         if epoch not in self._orders:
             if len(self._orders) >= 4:  # a step spans few epochs; the oldest goes

@@ -68,6 +68,7 @@ def test_a_blend_on_any_layout_and_resumed_on_another(tmp_path, session_dir, cor
         with h5py.File(path, "r") as f:
             ns.append((f["train/tokens"].shape[0] - 1) // 16)
     counts = BlendOrder([0.7, 0.3]).counts(6 * 16)  # 96 samples, 67 prose and 29 code
+    assert f"{ns[0]} + {ns[1]} samples per epoch" in ref.stdout
     with h5py.File(ckpt(b, 6), "r") as f:
         pos = json.loads(f.attrs["blend_position"])
         recorded = json.loads(json.loads(f.attrs["lineage"])["data"]["blend"])
