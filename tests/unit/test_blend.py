@@ -20,7 +20,8 @@ from hpctrain.data.blend import BlendedSampler, BlendOrder, integer_weights, nam
 from hpctrain.data.sampler import Sampler
 
 FAST = settings(max_examples=80, deadline=None)
-weights = st.lists(st.integers(1, 60), min_size=1, max_size=7)
+weights = st.lists(st.integers(1, 60), min_size=1, max_size=7) | st.lists(
+    st.sampled_from([0.05, 0.1, 0.25, 0.3, 0.5, 0.7, 1.5, 2.0]), min_size=1, max_size=5)
 
 
 @FAST
