@@ -26,8 +26,7 @@ from .checkpoint import Checkpointer, lineage
 from .checks.validate import validate
 from .comm import gpu
 from .config import Config, dumps_toml
-from .data import segments
-from .data.dataset import load_tokens
+from .data.blend import open_stream
 from .data.sampler import ReadAhead, Sampler
 from .evaluate import Evaluator
 from .interchange import init_from
@@ -102,26 +101,23 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     if grads.overlap:
         log.info(f"gradient reduction overlapped with backward (progress: {grads.progress})")
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)
-    d = cfg.data
-    tokens = load_tokens(d.path, "train", d.corpus_mb, d.val_fraction, d.tokenizer)
-    t = cfg.train
+    d, t = cfg.data, cfg.train
     device = params[0][1].device
-    sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
-                      topo.dp_size, topo.dp_rank, t.seed, device=device,
-                      cp_size=topo.cp_size, cp_rank=topo.cp_rank,
-                      documents=segments.for_split(d, "train", t.seq_len))
+    sampler, data_lineage = open_stream(d, "train", t.seq_len, t.global_batch_size,
+                                        t.micro_batch_size, topo.dp_size, topo.dp_rank, t.seed,
+                                        device, topo.cp_size, topo.cp_rank)
     global_tokens = t.global_batch_size * t.seq_len
     log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, cp, tp) = {topo.dims}, "
              f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "
              f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "
-             f"data: {tokens.lineage.get('source')} ({len(tokens.tokens):,} tokens, "
-             f"{sampler.n:,} samples per epoch)")
+             f"data: {data_lineage.get('source')} "
+             f"({' + '.join(f'{n:,}' for n in sampler.epoch_sizes())} samples per epoch)")
     if cfg.model.device == "cuda":
         log.info(f"device {device}; {gpu.describe()}")
     meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)
     saver = Checkpointer(cfg.checkpoint, topo, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
                          warn=log.warn)
-    start, ckpt_attrs = restore(cfg, topo, log, saver, params, optimizer, tokens.lineage,
+    start, ckpt_attrs = restore(cfg, topo, log, saver, params, optimizer, data_lineage,
                                 run_dir)
     tel = Telemetry(cfg, topo, run_dir, log)
     if tel.watchdog:  # a background write that hangs is reported, although steps go on
@@ -210,7 +206,7 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     cfg, t, done, timers = tr.cfg, tr.cfg.train, record["step"], tr.tel.timers
     if tr.evaluator and (done % t.eval_every == 0 or done == t.steps):
         with timers("eval"):
-            record["val_loss"] = tr.evaluator.run()
+            record.update(tr.evaluator.run())  # val_loss, and val_loss/NAME per source
     stop = tr.stops.check(tr.topo.world, record.get("val_loss"), time.perf_counter() - t0) \
         or tr.job.stop_reason(tr.topo.world, done, t.steps)  # SIGUSR1/SIGTERM on any rank
 

@@ -55,6 +55,8 @@ def data_problems(cfg: Config, missing_ok: bool = False) -> list[str]:
     from ..data.dataset import DataError, fit_problems, summarize
 
     d, t = cfg.data, cfg.train
+    if d.sources:
+        return blend_problems(cfg, missing_ok)
     if missing_ok and any(p and not Path(p).exists() for p in (d.path, d.tokenizer)):
         return []
     try:
@@ -64,6 +66,36 @@ def data_problems(cfg: Config, missing_ok: bool = False) -> list[str]:
     splits = ("train", "val") if t.eval_every else ("train",)
     return fit_problems(s, cfg.model.vocab_size, t.seq_len, t.eval_every) + (segments.problems(
         d.path, splits, d.corpus_mb, d.val_fraction, d.tokenizer) if d.document_mask else [])
+
+
+def blend_problems(cfg: Config, missing_ok: bool = False) -> list[str]:
+    """:func:`data_problems` for each source of ``data.sources`` (named
+    ``data.sources[i].path``), and sources whose tokenizers differ (their files'
+    ``tokenizer`` and ``tokenizer_hash`` attributes)."""
+    import dataclasses
+
+    from ..data.dataset import _open
+
+    out, ref = [], None
+    for i, s in enumerate(cfg.data.sources):
+        if missing_ok and not Path(s.path).exists():
+            return []
+        one = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=s.path,
+                                                                sources=()))
+        here = [e.replace(f"data.path={s.path}", f"data.sources[{i}].path={s.path}")
+                for e in data_problems(one)]
+        out += here
+        if here:
+            continue
+        with _open(s.path) as f:
+            tok = tuple(str(f.attrs.get(k, "")) for k in ("tokenizer", "tokenizer_hash"))
+        ref = ref or (i, s.path, tok)
+        if tok != ref[2]:
+            out.append(f"data.sources[{i}].path={s.path} was tokenized with {tok[0]} "
+                       f"({tok[1][:12] or 'no hash'}), data.sources[{ref[0]}].path={ref[1]} "
+                       f"with {ref[2][0]} ({ref[2][1][:12] or 'no hash'}): a blend needs one "
+                       "tokenizer (prepare every source with the same --tokenizer)")
+    return out
 
 
 def _fresh_start_problems(resume: str, ckpt_dir: Path) -> list[str]:

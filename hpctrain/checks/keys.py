@@ -71,12 +71,12 @@ def _literal(value) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return f'"{value}"'
-    return "{}" if value == {} else repr(value)
+    return "{}" if value == {} else "[]" if value == () else repr(value)
 
 
 INTRO = f"""# Configuration reference
 
-<!-- Generated from hpctrain/config.py; do not edit. Regenerate: {REGENERATE} -->
+<!-- Generated from hpctrain/config/; do not edit. Regenerate: {REGENERATE} -->
 
 A run is described by a TOML preset (see `share/configs/`), one table per section below,
 plus `--set section.key=value` overrides on the command line (repeatable; the value is read

@@ -2,7 +2,7 @@
 world size, as messages that name the key, its value and the rule (``optim.eps=0.0 must be >
 0``) or show the arithmetic (``dp*tp*pp = 2*1*1 = 2 but the world has 4 ranks``).
 
-The rules of one key alone are declared beside the key in ``hpctrain/config.py`` and checked
+The rules of one key alone are declared beside the key in ``hpctrain/config/`` and checked
 by :func:`hpctrain.checks.keys.key_problems`; here are the rules that span keys or sections
 and the layout arithmetic.
 
@@ -204,3 +204,17 @@ def _check_run(cfg: Config, world_size: int, need) -> None:
          f"data.path={cfg.data.path!r} is a prepared file that carries its own tokenizer: "
          "set one of the two (prepare a file with `hpctrain prepare FILES --tokenizer "
          "tokenizer.json --out DATA.h5`)")
+    _check_blend(cfg.data, need)
+
+
+def _check_blend(d, need) -> None:
+    """``data.sources``: positive weights, named files, not beside ``data.path``."""
+    need(not (d.sources and (d.path or d.tokenizer)),
+         f"data.sources blends prepared files, so data.path={d.path!r} and "
+         f"data.tokenizer={d.tokenizer!r} must be \"\": set data.path for one file or "
+         "data.sources for a blend, not both")
+    for i, s in enumerate(d.sources):
+        need(s.weight > 0, f"data.sources[{i}].weight={s.weight:g} must be > 0 (the source's "
+                           "share of the samples; leave a source out to drop it)")
+        need(bool(s.path), f"data.sources[{i}].path is empty: name a file made by "
+                           "`hpctrain prepare`")

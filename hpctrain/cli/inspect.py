@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 LINEAGE = ("format", "step", "optim_step", "data_next_step", "data_samples_seen", "epoch",
-           "epoch_position", "data_hash", "topology", "world_size", "writer", "created",
-           "git_commit", "versions", "checksum", "layout")
+           "epoch_position", "blend_position", "data_hash", "topology", "world_size", "writer",
+           "created", "git_commit", "versions", "checksum", "layout")
 
 
 def add_arguments(p) -> None:

@@ -184,6 +184,8 @@ def data_section(cfg) -> list[str]:
     from ..data.sampler import epochs_covered, samples_per_epoch
 
     d, t = cfg.data, cfg.train
+    if d.sources:
+        return blend_section(cfg)
     if any(p and not Path(p).exists() for p in (d.path, d.tokenizer)):
         return [f"data: {d.path} is not here (epochs not counted)"]
     try:
@@ -196,6 +198,30 @@ def data_section(cfg) -> list[str]:
     return [f"data: this run covers {epochs:.3g} epochs of {name} ({t.steps} steps x "
             f"{t.global_batch_size} samples; {n:,} samples of {t.seq_len + 1} tokens per "
             "epoch)"]
+
+
+def blend_section(cfg) -> list[str]:
+    """How many epochs of each source's training split a blend's planned steps cover."""
+    from pathlib import Path
+
+    from ..data.blend import BlendOrder, names
+    from ..data.dataset import DataError, summarize
+    from ..data.sampler import samples_per_epoch
+
+    d, t = cfg.data, cfg.train
+    missing = [s.path for s in d.sources if not Path(s.path).exists()]
+    if missing:
+        return [f"data: {', '.join(missing)} not here (epochs not counted)"]
+    try:
+        ns = [samples_per_epoch(summarize(s.path).tokens["train"], t.seq_len)
+              for s in d.sources]
+    except DataError:
+        return []
+    counts = BlendOrder([s.weight for s in d.sources]).counts(t.steps * t.global_batch_size)
+    each = ", ".join(f"{c / n if n else float('inf'):.3g}{' epochs' if i == 0 else ''} of {name}"
+                     for i, (c, n, name) in enumerate(zip(counts, ns, names(d.sources))))
+    return [f"data: this run covers {each} ({t.steps} steps x {t.global_batch_size} "
+            f"samples, blended {':'.join(f'{s.weight:g}' for s in d.sources)})"]
 
 
 def special(args) -> int | None:

@@ -3,7 +3,8 @@
 - ``dataset.py``: reading prepared HDF5 token files (lazily) and the embedded corpus.
 - ``sampler.py``: the :class:`Sampler` (every sample once per epoch; a step's global batch is
   the same whatever the layout) and the read-ahead thread; ``segments.py``: document ids and
-  positions of a window (``data.document_mask``).
+  positions of a window (``data.document_mask``); ``blend.py``: several files by weight
+  (``data.sources``): which source each global sample comes from, one sampler per source.
 - ``prepare.py``: ``hpctrain prepare``: documents -> one HDF5 token file, on any number of ranks;
   ``documents.py`` lists its inputs and reads JSONL, Parquet and text; ``spill.py`` writes.
 - ``corpora.py``: corpora that are already tokens (nanoGPT / llm.c ``.bin``, Megatron-LM's

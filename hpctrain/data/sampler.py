@@ -36,15 +36,16 @@ class EpochOrder:
     any positions without building it: a balanced Feistel network on the smallest ``2h``-bit
     domain holding ``n``, walked again from any value that falls outside ``range(n)`` (cycle
     walking keeps it a bijection on ``range(n)``). Memory and time do not grow with ``n``;
-    round keys come from ``np.random.default_rng([seed, epoch])``."""
+    round keys come from ``np.random.default_rng([seed, epoch])`` (``[seed, stream, epoch]``
+    for the ``stream``-th source of a blend)."""
 
-    def __init__(self, n: int, seed: int, epoch: int):
+    def __init__(self, n: int, seed: int, epoch: int, stream: int | None = None):
         if n < 1:
             raise ValueError(f"an epoch needs at least one sample, got n={n}")
         self.n = n
         self.half = max(1, ((n - 1).bit_length() + 1) // 2)
         self.mask = np.uint64((1 << self.half) - 1)
-        rng = np.random.default_rng([seed, epoch])
+        rng = np.random.default_rng([seed, epoch] if stream is None else [seed, stream, epoch])
         self.keys = rng.integers(0, 2**63, size=ROUNDS, dtype=np.uint64)
 
     def _round_trip(self, x: np.ndarray) -> np.ndarray:
@@ -116,7 +117,7 @@ class Sampler:
 
     def __init__(self, tokens, seq_len: int, global_batch: int, micro_batch: int,
                  dp_size: int, dp_rank: int, seed: int, device=None, cp_size: int = 1,
-                 cp_rank: int = 0, documents=None):
+                 cp_rank: int = 0, documents=None, stream: int | None = None):
         if len(tokens) < seq_len + 2:
             raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2 = "
                              f"{seq_len + 2}")
@@ -128,19 +129,27 @@ class Sampler:
         self.columns = None if cp_size == 1 else context_positions(seq_len, cp_size, cp_rank)
         self._orders: dict[int, EpochOrder] = {}
         self.documents = documents  # window starts -> (B, 2, T) ids and positions, or None
+        self.stream = stream  # a blend's source index: keys its EpochOrder (data/blend.py)
+
+    def epoch_sizes(self) -> list[int]:
+        """Samples per epoch of each source (one here; a blend's: one per source)."""
+        return [self.n]
 
     def order(self, epoch: int) -> EpochOrder:
         if epoch not in self._orders:
             if len(self._orders) >= 4:  # a step spans few epochs; the oldest goes
                 del self._orders[next(iter(self._orders))]
-            self._orders[epoch] = EpochOrder(self.n, self.seed, epoch)
+            self._orders[epoch] = EpochOrder(self.n, self.seed, epoch, self.stream)
         return self._orders[epoch]
 
     def samples(self, step: int) -> np.ndarray:
         """(G,) the sample index of each sequence of step ``step``'s global batch."""
-        g = step * self.G + np.arange(self.G, dtype=np.int64)
+        return self.samples_at(step * self.G + np.arange(self.G, dtype=np.int64))
+
+    def samples_at(self, g: np.ndarray) -> np.ndarray:
+        """The sample at each position ``g`` of the stream (epoch ``g // n``)."""
         epoch, pos = g // self.n, g % self.n
-        out = np.empty(self.G, dtype=np.int64)
+        out = np.empty(len(g), dtype=np.int64)
         for e in np.unique(epoch):
             here = epoch == e
             out[here] = self.order(int(e))(pos[here])

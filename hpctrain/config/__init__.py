@@ -11,31 +11,20 @@ that moved (:data:`LEGACY`) are read under their new names. Plain data.
 from __future__ import annotations
 
 import dataclasses
-import math
-import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from .values import ConfigError, _coerce, parse_override, toml_key, tomllib
+from .values import InputError as InputError  # re-exported: where callers find them
+from .values import Source as Source
+from .values import dumps_toml as dumps_toml
 
 REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
 OVERLAP_PROGRESS = ("auto", "test", "thread", "poll", "wait")  # optim.overlap_progress
 ARCHS = ("gpt", "llama")  # model.arch: the families' registry's names (a unit test)
 DTYPES = ("float32", "float64", "bfloat16", "float16")  # model.dtype
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")  # schedule.kind
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says why and how to fix it."""
-
-
-class InputError(ConfigError):
-    """What a valid configuration points at cannot be used (data file, run or checkpoint
-    directory); raised deliberately before any collective, alike on every rank."""
 
 
 def key(default: Any, help: str, *, choices: tuple = (), ge: float | None = None,
@@ -155,6 +144,8 @@ class OptimConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = key("", "HDF5 file from `hpctrain prepare`; \"\" = the embedded corpus")
+    sources: tuple = key((), "blend: [{path = \"a.h5\", weight = 0.7}, ...] instead of path "
+                             "(docs/data.md)")
     corpus_mb: float = key(2.0, "size of the embedded corpus (Python's own sources)", gt=0)
     tokenizer: str = key("", "embedded corpus: tokenizer.json, \"\" = bytes (a file has its own)")
     val_fraction: float = key(0.05, "share of the tokens held out for validation", within=(0, 1))
@@ -258,45 +249,6 @@ SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_TYPES = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
 
 
-def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
-    """Check ``value`` against the type of ``default``; ints are accepted for floats."""
-    where = f"{section}.{key}"
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    if isinstance(default, int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            if not -2**63 <= value < 2**63:
-                raise ConfigError(f"{where} must be a 64-bit integer, got {value!r}")
-            return value
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
-    if isinstance(default, float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value) if abs(value) < 2**1023 else math.inf  # huge TOML ints
-            if not math.isfinite(number):
-                raise ConfigError(f"{where} must be a finite number, got {value!r}")
-            return number
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    if isinstance(default, str):
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where} must be a string, got {value!r}")
-    if isinstance(default, dict):
-        if isinstance(value, dict):
-            return {str(k): str(v) for k, v in value.items()}
-        raise ConfigError(f"{where} must be a table, got {value!r}")
-    return value
-
-
-def toml_key(name: str) -> str:
-    """A field's key in TOML and ``--set``: a Python keyword is spelled with a trailing
-    underscore in the dataclass (``async_``) and without it in the file (``async``)."""
-    return name[:-1] if name.endswith("_") else name
-
-
 def renamed(section: str, key: str) -> tuple[str, str]:
     """Where ``section.key`` lives now: the new place of a :data:`LEGACY` key, else itself."""
     return tuple(LEGACY.get(f"{section}.{key}", f"{section}.{key}").split(".", 1))
@@ -336,20 +288,6 @@ def from_dict(raw: dict) -> Config:
     return Config(**sections)
 
 
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, value); the value is read as a TOML literal
-    (``3``, ``1e-3``, ``true``, ``"x"``) and falls back to a bare string."""
-    if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ConfigError(f"override {text!r} must look like section.key=value")
-    lhs, rhs = text.split("=", 1)
-    section, key = lhs.strip().split(".", 1)
-    try:
-        value = tomllib.loads(f"v = {rhs.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = rhs.strip()
-    return section, key, value
-
-
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a TOML preset (or defaults when path is None) and apply dotted overrides."""
     raw: dict = {}
@@ -373,26 +311,6 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
             raise ConfigError(f"[{section}] must be a table of keys")
         raw[section][key] = value
     return from_dict(raw)
-
-
-def dumps_toml(cfg: Config) -> str:
-    """The resolved config as TOML (written to every run directory and checkpoint)."""
-
-    def lit(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {lit(x)}" for k, x in v.items()) + "}"
-        return repr(v)
-
-    out = []
-    for name, body in dataclasses.asdict(cfg).items():
-        out.append(f"[{name}]")
-        out += [f"{toml_key(k)} = {lit(v)}" for k, v in body.items()]
-        out.append("")
-    return "\n".join(out)
 
 
 def microbatches(cfg: Config) -> int:
