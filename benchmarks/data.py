@@ -2,7 +2,9 @@
 the tokenizers library's own batch encoding of the same documents (the limit: tokenization
 alone, this rank's documents already in memory, one ``encode_batch`` call), interleaved, at
 1, 2 and 4 ranks; on one rank also the peak RSS of a fresh process preparing two corpora 10x
-apart (byte-level, so that the figure is the reader's and writer's, not the tokenizer's)."""
+apart (byte-level, so that the figure is the reader's and writer's, not the tokenizer's); on
+one rank also short ``hpctrain train`` runs (:mod:`benchmarks.data_train`): the data share
+of a step with and without read-ahead, and training's peak RSS on two corpora 10x apart."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 from .common import max_over_ranks, median, pair_ratios, pairs_of, ratio, result, row, scratch_dir
+from .data_train import figures
 
 RANKS = (1, 2, 4)
 CORPUS_MB = {"tiny": 0.5, "small": 6.0}
@@ -104,6 +107,7 @@ def run(world, size: str, repeats: int) -> dict:
             for mb in (CORPUS_MB[size], 10 * CORPUS_MB[size]):
                 shards(Path(tmp) / f"rss{mb}", mb)
                 rss[mb] = peak_rss(Path(tmp) / f"rss{mb}", Path(tmp) / f"rss{mb}.h5")
+        training = figures(Path(tmp), size, repeats) if world.size == 1 else ([], [], [])
     out = result("data", world, size, repeats,
                  f"prepare {CORPUS_MB[size]} MiB of JSONL.zst + Parquet shards, {VOCAB}-id BPE")
     docs = int(docs)
@@ -128,5 +132,8 @@ def run(world, size: str, repeats: int) -> dict:
         out["notes"].append(f"peak RSS of a fresh prepare process (byte-level): {small:g} MiB "
                             f"corpus {a:.1f} MiB, {big:g} MiB corpus {b:.1f} MiB")
         out["rows"].append(row(f"peak RSS, {big:g} MiB / {small:g} MiB corpus", [b / a], "x"))
+    out["rows"] += training[0]
+    out["ratios"] += training[1]
+    out["notes"] += training[2]
     out["notes"].append(f"median prepare {median(times['prepare']):.2f} s for {docs} documents")
     return out
