@@ -36,6 +36,6 @@ BENCHES = {
     "memory": (1, 2, 4),  # ZeRO 0/1/2 peak memory and step time (ZeRO issue)
     "scaling": (1, 2, 4),  # "just add devices": naive design vs hpctrain's, efficiency
     "cluster": (1,),  # 2 simulated nodes: placement, hierarchical dp, overlap, scaling
-    "data": (1, 2, 4),  # prepare throughput vs the tokenizers library; peak RSS vs corpus
+    "data": (1, 2, 4),  # prepare vs the tokenizers library; data share of a step; RSS vs corpus
 }
 SIZES = ("tiny", "small")

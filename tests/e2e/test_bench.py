@@ -96,6 +96,28 @@ def test_every_comparison_has_ratio_target_met_and_load(bench):
     assert "load before / after" in md
 
 
+def test_data_part_rows(bench):
+    """The data part: prepare against the library at 1, 2 and 4 ranks; on one rank also the
+    training figures (data share of a step with and without read-ahead, peak RSS on two
+    corpora 10x apart), every one a finite number, both training ratios listed."""
+    _, doc, _ = bench
+    results = {r["ranks"]: r for r in _results(doc, "data")}
+    assert sorted(results) == [1, 2, 4]
+    for r in results.values():
+        assert r["check"]["ok"], r["check"]
+        assert all(math.isfinite(row["median"]) and row["median"] > 0 for row in r["rows"])
+    rows = {row["variant"] for row in results[1]["rows"]}
+    assert {"train: data share of a step, read-ahead on",
+            "train: data share of a step, read-ahead off",
+            "train: peak RSS, 0.3 MiB corpus", "train: peak RSS, 3 MiB corpus"} <= rows, rows
+    names = {q["name"]: q for q in results[1]["ratios"]}
+    share = names["train: data share of a step with read-ahead"]
+    rss = names["train: peak RSS, 3 MiB / 0.3 MiB corpus"]
+    assert 0 <= share["value"] < 1 and math.isfinite(rss["value"]) and rss["value"] > 0
+    assert not any(n.startswith("train:") for q in (results[2], results[4])
+                   for n in (row["variant"] for row in q["rows"]))
+
+
 def test_collectives_table(bench):
     _, doc, md = bench
     (res,) = _results(doc, "collectives")
