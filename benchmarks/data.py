@@ -68,6 +68,33 @@ def peak_rss(corpus, out) -> float:
     return int(proc.stdout.split()[-1]) / 1024
 
 
+def one_rank(world, tmp: Path, size: str, repeats: int) -> tuple[dict, tuple]:
+    """On one rank (else nothing): prepare's peak RSS on two corpora 10x apart (corpus MiB
+    -> MiB; not at ``tiny``: CI's test_prepare_memory checks the bound) and the training
+    figures of :func:`benchmarks.data_train.figures`."""
+    rss: dict = {}
+    if world.size != 1:
+        return rss, ([], [], [])
+    if size != "tiny":
+        for mb in (CORPUS_MB[size], 10 * CORPUS_MB[size]):
+            shards(tmp / f"rss{mb}", mb)
+            rss[mb] = peak_rss(tmp / f"rss{mb}", tmp / f"rss{mb}.h5")
+    return rss, figures(tmp, size, repeats)
+
+
+def memory(out: dict, rss: dict, training: tuple) -> None:
+    """Add prepare's peak RSS (corpus MiB -> MiB, two corpora or none) and the training
+    figures (rows, ratios, notes of :func:`benchmarks.data_train.figures`) to ``out``."""
+    if rss:
+        (small, a), (big, b) = sorted(rss.items())
+        out["notes"].append(f"peak RSS of a fresh prepare process (byte-level): {small:g} MiB "
+                            f"corpus {a:.1f} MiB, {big:g} MiB corpus {b:.1f} MiB")
+        out["rows"].append(row(f"peak RSS, {big:g} MiB / {small:g} MiB corpus", [b / a], "x"))
+    out["rows"] += training[0]
+    out["ratios"] += training[1]
+    out["notes"] += training[2]
+
+
 def run(world, size: str, repeats: int) -> dict:
     from hpctrain.data.prepare import blocks, prepare, text_source
     from hpctrain.data.tokenizer import load, train_bpe
@@ -102,12 +129,7 @@ def run(world, size: str, repeats: int) -> dict:
             for name, fn in (("prepare", ours), ("library", limit))[::1 if r % 2 == 0 else -1]:
                 times[name].append(fn())
         docs = world.allreduce(len(mine), "sum")
-        rss = {}
-        if world.size == 1 and size != "tiny":  # CI's test_prepare_memory checks the bound
-            for mb in (CORPUS_MB[size], 10 * CORPUS_MB[size]):
-                shards(Path(tmp) / f"rss{mb}", mb)
-                rss[mb] = peak_rss(Path(tmp) / f"rss{mb}", Path(tmp) / f"rss{mb}.h5")
-        training = figures(Path(tmp), size, repeats) if world.size == 1 else ([], [], [])
+        rss, training = one_rank(world, Path(tmp), size, repeats)
     out = result("data", world, size, repeats,
                  f"prepare {CORPUS_MB[size]} MiB of JSONL.zst + Parquet shards, {VOCAB}-id BPE")
     docs = int(docs)
@@ -127,13 +149,6 @@ def run(world, size: str, repeats: int) -> dict:
     out["check"] = {"what": "documents prepared = documents encoded",
                     "values": {"prepare": attrs.get("documents"), "library": docs},
                     "rel_err": 0.0, "tol": 0.0, "ok": attrs.get("documents") == docs}
-    if rss:
-        (small, a), (big, b) = sorted(rss.items())
-        out["notes"].append(f"peak RSS of a fresh prepare process (byte-level): {small:g} MiB "
-                            f"corpus {a:.1f} MiB, {big:g} MiB corpus {b:.1f} MiB")
-        out["rows"].append(row(f"peak RSS, {big:g} MiB / {small:g} MiB corpus", [b / a], "x"))
-    out["rows"] += training[0]
-    out["ratios"] += training[1]
-    out["notes"] += training[2]
+    memory(out, rss, training)
     out["notes"].append(f"median prepare {median(times['prepare']):.2f} s for {docs} documents")
     return out
