@@ -145,6 +145,9 @@ def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict
     if resumed is not None:
         start = int(resumed["step"])
         log.info(f"resumed from {resumed['path']} at step {start}")
+        if start >= cfg.train.steps:  # a finished run submitted again
+            log.info(f"nothing to train: step {start} of train.steps={cfg.train.steps} is "
+                     "done; raise train.steps to go on, or use another --run-dir")
     run_lineage = lineage.start(run_dir, cfg, topo, data_lineage, resumed, log.info)
     folder, set_aside = saver.take_over(resumed, start)  # nothing earlier is overwritten
     if set_aside:

@@ -77,6 +77,16 @@ def test_rerun_continues_and_a_fresh_start_is_refused(tmp_path, six):
     assert _names(d) == [f"step_{s:08d}.h5" for s in (2, 4, 6, 8)]
     assert (d / "latest").read_text().strip() == "step_00000008.h5"
 
+    # Once more, finished: it says so and trains nothing; no checkpoint or record changes.
+    done = _tree(run_dir)
+    again = hpctrain(["train", TINY, "--run-dir", str(run_dir), "--set", "train.steps=8",
+                      "--set", "checkpoint.every=2", "--set", "checkpoint.keep=0"])
+    assert "nothing to train: step 8 of train.steps=8 is done" in again.stdout, again.stdout
+    assert _steps(run_dir) == list(range(1, 9))
+    now = _tree(run_dir)
+    assert {k: v for k, v in now.items() if k.startswith("checkpoints/step_")} == \
+        {k: v for k, v in done.items() if k.startswith("checkpoints/step_")}
+
 
 def test_resume_from_older_sets_aside_prunes_and_falls_back_along_the_trajectory(tmp_path,
                                                                                 six):
