@@ -10,6 +10,8 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +33,28 @@ TRAIN_PRESETS = {
 COMMON = ['model.dtype="float32"', "model.vocab_size=256", "data.corpus_mb=0.5",
           "optim.warmup_steps=2", "checkpoint.save_final=false", "train.log_every=1000",
           "telemetry.peak_flops=1e11"]  # skip the start-up matmul probe (MFU is not compared)
+
+
+def in_fresh_process(code: str, args: list[str], env: dict | None = None,
+                     cwd=None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``python -c code ARGS`` alone (the checkout on its path, no SLURM job or MPI
+    launch inherited; ``env`` added) and return it with its peak RSS in MiB: its own VmHWM,
+    printed after ``code`` (a child's ``ru_maxrss`` starts at its parent's at exec). ``code``
+    leaves its exit status in ``rc``; a process that fails raises."""
+    from hpctrain.launch import with_checkout, without_job
+
+    peak = ('\ntry:\n    print("VmHWM", [int(x.split()[1]) for x in open("/proc/self/status")'
+            ' if x.startswith("VmHWM")][0])\nexcept OSError:  # no /proc: the best there is\n'
+            '    import resource\n'
+            '    print("VmHWM", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n'
+            'sys.exit(rc)\n')
+    proc = subprocess.run([sys.executable, "-c", "import sys\nrc = 0\n" + code + peak, *args],
+                          capture_output=True, text=True, cwd=cwd,
+                          env=with_checkout({**without_job(dict(os.environ)), **(env or {})}))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{args[:2]} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    peak_kib = [int(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("VmHWM")]
+    return proc, peak_kib[-1] / 1024
 
 
 def median(xs) -> float:

@@ -10,26 +10,29 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from .common import max_over_ranks, median, pair_ratios, pairs_of, ratio, result, row, scratch_dir
+from .common import (
+    in_fresh_process,
+    max_over_ranks,
+    median,
+    pair_ratios,
+    pairs_of,
+    ratio,
+    result,
+    row,
+    scratch_dir,
+)
 from .data_train import figures
 
 RANKS = (1, 2, 4)
 CORPUS_MB = {"tiny": 0.5, "small": 6.0}
 VOCAB = 2048
 RSS = """
-import resource, sys
 from hpctrain.data.prepare import prepare, text_source
 from hpctrain.data.tokenizer import byte_level
 prepare(text_source([sys.argv[1]]), byte_level(), sys.argv[2], 0.05)
-try:  # this process's own peak: ru_maxrss would include the parent's at exec
-    print([int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM")][0])
-except OSError:
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
@@ -60,12 +63,7 @@ def shards(top: Path, mb: float, n: int = 8) -> None:
 def peak_rss(corpus, out) -> float:
     """MiB: the peak RSS of a fresh process (no MPI) preparing ``corpus`` (a file, directory
     or glob) byte-level into ``out`` (tests/unit/test_prepare_memory.py uses it too)."""
-    from hpctrain.launch import with_checkout, without_job
-
-    env = with_checkout({**without_job(dict(os.environ)), "HPCTRAIN_PREPARE_SERIAL": "1"})
-    proc = subprocess.run([sys.executable, "-c", RSS, str(corpus), str(out)], check=True,
-                          capture_output=True, text=True, env=env)
-    return int(proc.stdout.split()[-1]) / 1024
+    return in_fresh_process(RSS, [str(corpus), str(out)], {"HPCTRAIN_PREPARE_SERIAL": "1"})[1]
 
 
 def one_rank(world, tmp: Path, size: str, repeats: int) -> tuple[dict, tuple]:

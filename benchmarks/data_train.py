@@ -7,22 +7,15 @@ returns) on the small and the large corpus."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from .common import COMMON, TRAIN_PRESETS, median, pairs_of, ratio, row
+from .common import COMMON, TRAIN_PRESETS, in_fresh_process, median, pairs_of, ratio, row
 
 TRAIN_MB = {"tiny": 0.3, "small": 5.0}  # the small corpus; the large one is 10x
 STEPS = {"tiny": 8, "small": 20}
 CLI = """
-import sys
 from hpctrain.__main__ import main
 rc = main(sys.argv[1:])
-print("VmHWM", [int(x.split()[1]) for x in open("/proc/self/status")
-                if x.startswith("VmHWM")][0])
-sys.exit(rc)
 """
 
 
@@ -43,25 +36,18 @@ def corpus(tmp: Path, mb: float) -> str:
 def train_once(path: str, run_dir: Path, size: str, prefetch: bool) -> dict:
     """One ``hpctrain train`` run in a fresh process: its metrics rows after the first
     (``data`` and ``step`` seconds), the first step's, and its peak RSS in MiB."""
-    from hpctrain.launch import with_checkout, without_job
-
     sets = [*COMMON, *TRAIN_PRESETS[size], f"train.steps={STEPS[size]}", "topology.dp=1",
             "train.eval_every=0", "checkpoint.every=0",
             f'data.path="{path}"', f"data.prefetch={'true' if prefetch else 'false'}"]
     argv = ["train", "share/configs/demo.toml", "--run-dir", str(run_dir)]
     argv += [a for s in sets for a in ("--set", s)]
-    env = with_checkout(without_job(dict(os.environ)))
-    proc = subprocess.run([sys.executable, "-c", CLI, *argv], capture_output=True, text=True,
-                          env=env, cwd=Path(__file__).resolve().parent.parent)
-    if proc.returncode != 0:
-        raise RuntimeError(f"hpctrain train failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    _, rss = in_fresh_process(CLI, argv, cwd=Path(__file__).resolve().parent.parent)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "step_time_s" in r]
     share = [r["time_s"].get("data", 0.0) / r["step_time_s"] for r in rows]
-    rss = [int(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("VmHWM")][-1]
     return {"share": median(share[1:] or share), "first": share[0],
             "data_s": median([r["time_s"].get("data", 0.0) for r in rows[1:] or rows]),
-            "rss": rss / 1024}
+            "rss": rss}
 
 
 def measure(tmp: Path, size: str, repeats: int) -> dict[str, list[dict]]:
