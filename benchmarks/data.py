@@ -13,17 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from .common import (
-    in_fresh_process,
-    max_over_ranks,
-    median,
-    pair_ratios,
-    pairs_of,
-    ratio,
-    result,
-    row,
-    scratch_dir,
-)
+from . import common
+from .common import max_over_ranks, median, pair_ratios, pairs_of, ratio, result, row, scratch_dir
 from .data_train import figures
 
 RANKS = (1, 2, 4)
@@ -63,7 +54,8 @@ def shards(top: Path, mb: float, n: int = 8) -> None:
 def peak_rss(corpus, out) -> float:
     """MiB: the peak RSS of a fresh process (no MPI) preparing ``corpus`` (a file, directory
     or glob) byte-level into ``out`` (tests/unit/test_prepare_memory.py uses it too)."""
-    return in_fresh_process(RSS, [str(corpus), str(out)], {"HPCTRAIN_PREPARE_SERIAL": "1"})[1]
+    serial = {"HPCTRAIN_PREPARE_SERIAL": "1"}
+    return common.in_fresh_process(RSS, [str(corpus), str(out)], serial)[1]
 
 
 def one_rank(world, tmp: Path, size: str, repeats: int) -> tuple[dict, tuple]:
