@@ -7,6 +7,6 @@ except ``calibrate.py``, which measures through ``comm``).
   gathers, bubble from the schedule simulator, optimizer, checkpoint), tokens/s, MFU, memory.
 - ``search.py``: every layout (dp, tp, pp, cp, schedule incl. zbv, ZeRO 0-3, ...) that fits,
   ranked by predicted step time; why the others not.
-- ``published.py``: published runs (Megatron-LM, torchtitan) against the model.
+- ``published.py``: published runs (Megatron-LM, torchtitan, Frontier) against the model.
 - ``calibrate.py``: this machine's compute rate and collective costs -> a description.
 """

@@ -170,6 +170,10 @@ def fitted_efficiency(runs, rounds: int = 3) -> float:
     return eff
 
 
+def _rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
 def markdown(rows) -> str:
     lines = ["| model | layout (GPUs) | published | tokens/s/GPU published | predicted | "
              "error | predicted MFU | held | source |", "|---|---|---|---|---|---|---|---|---|"]
@@ -178,8 +182,8 @@ def markdown(rows) -> str:
         layout = f"dp={t['dp']} tp={t['tp']} pp={t['pp']}" + (
             " (FSDP)" if run.extras.fsdp else "")
         lines.append(f"| {run.name} | {layout} ({t['dp'] * t['tp'] * t['pp']}) | "
-                     f"{run.published} | {run.tokens_per_s_per_gpu:,.0f} | "
-                     f"{r['predicted']:,.0f} | {100 * r['error']:+.1f}% | "
+                     f"{run.published} | {_rate(run.tokens_per_s_per_gpu)} | "
+                     f"{_rate(r['predicted'])} | {100 * r['error']:+.1f}% | "
                      f"{100 * r['mfu']:.1f}% | {'yes' if run.held else 'no: ' + run.note} | "
                      f"{run.source} |")
     return "\n".join(lines)

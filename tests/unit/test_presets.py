@@ -92,3 +92,9 @@ def test_frontier_runs_are_the_papers_figures():
         m = published.config_of(run).model
         n = m.n_layers * 12 * m.d_model ** 2 + 2 * m.vocab_size * m.d_model
         assert abs(n / 1e9 / billions - 1) < 0.04, (run.name, n)
+
+
+def test_the_published_table_in_the_docs_is_the_commands():
+    """docs/performance-model.md shows what ``hpctrain plan --published`` prints."""
+    doc = (ROOT / "docs/performance-model.md").read_text()
+    assert published.markdown(published.table()) in doc
