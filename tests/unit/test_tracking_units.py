@@ -3,18 +3,18 @@ which peak MFU divides by, the refusals before any collective, the numbers a tra
 and the report's per-layout segments."""
 
 import math
+import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpctrain.checks.inputs import tracking_problems
+from hpctrain.checks.inputs import check_inputs, tracking_problems
 from hpctrain.cli.report import segments, summary_md
-from hpctrain.config import load
+from hpctrain.config import InputError, load
 from hpctrain.planner.cluster import ClusterError, mfu_peak
 from hpctrain.telemetry.tracking import scalars
 
@@ -49,26 +49,26 @@ def test_missing_tracker_packages_are_named_with_the_fix():
     assert tracking_problems(load(TINY), installed=lambda name: False) == []
 
 
-def test_train_refuses_a_bad_cluster_and_a_missing_tracker_before_torch(tmp_path):
-    """Exit 2 with the message, no run directory made, torch not imported."""
-    script = textwrap.dedent(f"""
-        import sys, importlib.util
-        from hpctrain.__main__ import main
-        run = ["train", {TINY!r}, "--run-dir", {str(tmp_path / "run")!r}, "--set"]
-        assert main(run + ['telemetry.cluster="nowhere"']) == 2
-        real = importlib.util.find_spec
-        importlib.util.find_spec = lambda n, *a: None if n == "wandb" else real(n, *a)
-        assert main(run + ['telemetry.wandb="offline"']) == 2
-        print("torch imported:", "torch" in sys.modules)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT),
-                                                       "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 0, proc.stderr
-    assert "torch imported: False" in proc.stdout
+def test_train_refuses_a_cluster_it_cannot_read(tmp_path):
+    """Exit 2 with the key, the reason and the fix; no run directory made."""
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "train", TINY, "--run-dir",
+                           str(tmp_path / "run"), "--set", 'telemetry.cluster="nowhere"'],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
     assert "telemetry.cluster='nowhere': cluster 'nowhere': no such file" in proc.stderr
     assert "or set telemetry.peak_flops" in proc.stderr
-    assert "telemetry.wandb='offline' needs the wandb package" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_input_checks_refuse_a_missing_tracker(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(InputError, match="telemetry.wandb='offline' needs the wandb package"):
+        check_inputs(load(TINY, ['telemetry.wandb="offline"']), str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 
