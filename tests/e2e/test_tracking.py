@@ -39,6 +39,7 @@ def test_tensorboard_events_hold_every_series_and_the_config(runs):
     from tensorboard.util.tensor_util import make_ndarray
 
     first = runs[0]
+    assert len(list((first.run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 0
     acc = ea.EventAccumulator(str(first.run_dir / "tensorboard"),
                               size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
     acc.Reload()

@@ -16,7 +16,7 @@ from hpctrain.checks.inputs import check_inputs, tracking_problems
 from hpctrain.cli.report import segments, summary_md
 from hpctrain.config import InputError, load
 from hpctrain.planner.cluster import ClusterError, mfu_peak
-from hpctrain.telemetry.tracking import scalars
+from hpctrain.telemetry.tracking import offline_environment, scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "share/configs/tiny-llama.toml")
@@ -112,3 +112,14 @@ def test_report_keeps_each_layout_apart(tmp_path):
     assert "## Per rank on pp=1 dp=1" in md and "| 1 |" not in md
     old = [record(1, 1), record(2, 1, "pp=1 dp=1")]  # records from before layouts were named
     assert [layout for layout, _ in segments(old)] == ["pp=1 dp=1"]
+
+
+def test_wandb_is_kept_offline_and_inside_the_run_directory(tmp_path, monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR",
+                 "WANDB_SILENT", "WANDB_CONSOLE", "WANDB_DISABLE_CODE", "WANDB_DISABLE_GIT"):
+        monkeypatch.delenv(name, raising=False)
+    env = offline_environment(tmp_path)
+    assert env["WANDB_MODE"] == "offline" and env["WANDB_DIR"] == str(tmp_path)
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+        assert Path(env[name]).is_relative_to(tmp_path)
+    assert all(os.environ[k] == v for k, v in env.items())
