@@ -32,7 +32,7 @@ TRAIN_PRESETS = {
 }
 COMMON = ['model.dtype="float32"', "model.vocab_size=256", "data.corpus_mb=0.5",
           "optim.warmup_steps=2", "checkpoint.save_final=false", "train.log_every=1000",
-          "telemetry.peak_flops=1e11"]  # skip the start-up matmul probe (MFU is not compared)
+          "telemetry.peak_flops=1e11"]  # a fixed MFU denominator (MFU is not compared)
 
 
 def in_fresh_process(code: str, args: list[str], env: dict | None = None,

@@ -34,8 +34,10 @@ from .optim import NumericGuard, build_optimizer, lr_at
 from .parallel import build_model, grad_sync, named_parameters
 from .parallel.moe_exchange import set_loss_scale, step_metrics
 from .pipeline.runner import pipeline_metrics, run_step
+from .planner.cluster import mfu_peak
 from .stopping import StopRules
 from .telemetry import Faults, Meter, RunLog, Telemetry
+from .telemetry.summary import RunSummary
 from .topology import Topology
 
 
@@ -116,10 +118,12 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
         log.info(f"device {device}; {gpu.describe()}")
     meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)
     saver = Checkpointer(cfg.checkpoint, topo, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
-                         warn=log.warn)
+                         warn=log.warn, info=log.info)
     start, ckpt_attrs = restore(cfg, topo, log, saver, params, optimizer, data_lineage,
                                 run_dir)
-    tel = Telemetry(cfg, topo, run_dir, log)
+    tc = cfg.telemetry  # MFU's denominator: a nominal peak (checked by hpctrain train)
+    tel = Telemetry(cfg, topo, run_dir, log, mfu_peak(tc.peak_flops, tc.cluster, cfg.model.dtype),
+                    json.loads(ckpt_attrs["lineage"]))
     if tel.watchdog:  # a background write that hangs is reported, although steps go on
         tel.watchdog.watch(saver.background_write)
     guard = NumericGuard(cfg.telemetry, functools.partial(saver.roll_back, params, optimizer))
@@ -238,18 +242,27 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
 def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     world = world if world is not None else comm.world()
     validate(cfg, world.size)  # before any collective: every rank fails alike
+    t_run = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     tr = setup(cfg, Path(run_dir), world)
+    summary = RunSummary(tr.start, tr.global_tokens)
+    stop = (f"finished: train.steps={cfg.train.steps} reached" if tr.start < cfg.train.steps
+            else f"nothing to train: step {tr.start} of train.steps={cfg.train.steps} is done")
     for step in range(tr.start, cfg.train.steps):
         t0 = time.perf_counter()
         tr.tel.begin_step(step + 1)
         record = train_step(tr, step)
-        if end_of_step(tr, record, t0):
+        reason = end_of_step(tr, record, t0)
+        summary.add(record)
+        if reason:
+            stop = reason
             break
     tr.saver.wait()  # no save left in flight
     tr.batches.close()  # the read-ahead thread
     tr.grads.close()  # the overlap's progress thread
     tr.tel.close()
+    summary.finish(tr.log, Path(run_dir), stop, str(tr.last_saved) if tr.last_saved else None,
+                   time.perf_counter() - t_run)
     tr.log.close()
     tr.job.exit_if_stopped()  # preempted: exit 75, the job script requeues (slurm.py)
     return Result(tr.losses, cfg.train.steps, str(tr.last_saved) if tr.last_saved else None)

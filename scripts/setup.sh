@@ -125,7 +125,8 @@ if [ -n "${BASE_VENV:-}" ]; then  # reuse BASE_VENV's torch & co; this venv's ow
 fi
 # The stamp names the torch build and the package list: a changed list installs again.
 BASE_PKGS="numpy cython pkgconfig pytest pytest-mpi pytest-timeout hypothesis ruff
-  matplotlib safetensors tokenizers==0.23.3 transformers==5.23.0 pyarrow zstandard"
+  matplotlib safetensors tokenizers==0.23.3 transformers==5.23.0 pyarrow zstandard
+  tensorboard==2.21.0 wandb==0.31.0"
 [ "$SOURCE_MPI4PY" = 1 ] || BASE_PKGS="$BASE_PKGS mpi4py>=4"
 stamp="$VENV/.hpctrain-base-$(echo "$TORCH_SPEC $BASE_PKGS" | cksum | cut -d' ' -f1)"
 if [ -n "${BASE_VENV:-}" ] && ls "$BASE_VENV"/.hpctrain-base-* >/dev/null 2>&1; then

@@ -109,7 +109,7 @@ class Checkpointer:
     dataset)."""
 
     def __init__(self, ccfg: CheckpointConfig, topo, directory: str | Path, warn=None,
-                 collective_min_bytes: int | None = None):
+                 collective_min_bytes: int | None = None, info=None):
         cv.disable_file_locking()
         if collective_min_bytes is None:
             collective_min_bytes = COLLECTIVE_MIN_BYTES if ccfg.collective_io else NEVER
@@ -132,6 +132,10 @@ class Checkpointer:
         self._reader = self.writer.open if self._reads_mpio or not self.mpio else Opener(
             topo.world, False, {}, 0, ALIGN_MIN_BYTES)
         self.background = self._background(collective_min_bytes)
+        self.info = info  # rank 0's line for each commit (step, path, seconds)
+        for w in (self.writer, self.background and self.background.writer):
+            if w is not None:
+                w.on_commit = self._committed
 
     def _background(self, collective_min_bytes: int) -> InFlight | None:
         """The background writer when ``checkpoint.async`` asks for it and MPI allows a
@@ -149,6 +153,10 @@ class Checkpointer:
         writer = Writer(dup, self.dir, self._opener(dup), self.mpio, self.cfg,
                         collective_min_bytes)
         return InFlight(writer, self.topo.world)
+
+    def _committed(self, step: int, path: Path, seconds: float) -> None:
+        if self.info is not None:
+            self.info(f"checkpoint of step {step} committed: {path} ({seconds:.2f} s)")
 
     def take_metrics(self) -> dict[str, float]:
         """Save/load seconds, bytes and GB/s since the last call (for metrics.jsonl)."""

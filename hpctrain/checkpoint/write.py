@@ -119,7 +119,11 @@ def sync_device(pieces: dict[str, Piece]) -> None:
 
 class Writer:
     """Writes snapshots into ``directory`` over ``world`` (collective). ``opener(path,
-    mode)`` opens an h5py file over the same group (MPI-IO) or alone (serial)."""
+    mode)`` opens an h5py file over the same group (MPI-IO) or alone (serial).
+    ``on_commit(step, path, seconds)`` is called on rank 0 right after each commit (from the
+    writer thread for a background save)."""
+
+    on_commit = None
 
     def __init__(self, world, directory: Path, opener, mpio: bool, cfg,
                  collective_min_bytes: int):
@@ -159,6 +163,8 @@ class Writer:
             time.sleep(float(os.environ[SLOW_ENV]))  # tests: a long write, still in flight
         self._commit(tmp, final)
         dt = time.perf_counter() - t0
+        if world.rank == 0 and self.on_commit is not None:
+            self.on_commit(snap.step, final, dt + snap.taken_s)
         return {"ckpt_save_s": dt + snap.taken_s, "ckpt_save_bytes": total,
                 "ckpt_write_s": t_write, "ckpt_save_GBps": total / (dt + snap.taken_s) / 1e9,
                 "path": str(final)}

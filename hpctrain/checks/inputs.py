@@ -30,7 +30,27 @@ def check_inputs(cfg: Config, run_dir: str) -> None:
                                                      Path(run_dir) / "checkpoints"))
     errors += data_problems(cfg)
     errors += init_from.problems(cfg)
+    errors += tracking_problems(cfg)
     refuse(errors)
+
+
+def tracking_problems(cfg: Config, installed=None) -> list[str]:
+    """The trackers the config asks for whose package is not installed (looked up, not
+    imported). ``installed(name)``: whether a package is there (tests pass their own)."""
+    if installed is None:
+        from importlib.util import find_spec
+
+        def installed(name):
+            return find_spec(name) is not None
+
+    tc, out = cfg.telemetry, []
+    for key, value, package in (("tensorboard", tc.tensorboard, "tensorboard"),
+                                ("wandb", tc.wandb, "wandb")):
+        if value and not installed(package):
+            out.append(f"telemetry.{key}={value!r} needs the {package} package, which is not "
+                       f"installed: pip install 'hpctrain[tracking]' (or {package}), or set "
+                       f"telemetry.{key}={'false' if key == 'tensorboard' else repr('')}")
+    return out
 
 
 def check_plan_inputs(cfg: Config) -> None:

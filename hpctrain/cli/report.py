@@ -3,15 +3,20 @@
 Reads ``RUN_DIR/metrics.jsonl`` (and ``RUN_DIR/trace.json`` when the run was traced) and
 writes to ``RUN_DIR/report/`` (or ``--out``):
 
-  ``loss_lr.png``     loss and learning rate per step (skipped steps marked)
+  ``loss_lr.png``     loss, held-out loss and learning rate per step (skipped steps marked;
+                      a vertical line where the run resumed on another layout)
   ``breakdown.png``   rank 0's step time stacked by category (data, compute, comm per axis,
                       optimizer, checkpoint, other)
-  ``ranks.png``       per-rank step and busy time (mean over the logged intervals); the
-                      straggler is the rank with the most busy time
+  ``ranks.png``       per-rank step and busy time (mean over the logged intervals of the
+                      last layout); the straggler is the rank with the most busy time
   ``timeline.png``    one step of the trace: per rank, phases / schedule actions and
                       communications on a common clock
-  ``summary.md``      the numbers (breakdown, per rank, skipped updates, the watchdog's
-                      message if it fired), with the pictures linked
+  ``summary.md``      the numbers (step time per layout, breakdown, per rank, skipped
+                      updates, the watchdog's message if it fired, the run's end from
+                      ``summary.json``), with the pictures linked
+
+Each run (a start or a resume) marks its first record with ``run_start`` (its layout); means
+are taken per layout, never across two.
 
 matplotlib is an optional extra (``pip install 'hpctrain[report]'``); without it only the
 Markdown summary is written and the command exits 1 with a message saying so.
@@ -47,6 +52,21 @@ def load_metrics(run_dir: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def segments(metrics: list[dict]) -> list[tuple[str, list[dict]]]:
+    """(layout, its records) in step order: a new segment where a run started on a layout
+    other than the one before (records without ``run_start``: the layout goes on; records
+    before the first that names one take its layout)."""
+    out: list[tuple[str, list[dict]]] = []
+    for m in metrics:
+        layout = (m.get("run_start") or {}).get("layout")
+        if not out or (layout is not None and out[-1][0] and layout != out[-1][0]):
+            out.append((layout or "", []))
+        elif layout is not None and not out[-1][0]:  # records before it named none
+            out[-1] = (layout, out[-1][1])
+        out[-1][1].append(m)
+    return out
+
+
 def mean_breakdown(metrics: list[dict]) -> dict[str, float]:
     """Mean seconds per category over the steps (rank 0), largest first."""
     keys = sorted({k for m in metrics for k in m.get("time_s", {})})
@@ -65,21 +85,56 @@ def per_rank(metrics: list[dict]) -> tuple[list[float], list[float]]:
     return step, busy
 
 
+def held_out(metrics: list[dict]) -> str:
+    val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
+    if not val:
+        return ""
+    best = min(val, key=lambda sv: sv[1])
+    return f", held-out loss final {val[-1][1]:.4f}, best {best[1]:.4f} (step {best[0]})"
+
+
+def layout_lines(parts: list[tuple[str, list[dict]]]) -> list[str]:
+    """Step time, throughput and MFU per layout (a run's first step, which carries its
+    start-up costs, left out of the means)."""
+    lines = []
+    for layout, recs in parts:
+        steady = recs[1:] or recs
+        on = f" on {layout}" if layout else ""
+        lines.append(f"- steps {recs[0]['step']}..{recs[-1]['step']}{on}: mean step time "
+                     f"{statistics.fmean(m['step_time_s'] for m in steady):.4f} s (steps after "
+                     f"the first), {statistics.fmean(m['tokens_per_s'] for m in steady):,.0f} "
+                     "tokens/s")
+        if "tflops_per_rank" in recs[-1]:
+            mfu = [m["mfu"] for m in steady if "mfu" in m]
+            lines.append(f"  - model {recs[-1]['flops_per_token'] / 1e6:,.3f} MFLOP/token, "
+                         f"{statistics.fmean(m['tflops_per_rank'] for m in steady) * 1e3:.3f} "
+                         "GFLOP/s per rank, " + (
+                             f"MFU {statistics.fmean(mfu):.2%} "
+                             f"({recs[-1].get('peak_source', 'nominal peak')})" if mfu else
+                             f"MFU not computed ({recs[-1].get('peak_source', 'no peak')})"))
+    return lines
+
+
+def ending(run_dir: Path) -> list[str]:
+    """The run's end as ``summary.json`` says it (written when a run ends)."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return []
+    s = json.loads(path.read_text())
+    return [f"- stopped at step {s['final_step']}: {s['stop_reason']}; last checkpoint "
+            f"{s['checkpoint'] or 'none'}; wall time {s['wall_s']:.1f} s"]
+
+
 def summary_md(run_dir: Path, metrics: list[dict], pngs: list[str]) -> str:
-    # The first step carries start-up costs (allocation, first touch): left out of means.
-    steady = metrics[1:] or metrics
+    parts = segments(metrics)
+    steady = parts[-1][1][1:] or parts[-1][1]  # the last layout, after its first step
     last = metrics[-1]
     step_s = statistics.fmean(m["step_time_s"] for m in steady)
     lines = [f"# Run report: {run_dir.name}", "",
              f"- steps: {metrics[0]['step']}..{last['step']}, final loss "
-             f"{last['loss']:.4f}, skipped updates {last.get('skips_total', 0)}, rollbacks "
-             f"{last.get('rollbacks', 0)}",
-             f"- mean step time {step_s:.4f} s (steps after the first), "
-             f"{statistics.fmean(m['tokens_per_s'] for m in steady):,.0f} tokens/s"]
-    if "mfu" in last:
-        lines.append(f"- model {last['flops_per_token'] / 1e6:,.3f} MFLOP/token, "
-                     f"{statistics.fmean(m['tflops_per_rank'] for m in steady) * 1e3:.3f} "
-                     f"GFLOP/s per rank, MFU {statistics.fmean(m['mfu'] for m in steady):.2%}")
+             f"{last['loss']:.4f}{held_out(metrics)}, skipped updates "
+             f"{last.get('skips_total', 0)}, rollbacks {last.get('rollbacks', 0)}"]
+    lines += ending(run_dir) + layout_lines(parts)
     strag = [m for m in metrics if "straggler" in m]
     if strag:
         s = strag[-1]["straggler"]
@@ -87,13 +142,14 @@ def summary_md(run_dir: Path, metrics: list[dict], pngs: list[str]) -> str:
                      f"vs median {s['median_busy_s']:.4f} s; step time min/median/max "
                      f"{strag[-1]['step_s_min']:.4f}/{strag[-1]['step_s_median']:.4f}/"
                      f"{strag[-1]['step_s_max']:.4f} s")
-    lines += ["", "## Where the time went (rank 0, mean per step after the first)", "",
+    on = f" on {parts[-1][0]}" if len(parts) > 1 else ""
+    lines += ["", f"## Where the time went (rank 0{on}, mean per step after the first)", "",
               "| category | seconds | share |", "|---|---:|---:|"]
     for k, v in mean_breakdown(steady).items():
         lines.append(f"| {k} | {v:.4f} | {v / step_s:.1%} |")
     step, busy = per_rank(steady)
     if step:
-        lines += ["", "## Per rank (mean over logged intervals after the first step)", "",
+        lines += ["", f"## Per rank{on} (mean over logged intervals after the first step)", "",
                   "| rank | step s | busy s |", "|---:|---:|---:|"]
         lines += [f"| {r} | {a:.4f} | {b:.4f} |" for r, (a, b) in enumerate(zip(step, busy))]
     skipped = [m for m in metrics if m.get("skipped")]
@@ -116,6 +172,14 @@ def plot_loss_lr(plt, metrics, out: Path) -> None:
     bad = [m for m in metrics if m.get("skipped")]
     ax.plot([m["step"] for m in bad], [m["loss"] if m["loss"] == m["loss"] else 0 for m in bad],
             "x", color="red", label="skipped update")
+    val = [m for m in metrics if "val_loss" in m]
+    if val:
+        ax.plot([m["step"] for m in val], [m["val_loss"] for m in val], "s--", color="C2",
+                ms=4, label="held-out loss")
+    for layout, recs in segments(metrics)[1:]:  # a resume on another layout
+        ax.axvline(recs[0]["step"] - 0.5, color="gray", ls=":", lw=1)
+        ax.annotate(f"resumed on {layout}", (recs[0]["step"] - 0.5, 1), fontsize=6,
+                    xycoords=("data", "axes fraction"), va="top", rotation=90)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax2 = ax.twinx()
@@ -146,7 +210,8 @@ def plot_breakdown(plt, metrics, out: Path) -> None:
 
 
 def plot_ranks(plt, metrics, out: Path) -> None:
-    step, busy = per_rank(metrics[1:] or metrics)  # the first step carries start-up
+    recs = segments(metrics)[-1][1]  # the last layout: its ranks
+    step, busy = per_rank(recs[1:] or recs)  # the first step carries start-up
     ranks = list(range(len(step)))
     slow = max(ranks, key=busy.__getitem__)
     fig, ax = plt.subplots(figsize=(6, 3.2))

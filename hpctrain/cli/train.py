@@ -31,6 +31,7 @@ def run(args) -> int:
         cfg = load(args.config, args.overrides)
         validate(cfg, world.size)
         check_inputs(cfg, args.run_dir)
+        check_peak(cfg)
     except ConfigError as e:  # InputError too: raised deliberately, never a bug's exception
         # Every rank reaches the same verdict before any collective: exit, no abort.
         return refused(world, e)
@@ -47,6 +48,20 @@ def run(args) -> int:
         world.barrier()  # every rank has said it
         comm.abort(1)  # writer threads may still wait in a collective: end them too
     return 0
+
+
+def check_peak(cfg) -> None:
+    """MFU's nominal peak can be found: ``telemetry.cluster`` names a readable description
+    with a ``[peak_flops]`` entry for ``model.dtype`` (InputError otherwise)."""
+    from ..config import InputError
+    from ..planner.cluster import ClusterError, mfu_peak
+
+    tc = cfg.telemetry
+    try:
+        mfu_peak(tc.peak_flops, tc.cluster, cfg.model.dtype)
+    except ClusterError as e:
+        raise InputError(f"telemetry.cluster={tc.cluster!r}: {e}; name a shipped description, "
+                         "a file, or set telemetry.peak_flops") from None
 
 
 def refused(world, why) -> int:

@@ -186,7 +186,13 @@ class TelemetryConfig:
                                    "(checkpoints get 10x; docs/telemetry.md); 0: off", ge=0)
     watchdog_factor: float = key(10.0, "x the slowest step so far (saves, evaluations included); "
                                        "0: the fixed watchdog_s alone", ge=0)
-    peak_flops: float = key(0.0, "peak FLOP/s per rank for MFU; 0 = measure at start", ge=0)
+    peak_flops: float = key(0.0, "nominal peak FLOP/s per rank, MFU's denominator (wins over "
+                                 "cluster); 0 and no cluster: MFU not computed", ge=0)
+    cluster: str = key("", "cluster description (as plan --cluster) whose [peak_flops] of "
+                           "model.dtype is MFU's denominator")
+    tensorboard: bool = key(False, "TensorBoard event files in RUN_DIR/tensorboard (rank 0)")
+    wandb: str = key("", "\"offline\": an offline W&B run in RUN_DIR/wandb (rank 0; `wandb "
+                         "sync` later); \"\": off", choices=("", "offline"))
     activations_every: int = key(20, "count activation bytes (saved-tensor hooks, which cost time "
                                      "per saved tensor) at the first step and every N-th step "
                                      "after", ge=1)

@@ -231,3 +231,14 @@ def dumps(c: Cluster) -> str:
         lines += [f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"'
                   for k, v in c.extra.items()]
     return "\n".join(lines) + "\n"
+
+
+def mfu_peak(peak_flops: float, cluster: str, dtype: str) -> tuple[float | None, str]:
+    """MFU's denominator and where it comes from: ``telemetry.peak_flops`` when set, else the
+    ``[peak_flops]`` of ``dtype`` in the description ``cluster`` names, else (None, why not).
+    Raises :class:`ClusterError` for a description that cannot be read or lacks ``dtype``."""
+    if peak_flops:
+        return peak_flops, "telemetry.peak_flops"
+    if cluster:
+        return load(cluster).peak(dtype), f"cluster {cluster} ({dtype})"
+    return None, "no telemetry.peak_flops or telemetry.cluster"

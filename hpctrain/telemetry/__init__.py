@@ -4,7 +4,9 @@
   (metrics.jsonl, train.log), :class:`Telemetry` (step breakdown, MFU, stragglers).
 - ``trace.py``: the Chrome/Perfetto trace of phases, schedule actions and communication.
 - ``watchdog.py``: a stuck rank ends the job, naming the rank, its coordinates and the op.
-- ``flops.py``: model FLOPs per token and the matmul probe (MFU's denominator).
+- ``flops.py``: model FLOPs per token and the matmul probe (``matmul_tflops``).
+- ``tracking.py``: TensorBoard event files and an offline W&B run (rank 0, optional).
+- ``summary.py``: the end-of-run summary (``summary.json``).
 - ``memory.py``: the plan's memory estimate and the measured meter.
 - ``fault_injection.py``: faults for tests (kill, stall, poison, slow, raise).
 """

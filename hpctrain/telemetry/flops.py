@@ -1,8 +1,9 @@
-"""Model FLOPs per token and the peak a rank can reach (for MFU).
+"""Model FLOPs per token (for MFU) and a matmul probe (the rate a rank achieved).
 
 Model FLOPs count the multiply-adds the model *needs* (2 FLOPs each), not what the hardware
 did: activation recomputation, padding and communication are not counted, so
-``MFU = achieved model FLOP/s / peak FLOP/s`` is comparable across layouts.
+``MFU = achieved model FLOP/s / nominal peak FLOP/s`` is comparable across layouts (the
+peak: ``telemetry.peak_flops`` or the cluster description's, never the probe).
 
 Per token, forward, with ``C = d_model``, ``F = ffn_dim``, ``V = vocab_size``, ``T = seq_len``,
 ``L = n_layers``, ``E = num_experts``, ``k = top_k``; the block terms are the model family's
@@ -58,8 +59,8 @@ def train_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> 
 
 
 def measure_peak_flops(dtype: torch.dtype, device: str = "cpu", seconds: float = 0.3) -> float:
-    """Best FLOP/s of square matrix multiplies in ``dtype`` on ``device`` (a probe taken at
-    start when ``telemetry.peak_flops`` is 0). Local to this process, no communication."""
+    """Best FLOP/s of square matrix multiplies in ``dtype`` on ``device`` (the probe taken at
+    start, reported as ``matmul_tflops``). Local to this process, no communication."""
     n = 2048 if device == "cuda" else 384
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import dumps_toml
+
 
 class Timers:
     """Wall-clock seconds per category for the current step (``with timers("data"):``).
@@ -105,6 +107,10 @@ def _fmt_eta(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def _fmt_mfu(mfu: float | None) -> str:
+    return "-" if mfu is None else f"{mfu:.2%}"
+
+
 class RunLog:
     """metrics.jsonl + train.log + stdout progress, written by world rank 0 only."""
 
@@ -179,7 +185,7 @@ class RunLog:
             line = (f"step {step}/{self.total} | loss {record['loss']:.4f} | "
                     f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | "
                     f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step "
-                    f"| MFU {record.get('mfu', math.nan):.2%} | ETA {_fmt_eta(eta)}")
+                    f"| MFU {_fmt_mfu(record.get('mfu'))} | ETA {_fmt_eta(eta)}")
             self.info(line)
 
     def close(self) -> None:
@@ -195,8 +201,11 @@ class Telemetry:
       bytes per axis) become ``time_s`` in each step record: categories, ``comm_<axis>`` and
       ``other``, which add up to ``step_time_s`` on this rank;
     - throughput: ``tokens_per_s``, model ``flops_per_token`` (:mod:`hpctrain.telemetry.flops`),
-      ``tflops_per_rank`` (achieved) and ``mfu`` against ``telemetry.peak_flops`` or a
-      matmul probe taken at start on every rank (the median over ranks);
+      ``tflops_per_rank`` (achieved) and ``mfu``: achieved over the nominal peak ``peak``
+      (``telemetry.peak_flops`` or the cluster description's, named in ``peak_source``;
+      none: no ``mfu``), and ``matmul_tflops``, the matmul rate a probe achieved at start
+      (the median over nodes), reported apart;
+    - the trackers (:mod:`.tracking`: TensorBoard, offline W&B) on rank 0;
     - every ``log_every`` steps a straggler report reduced over the world: min/median/max
       step time, and the slowest rank, judged by *busy* time (step time minus exposed
       communication and pipeline bubble: in a synchronous step every rank's wall time is the
@@ -207,7 +216,8 @@ class Telemetry:
     ``topo.world``.
     """
 
-    def __init__(self, cfg, topo, run_dir: str | Path, log: RunLog):
+    def __init__(self, cfg, topo, run_dir: str | Path, log: RunLog,
+                 peak: tuple[float | None, str] = (None, ""), lineage: dict | None = None):
         from ..model.stage import DTYPES
         from .flops import measure_peak_flops, train_flops_per_token
 
@@ -221,11 +231,19 @@ class Telemetry:
         self.flops_per_token = train_flops_per_token(m, t.seq_len)
         # One probe per node (its first rank), while the node's other ranks wait: probes
         # running at once on shared cores would each measure a fraction of the device.
-        probe = tc.peak_flops or (measure_peak_flops(DTYPES[m.dtype], m.device)
-                                  if topo.local_rank == 0 else None)
+        probe = (measure_peak_flops(DTYPES[m.dtype], m.device) if topo.local_rank == 0
+                 else None)
         rows = topo.world.allgather_obj((f"rank {topo.world.rank} {topo.coords}", probe))
         self.names = [name for name, _ in rows]
-        self.peak = _median(sorted(p for _, p in rows if p is not None))  # one MFU denominator
+        self.matmul = _median(sorted(p for _, p in rows if p is not None))
+        self.peak, self.peak_source = peak  # MFU's denominator: a nominal peak, or none
+        from .tracking import Trackers
+
+        self.trackers = Trackers(cfg, self.run_dir, dumps_toml(cfg), lineage or {},
+                                 log.is_writer)
+        # The first record of this run says on which layout it ran (report: layout changes).
+        self.run_start: dict | None = {"layout": _layout(topo.dims), "world_size": topo.world.size,
+                                       "resumed_from": (lineage or {}).get("resumed_from")}
         self.window: list[tuple[float, float]] = []  # (step_s, busy_s) since the last report
         self.tracer = self.watchdog = None
         if tc.trace:
@@ -239,9 +257,10 @@ class Telemetry:
                                      tc.watchdog_factor, t.eval_batches if t.eval_every else 1)
         dog = (f"max({tc.watchdog_s:g} s, {tc.watchdog_factor:g} x slowest step)"
                if tc.watchdog_factor else f"{tc.watchdog_s:g} s")
-        log.info(f"model {self.flops_per_token / 1e6:,.2f} MFLOP/token (train), peak "
-                 f"{self.peak / 1e12:.3g} TFLOP/s per rank "
-                 f"({'telemetry.peak_flops' if tc.peak_flops else 'matmul probe'})"
+        mfu = (f"MFU against {self.peak / 1e12:.4g} TFLOP/s per rank ({self.peak_source})"
+               if self.peak else f"MFU not computed ({self.peak_source})")
+        log.info(f"model {self.flops_per_token / 1e6:,.2f} MFLOP/token (train), {mfu}, "
+                 f"matmul probe {self.matmul / 1e12:.3g} TFLOP/s per rank"
                  + (f", watchdog {dog}" if self.watchdog else ", watchdog off")
                  + (f", trace steps {tc.trace_steps}" if self.tracer else ""))
 
@@ -279,11 +298,17 @@ class Telemetry:
         record.update(tokens_per_s=self.tokens / step_s, time_s=breakdown, busy_s=busy,
                       comm_s=comm_s,
                       comm_bytes=comm_bytes, flops_per_token=self.flops_per_token,
-                      tflops_per_rank=achieved / 1e12, mfu=achieved / self.peak)
+                      tflops_per_rank=achieved / 1e12, matmul_tflops=self.matmul / 1e12,
+                      peak_source=self.peak_source)
+        if self.peak:
+            record["mfu"] = achieved / self.peak
+        if self.run_start is not None:
+            record["run_start"], self.run_start = self.run_start, None
         self.window.append((step_s, busy))
         if record["step"] % self.every == 0 or record["step"] == self.total:
             record.update(self._stragglers())
         self.log.step(record)
+        self.trackers.log(record)
         if "straggler" in record and self.topo.world.size > 1:
             s = record["straggler"]
             self.log.info(f"  step time min/median/max {record['step_s_min']:.3f}/"
@@ -317,8 +342,15 @@ class Telemetry:
                 if path:
                     self.log.info(f"trace: {path} (open in Perfetto)")
         finally:
+            self.trackers.close()
             if self.watchdog:
                 self.watchdog.close()
+
+
+def _layout(dims) -> str:
+    """``pp=1 dp=2 ep=1 cp=1 tp=2`` from the grid dims (pp, dp_outer, ep, cp, tp)."""
+    pp, dp_outer, ep, cp, tp = dims
+    return f"pp={pp} dp={dp_outer * ep} ep={ep} cp={cp} tp={tp}"
 
 
 def _median(sorted_values: list[float]) -> float:

@@ -31,7 +31,8 @@ ALLOWED = {
     "slurm": {"comm"},
     "stopping": {"slurm"},
     "train": {"checkpoint", "checks", "comm", "config", "data", "evaluate", "interchange",
-              "optim", "parallel", "pipeline", "slurm", "stopping", "telemetry", "topology"},
+              "optim", "parallel", "pipeline", "planner", "slurm", "stopping", "telemetry",
+              "topology"},
     # the performance model: pure Python except planner/calibrate.py, which measures through comm
     "planner": {"checks", "comm", "config", "model", "parallel", "pipeline", "telemetry",
                 "topology"},

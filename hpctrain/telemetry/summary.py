@@ -1,0 +1,54 @@
+"""What a run did, said once at its end: steps, tokens, the final and best held-out loss,
+wall time, the last checkpoint and why it stopped. Rank 0 prints it and writes
+``RUN_DIR/summary.json`` (the same numbers)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class RunSummary:
+    """Fed each step's record (:meth:`add`); :meth:`finish` says it (rank 0)."""
+
+    def __init__(self, start_step: int, tokens_per_step: int):
+        self.start = self.step = start_step
+        self.tokens_per_step = tokens_per_step
+        self.loss = math.nan
+        self.val: list[tuple[int, float]] = []  # (step, held-out loss)
+
+    def add(self, record: dict) -> None:
+        self.step, self.loss = int(record["step"]), float(record["loss"])
+        if "val_loss" in record:
+            self.val.append((self.step, float(record["val_loss"])))
+
+    def result(self, stop: str, checkpoint: str | None, wall_s: float) -> dict:
+        best = min(self.val, key=lambda sv: sv[1]) if self.val else None
+        return {"stop_reason": stop, "steps": self.step - self.start, "first_step": self.start,
+                "final_step": self.step, "tokens": (self.step - self.start) * self.tokens_per_step,
+                "total_tokens": self.step * self.tokens_per_step,
+                "final_loss": self.loss if self.step > self.start else None,
+                "final_val_loss": self.val[-1][1] if self.val else None,
+                "best_val_loss": best[1] if best else None,
+                "best_val_step": best[0] if best else None,
+                "wall_s": wall_s, "checkpoint": checkpoint}
+
+    def finish(self, log, run_dir: Path, stop: str, checkpoint: str | None,
+               wall_s: float) -> dict:
+        out = self.result(stop, checkpoint, wall_s)
+        if not log.is_writer:
+            return out
+        (Path(run_dir) / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
+
+        def val(x):
+            return "-" if x is None else f"{x:.4f}"
+
+        log.info(f"run summary: {out['steps']} steps ({out['first_step']} -> "
+                 f"{out['final_step']}), {out['tokens']:,} tokens, final loss "
+                 f"{val(out['final_loss'])}, held-out loss final {val(out['final_val_loss'])} "
+                 f"best {val(out['best_val_loss'])}"
+                 + (f" (step {out['best_val_step']})" if out["best_val_step"] else "")
+                 + f", wall time {wall_s:.1f} s")
+        log.info(f"run summary: last checkpoint {checkpoint or 'none'}; stopped: {stop}")
+        return out
