@@ -260,8 +260,9 @@ def special(args) -> int | None:
     if cands and cands[0].prediction:
         lines += ["best as --set arguments:", "  " + " ".join(f"--set {x}" for x in
                                                          cands[0].sets),
-                  "as a SLURM job:", "  " + search.slurm_line(cands[0], args.nodes, cluster,
-                                                            args.config)]
+                  "as a SLURM job (jobs/dry-run.sh in place of sbatch plans it):",
+                  "  " + search.slurm_line(cands[0], args.nodes, cluster, args.config,
+                                           args.overrides)]
     print("\n".join(lines))
     return 0
 
