@@ -5,7 +5,8 @@
 # A template's command line: sbatch [SBATCH OPTIONS] jobs/T.sbatch [CONFIG] [ARGS...]
 #   CONFIG     TOML preset (else the CONFIG variable, else share/configs/demo.toml)
 #   ARGS       more hpctrain arguments, each kept whole (a value may hold spaces), e.g.
-#              --set train.steps=20 --set "checkpoint.dir=/scratch/my runs/ckpt"
+#              --set train.steps=20 --set "checkpoint.dir=/scratch/my runs/ckpt";
+#              --run-dir DIR sets RUN_DIR
 # Arguments reach the job even where SBATCH_EXPORT=NONE drops the submitting environment.
 #
 # Variables (set them in the environment of `sbatch`, which exports it to the job, or in
@@ -99,7 +100,8 @@ hpctrain_run_dir() {
 # hpctrain_resolve [CONFIG] [ARGS...]: sets CONFIG and HPCTRAIN_ARGS, hpctrain's arguments
 # after the config: --set for each word of LAYOUT, each OVERRIDES item (split like a shell
 # line: quotes keep spaces), model.device=$DEVICE, then ARGS unchanged (the last --set of a
-# key wins). jobs/dry-run.sh resolves a line the same way.
+# key wins) except `--run-dir DIR`, which sets RUN_DIR. jobs/dry-run.sh resolves a line
+# the same way.
 hpctrain_resolve() {
   if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then CONFIG=$1; shift; fi
   CONFIG=${CONFIG:-share/configs/demo.toml}
@@ -117,7 +119,15 @@ except ValueError as e:
   while IFS= read -r kv; do
     [ -n "$kv" ] && HPCTRAIN_ARGS+=(--set "$kv")
   done <<<"$words"
-  HPCTRAIN_ARGS+=(--set "model.device=$DEVICE" "$@")
+  HPCTRAIN_ARGS+=(--set "model.device=$DEVICE")
+  while [ $# -gt 0 ]; do  # ARGS; --run-dir DIR becomes RUN_DIR (the template passes it)
+    case "$1" in
+      --run-dir) RUN_DIR=${2:?--run-dir needs a directory}; shift ;;
+      --run-dir=*) RUN_DIR=${1#*=} ;;
+      *) HPCTRAIN_ARGS+=("$1") ;;
+    esac
+    shift
+  done
   hpctrain_check_gpus
 }
 
