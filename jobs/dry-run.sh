@@ -6,10 +6,10 @@
 #         share/configs/demo.toml --set topology.tp=2 --set topology.dp=4
 #     LAYOUT="topology.tp=2 topology.dp=2" jobs/dry-run.sh jobs/single-node.sbatch
 # Nodes, tasks per node and GPUs per node come from the options (--nodes/-N,
-# --ntasks-per-node, --ntasks/-n, --gpus-per-node, --cpus-per-task, --export=ALL,K=V,...), else
-# from the template's #SBATCH lines; other sbatch options are ignored. PLAN_ARGS: more
-# `hpctrain plan` options, e.g. PLAN_ARGS="--cluster dgx-a100" (predicted step time) or "--memory-per-rank
-# 80GB". Only the --set arguments reach the plan (train options such as --run-dir do not).
+# --ntasks-per-node, --ntasks/-n, --gpus-per-node, --cpus-per-task, --export=ALL,K=V,...),
+# else from the template's #SBATCH lines; other sbatch options are ignored. PLAN_ARGS: more
+# `hpctrain plan` options, e.g. PLAN_ARGS="--cluster dgx-a100" (the predicted step time) or
+# "--memory-per-rank 80GB". Only the --set arguments reach the plan (train options do not).
 # A plain script, not a job: the plan needs no MPI and no compute node, takes seconds, and a
 # job would wait in the queue for an allocation it does not use.
 set -euo pipefail
