@@ -38,7 +38,8 @@ while [ $# -gt 0 ] && [ -z "$template" ]; do
   esac
   shift
 done
-[ -n "$template" ] || die "no template: usage: jobs/dry-run.sh [SBATCH OPTIONS] jobs/T.sbatch [CONFIG] [ARGS]"
+usage="jobs/dry-run.sh [SBATCH OPTIONS] jobs/T.sbatch [CONFIG] [ARGS]"
+[ -n "$template" ] || die "no template: usage: $usage"
 [ -f "$template" ] || die "$template: no such template (run from the checkout: jobs/*.sbatch)"
 directive() {  # the template's #SBATCH --NAME=VALUE, or empty
   sed -n "s/^#SBATCH --$1=\([^ ]*\).*/\1/p" "$template" | head -1

@@ -113,11 +113,12 @@ try:
     print("\n".join(shlex.split(sys.argv[1])))
 except ValueError as e:
     sys.exit(f"OVERRIDES={sys.argv[1]!r}: {e}; quote each value that holds spaces, e.g. "
-             "OVERRIDES=\x27train.steps=20 \"checkpoint.dir=/a b\"\x27")' "${OVERRIDES:-}") || exit 2
+             "OVERRIDES=\x27train.steps=20 \"checkpoint.dir=/a b\"\x27")' "${OVERRIDES:-}") \
+    || exit 2
   HPCTRAIN_ARGS=()
   for kv in $LAYOUT; do HPCTRAIN_ARGS+=(--set "$kv"); done
   while IFS= read -r kv; do
-    [ -n "$kv" ] && HPCTRAIN_ARGS+=(--set "$kv")
+    if [ -n "$kv" ]; then HPCTRAIN_ARGS+=(--set "$kv"); fi
   done <<<"$words"
   HPCTRAIN_ARGS+=(--set "model.device=$DEVICE")
   while [ $# -gt 0 ]; do  # ARGS; --run-dir DIR becomes RUN_DIR (the template passes it)
