@@ -1,7 +1,22 @@
-# jobs/env.sh -- sourced by every jobs/*.sbatch: the ONE place for site modules and the MPI
-# environment. Edit section 1 for your site; section 2 is shared plumbing.
+# jobs/env.sh -- sourced by every jobs/*.sbatch (and jobs/dry-run.sh): the site file, the MPI
+# environment, and how a template turns its arguments and variables into hpctrain's.
+# Site settings (account, partition, modules, scratch) belong in jobs/site.sh, not here.
 #
-# Variables (set them in the environment of `sbatch`, which exports it to the job):
+# A template's command line: sbatch [SBATCH OPTIONS] jobs/T.sbatch [CONFIG] [ARGS...]
+#   CONFIG     TOML preset (else the CONFIG variable, else share/configs/demo.toml)
+#   ARGS       more hpctrain arguments, each kept whole (a value may hold spaces), e.g.
+#              --set train.steps=20 --set "checkpoint.dir=/scratch/my runs/ckpt";
+#              --run-dir DIR sets RUN_DIR
+# Arguments reach the job even where SBATCH_EXPORT=NONE drops the submitting environment.
+#
+# Variables (set them in the environment of `sbatch`, which exports it to the job, or in
+# jobs/site.sh, which every job reads):
+#   LAYOUT         topology overrides, space separated (default "topology.dp=$SLURM_NTASKS");
+#                  the product must equal the task count
+#   OVERRIDES      more section.key=value overrides, split like a shell line: quote a value
+#                  that holds spaces, e.g. OVERRIDES='train.steps=20 "checkpoint.dir=/a b"'
+#   RUN_DIR        metrics, logs, checkpoints (default: see hpctrain_run_dir below)
+#   HPCTRAIN_SITE  the site file (default $HPCTRAIN_ROOT/jobs/site.sh)
 #   HPCTRAIN_ROOT  the hpctrain checkout (default: the directory sbatch was called from)
 #   PYTHON         interpreter with hpctrain, mpi4py and h5py (default $HPCTRAIN_ROOT/.venv)
 #   SRUN_MPI       srun's PMI plugin (default: pmix for Open MPI, pmi2 for the MPICH family,
@@ -9,12 +24,18 @@
 #   CPU_BIND       srun --cpu-bind value (default cores: each rank pinned to the cores of
 #                  its --cpus-per-task); empty: leave binding to the site (and to clusters
 #                  without a task/affinity plugin, where srun would warn)
-#   DEVICE         cpu or cuda (default cpu; cuda: one rank per GPU, see docs/gpu.md)
+#   DEVICE         cpu or cuda (default: cuda when the job has GPUs (--gpus-per-node), else
+#                  cpu; cuda: one rank per GPU, see docs/gpu.md)
 
-# -- 1. Site: modules and MPI ----------------------------------------------------------
+HPCTRAIN_ROOT=${HPCTRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+HPCTRAIN_SITE=${HPCTRAIN_SITE:-$HPCTRAIN_ROOT/jobs/site.sh}
+# shellcheck source=site.sh
+if [ -f "$HPCTRAIN_SITE" ]; then source "$HPCTRAIN_SITE"; fi
+
+# -- 1. Modules and MPI ----------------------------------------------------------------
 # Load the MPI that mpi4py and h5py were built against, and its parallel HDF5: the same
 # modules as when `make setup` ran (docs/site-mpi.md has a section per family). Put them
-# here, or in HPCTRAIN_MODULES. Examples; names differ between sites:
+# in jobs/site.sh (`module load ...` or HPCTRAIN_MODULES). Examples; names differ by site:
 #   Open MPI:    module load openmpi/4.1 hdf5/1.14-parallel python/3.11     (SRUN_MPI=pmix)
 #   MPICH:       module load mpich/4.1 hdf5/1.14-parallel python/3.11       (SRUN_MPI=pmi2)
 #   Cray MPICH:  module load PrgEnv-gnu cray-mpich cray-hdf5-parallel cray-python
@@ -37,7 +58,6 @@ export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}  # Lustre/GPFS: no 
 #   any:         export HPCTRAIN_GPU_AWARE_MPI=0   (force host staging)
 
 # -- 2. Shared plumbing (templates call these; sites need not edit) ---------------------
-HPCTRAIN_ROOT=${HPCTRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
 PYTHON=${PYTHON:-$HPCTRAIN_ROOT/.venv/bin/python}
 hpctrain_pmi_default() {  # srun's PMI plugin for the MPI PYTHON's mpi4py is built with
   "$PYTHON" - 2>/dev/null <<'PY' || echo pmix
@@ -50,16 +70,90 @@ PY
 }
 SRUN_MPI=${SRUN_MPI:-$(hpctrain_pmi_default)}
 CPU_BIND=${CPU_BIND-cores}
-DEVICE=${DEVICE:-cpu}
+HPCTRAIN_GPUS=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+HPCTRAIN_GPUS=${HPCTRAIN_GPUS##*:}  # "a100:4" -> 4
+[[ "$HPCTRAIN_GPUS" =~ ^[0-9]+$ ]] || HPCTRAIN_GPUS=0
+if [ "$HPCTRAIN_GPUS" -gt 0 ]; then DEVICE=${DEVICE:-cuda}; else DEVICE=${DEVICE:-cpu}; fi
 HPCTRAIN_EXIT_REQUEUE=75  # hpctrain/slurm.py EXIT_REQUEUE: checkpointed, run me again
 cd "$HPCTRAIN_ROOT"
 
 hpctrain_log() { echo "[job ${SLURM_JOB_ID:-?}] $*"; }
 
+# hpctrain_run_dir NAME: where a run named NAME goes: RUN_DIR when set, else scratch
+# ($SCRATCH/hpctrain-runs/NAME, else $HPCTRAIN_SCRATCH/hpctrain-runs/NAME from jobs/site.sh),
+# else runs/NAME in the checkout, with a warning (home quotas are small).
+hpctrain_run_dir() {
+  if [ -n "${RUN_DIR:-}" ]; then
+    echo "$RUN_DIR"
+  elif [ -n "${SCRATCH:-}" ]; then
+    echo "$SCRATCH/hpctrain-runs/$1"
+  elif [ -n "${HPCTRAIN_SCRATCH:-}" ]; then
+    echo "$HPCTRAIN_SCRATCH/hpctrain-runs/$1"
+  else
+    hpctrain_log "warning: neither SCRATCH nor HPCTRAIN_SCRATCH (jobs/site.sh) is set: the" \
+                 "run goes to runs/$1 in the checkout ($HPCTRAIN_ROOT); set RUN_DIR or" \
+                 "HPCTRAIN_SCRATCH for a file system with room for checkpoints" >&2
+    echo "runs/$1"
+  fi
+}
+
+# hpctrain_resolve [CONFIG] [ARGS...]: sets CONFIG and HPCTRAIN_ARGS, hpctrain's arguments
+# after the config: --set for each word of LAYOUT, each OVERRIDES item (split like a shell
+# line: quotes keep spaces), model.device=$DEVICE, then ARGS unchanged (the last --set of a
+# key wins) except `--run-dir DIR`, which sets RUN_DIR. jobs/dry-run.sh resolves a line
+# the same way.
+hpctrain_resolve() {
+  if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then CONFIG=$1; shift; fi
+  CONFIG=${CONFIG:-share/configs/demo.toml}
+  LAYOUT=${LAYOUT:-topology.dp=$SLURM_NTASKS}
+  local kv words
+  words=$("$PYTHON" -c '
+import shlex, sys
+try:
+    print("\n".join(shlex.split(sys.argv[1])))
+except ValueError as e:
+    sys.exit(f"OVERRIDES={sys.argv[1]!r}: {e}; quote each value that holds spaces, e.g. "
+             "OVERRIDES=\x27train.steps=20 \"checkpoint.dir=/a b\"\x27")' "${OVERRIDES:-}") \
+    || exit 2
+  HPCTRAIN_ARGS=()
+  for kv in $LAYOUT; do HPCTRAIN_ARGS+=(--set "$kv"); done
+  while IFS= read -r kv; do
+    if [ -n "$kv" ]; then HPCTRAIN_ARGS+=(--set "$kv"); fi
+  done <<<"$words"
+  HPCTRAIN_ARGS+=(--set "model.device=$DEVICE")
+  while [ $# -gt 0 ]; do  # ARGS; --run-dir DIR becomes RUN_DIR (the template passes it)
+    case "$1" in
+      --run-dir) RUN_DIR=${2:?--run-dir needs a directory}; shift ;;
+      --run-dir=*) RUN_DIR=${1#*=} ;;
+      *) HPCTRAIN_ARGS+=("$1") ;;
+    esac
+    shift
+  done
+  hpctrain_check_gpus
+}
+
+# hpctrain_check_gpus: on GPU jobs, warn about layouts that starve or share the GPUs.
+hpctrain_check_gpus() {
+  [ "$DEVICE" = cuda ] || return 0
+  local per_node=${SLURM_NTASKS_PER_NODE%%(*}
+  if [ "$HPCTRAIN_GPUS" -gt 0 ] && [ -n "$per_node" ] && [ "$per_node" != "$HPCTRAIN_GPUS" ]; then
+    hpctrain_log "warning: $per_node tasks but $HPCTRAIN_GPUS GPUs per node: hpctrain runs" \
+                 "one rank per GPU (--ntasks-per-node=$HPCTRAIN_GPUS)" >&2
+  fi
+  if [ "${SLURM_CPUS_PER_TASK:-1}" = 1 ]; then
+    hpctrain_log "warning: one CPU core per GPU rank (data loading, Python and MPI progress" \
+                 "share it): ask for more, e.g. --cpus-per-task=8 or SBATCH_CPUS_PER_TASK" \
+                 "in jobs/site.sh" >&2
+  fi
+}
+
 # hpctrain_srun ARGS...: one rank per task, every task runs `python -m mpi4py -m hpctrain ARGS`
 # (-m mpi4py: an exception on one rank aborts the job instead of hanging it).
 # --kill-on-bad-exit: one failed rank ends the step (invariant: never hang silently).
-HPCTRAIN_SRUN=(srun --mpi="$SRUN_MPI" --kill-on-bad-exit=1 ${CPU_BIND:+--cpu-bind="$CPU_BIND"})
+# --export=ALL: the ranks see this script's environment (modules, OMP_NUM_THREADS) also where
+# SBATCH_EXPORT=NONE would hand srun an empty one (SLURM_EXPORT_ENV=NONE).
+HPCTRAIN_SRUN=(srun --export=ALL --mpi="$SRUN_MPI" --kill-on-bad-exit=1
+               ${CPU_BIND:+--cpu-bind="$CPU_BIND"})
 hpctrain_srun() {
   "${HPCTRAIN_SRUN[@]}" "$PYTHON" -m mpi4py -m hpctrain "$@"
 }

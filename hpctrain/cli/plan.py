@@ -260,16 +260,19 @@ def special(args) -> int | None:
     if cands and cands[0].prediction:
         lines += ["best as --set arguments:", "  " + " ".join(f"--set {x}" for x in
                                                          cands[0].sets),
-                  "as a SLURM job:", "  " + search.slurm_line(cands[0], args.nodes, cluster,
-                                                            args.config)]
+                  "as a SLURM job (jobs/dry-run.sh in place of sbatch plans it):",
+                  "  " + search.slurm_line(cands[0], args.nodes, cluster, args.config,
+                                           args.overrides)]
     print("\n".join(lines))
     return 0
 
 
-def _cluster(name):
+def _cluster(name, ranks_per_node: int = 0):
+    """A description; ``--ranks-per-node`` replaces its ranks per node as in --search."""
     from ..planner.cluster import load
 
-    return load(name)
+    c = load(name)
+    return dataclasses.replace(c, ranks_per_node=ranks_per_node) if ranks_per_node else c
 
 
 def run(args) -> int:
@@ -316,7 +319,7 @@ def run(args) -> int:
             return 2
     if args.cluster:
         try:
-            lines += performance_section(cfg, _cluster(args.cluster))
+            lines += performance_section(cfg, _cluster(args.cluster, args.ranks_per_node))
         except (ValueError, ClusterError) as e:
             print(f"hpctrain plan: {e}", file=sys.stderr)
             return 2

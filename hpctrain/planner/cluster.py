@@ -6,6 +6,7 @@ or a path)::
     name = "dgx-a100"
     source = "where the numbers come from"
     ranks_per_node = 8
+    device = "cuda"              # cpu (default) | cuda: one rank per GPU (plan's sbatch line)
     memory = "80GB"              # per rank (bytes, or 80GB / 80GiB)
     efficiency = 0.6             # achievable fraction of peak for the model's matrix multiplies
     collective = "ring"          # ring | tree | hierarchical: the all-reduce algorithm
@@ -96,6 +97,7 @@ class Cluster:
     post_overhead_s: float = 0.0
     compute_share: float = 1.0
     source: str = ""
+    device: str = "cpu"  # what a rank computes on: cpu, or cuda (one rank per GPU)
     extra: dict = field(default_factory=dict)  # measured details kept by --calibrate
 
     def peak(self, dtype: str) -> float:
@@ -166,6 +168,9 @@ def from_dict(raw: dict, where: str = "cluster") -> Cluster:
     rpn = raw.get("ranks_per_node")
     if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1:
         raise ClusterError(f"{where}: ranks_per_node = {rpn!r} must be an integer >= 1")
+    device = raw.get("device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ClusterError(f"{where}: device = {device!r}; valid: cpu, cuda")
     num = lambda key, default=None, **kw: _number(where, raw, key, default, **kw)  # noqa: E731
     return Cluster(
         name=str(raw.get("name", where)), source=str(raw.get("source", "")),
@@ -183,7 +188,7 @@ def from_dict(raw: dict, where: str = "cluster") -> Cluster:
         step_overhead_s=num("step_overhead_s", 0.0, strict_low=False),
         call_overhead_s=num("call_overhead_s", 0.0, strict_low=False),
         post_overhead_s=num("post_overhead_s", 0.0, strict_low=False),
-        compute_share=num("compute_share", 1.0, high=1.0),
+        compute_share=num("compute_share", 1.0, high=1.0), device=device,
         extra=dict(raw.get("measured", {})))
 
 
@@ -210,7 +215,8 @@ def shipped() -> list[str]:
 def dumps(c: Cluster) -> str:
     """A description as TOML (what ``plan --calibrate`` writes); :func:`from_dict` reads it."""
     lines = [f'name = "{c.name}"', f'source = "{c.source}"',
-             f"ranks_per_node = {c.ranks_per_node}", f"memory = {c.memory}",
+             f"ranks_per_node = {c.ranks_per_node}", f'device = "{c.device}"',
+             f"memory = {c.memory}",
              f"efficiency = {c.efficiency:.6g}", f'collective = "{c.collective}"',
              f"memory_bandwidth = {c.memory_bandwidth:.6g}",
              f"checkpoint_bandwidth = {c.checkpoint_bandwidth:.6g}",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shlex
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError
@@ -140,11 +141,20 @@ def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
     return fits + [c for c in out if not c.prediction]
 
 
-def slurm_line(c: Candidate, nodes: int, cluster: Cluster, config: str) -> str:
-    """``sbatch`` for ``jobs/multi-node.sbatch`` with this layout."""
-    layout = " ".join(c.sets)
-    return (f"CONFIG={config} sbatch --nodes={nodes} --ntasks-per-node="
-            f"{cluster.ranks_per_node} --export=ALL,LAYOUT=\"{layout}\" jobs/multi-node.sbatch")
+def slurm_line(c: Candidate, nodes: int, cluster: Cluster, config: str,
+               overrides: list[str] = ()) -> str:
+    """The ``sbatch`` line that trains this layout: the nodes, one task per rank (and per GPU
+    on a ``device = "cuda"`` cluster, with ``jobs/gpu.sbatch``), then the config, the user's
+    ``overrides`` (``--set`` values, in order), the layout's and the device as arguments
+    (they reach the job where ``SBATCH_EXPORT=NONE``). ``jobs/dry-run.sh`` in place of
+    ``sbatch`` plans the same config."""
+    rpn, gpu = cluster.ranks_per_node, cluster.device == "cuda"
+    opts = [f"--nodes={nodes}", f"--ntasks-per-node={rpn}"]
+    opts += [f"--gpus-per-node={rpn}"] if gpu else []
+    sets = [*overrides, *c.sets, f"model.device={cluster.device}"]
+    words = ["sbatch", *opts, "jobs/gpu.sbatch" if gpu else "jobs/multi-node.sbatch", config]
+    words += [w for kv in sets for w in ("--set", kv)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def report(cands: list[Candidate], top: int = 10, rejected: int = 20,

@@ -54,10 +54,14 @@ def job_env(**extra) -> dict:
     return env(HPCTRAIN_ROOT=ROOT, PYTHON=PY, CPU_BIND="", **extra)
 
 
-def sbatch(out_dir: Path, script: str, *args: str, **variables) -> str:
-    """Submit ``script`` from the checkout with ``variables`` in its environment; job id."""
+def sbatch(out_dir: Path, script: str, *args: str, after: tuple = (), site: Path | None = None,
+           **variables) -> str:
+    """Submit ``script`` from the checkout with ``variables`` in its environment and
+    ``after`` as the script's arguments (``site``: sourced first, as a user does); job id."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = ["sbatch", "--parsable", "-o", str(out_dir / "slurm-%j.out"), *args, script]
+    cmd = ["sbatch", "--parsable", "-o", str(out_dir / "slurm-%j.out"), *args, script, *after]
+    if site:
+        cmd = ["bash", "-c", 'source "$0" && exec "$@"', str(site), *cmd]
     proc = subprocess.run(cmd, cwd=ROOT, env=job_env(**variables), capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 0, f"{cmd}: {proc.stderr}"
@@ -100,21 +104,33 @@ def submitted(slurm, tmp_path_factory):
         "single": (d / "single", "jobs/single-node.sbatch", ["--ntasks-per-node=2"],
                    dict(CONFIG=TINY, OVERRIDES=f"train.steps={STEPS}")),
         "multi": (d / "multi", "jobs/multi-node.sbatch", ["--nodes=1", "--ntasks-per-node=2"],
-                  dict(CONFIG=TINY, LAYOUT="topology.tp=2", OVERRIDES="train.steps=2")),
+                  dict(LAYOUT="topology.tp=2", after=(TINY, "--set", "train.steps=2"))),
         "sweep": (d / "sweep", "jobs/sweep.sbatch", ["--array=0-2", "--ntasks-per-node=1"],
                   dict(CONFIG=TINY, KEY="optim.lr", VALUES="1e-3 2e-3 4e-3",
                        OVERRIDES="train.steps=2")),
     }
-    jobs["plan"] = (d / "plan", "jobs/dry-run.sbatch", ["--ntasks-per-node=4"],
-                    dict(CONFIG=TINY, LAYOUT="topology.tp=2 topology.dp=2"))
+    jobs["site"] = (d / "site", "jobs/gpu.sbatch",  # a GPU template on the GPU-less node
+                    ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=2"],
+                    dict(CONFIG=TINY, SCRATCH="", HPCTRAIN_SITE=_site_file(d / "site"),
+                         site=d / "site/site.sh", RUN_DIR="",
+                         OVERRIDES=f'train.steps=2 "checkpoint.dir={d}/site/my ckpts"'))
+    jobs["no_export"] = (d / "no_export", "jobs/single-node.sbatch",
+                         ["--export=NONE", "--ntasks-per-node=2"],
+                         dict(after=(TINY, "--set", "train.steps=2", "--run-dir",
+                                     str(d / "no_export/run"))))
     jobs["singletons"] = (d / "singletons", str(_singletons_script(d / "singletons")),
                           ["--ntasks=2"], {})
     out = {}
     for name, (jd, script, args, variables) in jobs.items():
         variables.setdefault("RUN_DIR", str(jd / "run"))
+        if name == "no_export":
+            if not (ROOT / ".venv/bin/python").exists():
+                continue  # the job's own environment finds the checkout's .venv only
+            variables.pop("RUN_DIR")
         if name == "sweep":
             variables["RUN_ROOT"] = str(jd / "run")
-        out[name] = (sbatch(jd, script, *args, **variables), jd)
+        after, site = variables.pop("after", ()), variables.pop("site", None)
+        out[name] = (sbatch(jd, script, *args, after=after, site=site, **variables), jd)
     return out
 
 
@@ -231,9 +247,56 @@ def test_sweep_array_runs_each_value(submitted):
     assert len(second_losses) == 3, "the sweep values did not reach the runs"
 
 
-def test_dry_run_template_plans(submitted):
-    job_id, d = submitted["plan"]
-    assert_completed(wait_for(job_id), d)
-    out = output_of(d, job_id)
+def test_dry_run_template_plans():
+    """jobs/dry-run.sh on the login node (no job): the plan of the world a template's line
+    would start, with the template's LAYOUT resolution."""
+    proc = subprocess.run(["bash", "jobs/dry-run.sh", "--ntasks-per-node=4",
+                           "jobs/single-node.sbatch", TINY], cwd=ROOT, capture_output=True,
+                          text=True, env=job_env(LAYOUT="topology.tp=2 topology.dp=2"),
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
     assert "plan for 4 ranks" in out, out
     assert "4 ranks: dp=2 (ep=1) x tp=2 x pp=1" in out, out  # the job's world size, LAYOUT
+
+
+def _site_file(d: Path) -> Path:
+    """A site file as a user fills it in: account, partition, QOS, scratch, a module load
+    (a stand-in ``module`` that records its arguments)."""
+    d.mkdir(parents=True, exist_ok=True)
+    site = d / "site.sh"
+    site.write_text("export SBATCH_ACCOUNT=hpctrain-test SBATCH_PARTITION=debug "
+                    "SBATCH_QOS=normal\n"
+                    f"HPCTRAIN_SCRATCH={d}/scratch\n"
+                    f'module() {{ echo "module $*" >> {d}/modules.txt; }}\n'
+                    "module load fake-mpi/1.0 fake-hdf5/1.14\n")
+    return site
+
+
+def test_site_file_account_scratch_and_spaced_override(submitted):
+    """The site file's account and partition reach SLURM, its module line runs in the job,
+    the run goes to its scratch, and an OVERRIDES value with a space arrives whole."""
+    job_id, d = submitted["site"]
+    records = wait_for(job_id)
+    assert_completed(records, d)
+    assert records[0]["Account"] == "hpctrain-test" and records[0]["Partition"] == "debug"
+    assert "module load fake-mpi/1.0 fake-hdf5/1.14" in (d / "modules.txt").read_text()
+    run_dir = d / "scratch/hpctrain-runs" / f"hpctrain-gpu-{job_id}"
+    assert len(read_run(run_dir).metrics) == 2
+    assert list((d / "my ckpts").glob("step_*.h5")), "checkpoint.dir with a space was split"
+    out = output_of(d, job_id)
+    assert "0 GPU(s) per node" in out and "device cpu" in out, out  # no GPUs: cpu
+    assert "warning" not in out, out  # scratch from the site file, no GPU rank starved
+
+
+def test_export_none_keeps_the_config(submitted):
+    """Under --export=NONE (no variables reach the job) the config and overrides given as
+    arguments train, and srun still hands the ranks the job's environment."""
+    if "no_export" not in submitted:
+        pytest.skip("the checkout has no .venv for an --export=NONE job to find")
+    job_id, d = submitted["no_export"]
+    assert_completed(wait_for(job_id), d)
+    run_dir = d / "run"
+    assert len(read_run(run_dir).metrics) == 2
+    assert f"-> {run_dir}" in output_of(d, job_id)  # --run-dir as an argument sets RUN_DIR
+    assert re.search(r"^d_model = 32$", (run_dir / "config.toml").read_text(), re.M)  # TINY
