@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import integrity as cv
-from ..config import Config, from_dict
+from ..config import Config, dumps_toml, from_dict
 from ..data import tokenizer, tokenizer_match
 from . import hf_map
 
@@ -40,11 +40,19 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
-def read_checkpoint(path: Path) -> tuple[Config, dict, dict]:
-    """(config, {name: numpy array} of model/, attributes) of a verified checkpoint."""
+def read_checkpoint(path: Path, verify: bool = True) -> tuple[Config, dict, dict]:
+    """(config, {name: numpy array} of model/, attributes) of a checkpoint (verified unless
+    ``verify`` is false), or of a Hugging Face directory read as ``import`` reads it (its
+    lineage and config as the attributes an imported checkpoint would have)."""
     import h5py
 
-    problems = cv.verify(path)
+    from . import hf_import
+
+    if hf_import.is_hf_directory(path):
+        _, cfg, tensors, lineage = hf_import.read_hf(path)
+        return cfg, tensors, {"config": dumps_toml(cfg), "lineage": json.dumps(lineage),
+                              "step": 0}
+    problems = cv.verify(path) if verify else []
     if problems:
         raise hf_map.InterchangeError(f"{path} is damaged: {'; '.join(problems[:3])}")
     with h5py.File(path, "r") as f:
