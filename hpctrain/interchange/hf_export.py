@@ -19,6 +19,7 @@ from ..checkpoint import integrity as cv
 from ..config import Config, dumps_toml, from_dict
 from ..data import tokenizer, tokenizer_match
 from . import hf_map
+from .hf_map import INDEX
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,7 +29,6 @@ else:  # pragma: no cover
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-INDEX = "model.safetensors.index.json"
 
 
 def parse_size(text: str) -> int:

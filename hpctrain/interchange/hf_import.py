@@ -16,7 +16,7 @@ import numpy as np
 from ..checkpoint import integrity as cv
 from ..config import Config, ModelConfig, dumps_toml
 from . import hf_map
-from .hf_export import INDEX
+from .hf_map import INDEX
 
 DERIVED = (".rotary_emb.inv_freq",)  # buffers computed from config.json, not weights
 HEAD = "lm_head.weight"
