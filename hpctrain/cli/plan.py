@@ -16,15 +16,15 @@ it fits) and, with --nodes, which axes cross the inter-node link.
   --search             the fastest layouts on --nodes nodes of --cluster, and why the others
                        were rejected
   --calibrate OUT.toml measure this machine (under mpirun) and write a cluster description
-  --published          published runs against the model"""
+  --published          published runs against the model
+The config keys: docs/config.md; the model behind the predictions: docs/performance-model.md."""
 
 EPILOG = """\
 examples:
   hpctrain plan share/configs/demo.toml --set topology.dp=2 --set topology.pp=2
   hpctrain plan share/configs/demo.toml --world-size 16 --cluster dgx-a100 --nodes 2
   hpctrain plan share/configs/demo.toml --search --cluster dgx-a100 --nodes 8
-Clusters: share/clusters/*.toml; the model behind the predictions:
-docs/performance-model.md; the config keys: docs/config.md."""
+The clusters --cluster names: share/clusters/*.toml."""
 
 
 def add_arguments(p) -> None:
@@ -32,7 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("config", nargs="?", default=None,
                    help="TOML preset, e.g. share/configs/demo.toml (default: none; needed "
                         "except with --published)")
-    p.add_argument("--world-size", type=int, default=0,
+    p.add_argument("--world-size", type=int, default=None,
                    help="number of ranks to plan for (default: the product of the config's "
                         "topology.pp, dp, cp and tp; --search: nodes x ranks per node)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
@@ -302,15 +302,16 @@ def run(args) -> int:
         costs = _costs(args.costs)
         if args.memory_per_rank:
             parse_bytes(args.memory_per_rank)
-        if min(args.world_size, args.nodes, args.ranks_per_node) < 0:
-            raise ValueError("--world-size, --nodes and --ranks-per-node must be >= 0")
+        if (args.world_size is not None and args.world_size < 1) or args.nodes < 0 \
+                or args.ranks_per_node < 0:
+            raise ValueError("--world-size must be >= 1, --nodes and --ranks-per-node >= 0")
     except (ValueError, ConfigError, ClusterError) as e:
         print(f"hpctrain plan: {e}", file=sys.stderr)
         return 2
     try:
         cfg = load(args.config, args.overrides)
         t = cfg.topology
-        world = args.world_size or t.pp * t.dp * t.cp * t.tp  # absent: the config's layout
+        world = args.world_size or t.pp * t.dp * t.cp * t.tp  # absent: the layout's own
         validate(cfg, world)
         check_plan_inputs(cfg)  # the data, when it is here
     except ConfigError as e:
