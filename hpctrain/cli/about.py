@@ -1,11 +1,13 @@
 """What ``hpctrain --help`` and ``hpctrain --version`` say, and the help formatter every
-subcommand uses: descriptions keep their own line breaks, and each option's help ends with
-its default (or says it is required) unless the help text states the default itself."""
+subcommand uses: prose is wrapped to the terminal, indented lines (examples) are kept as
+written, and each option's help ends with its default (or says it is required) unless the
+help text states the default itself."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 DESCRIPTION = """\
 hpctrain trains large neural networks (Llama, Mixtral-style experts, GPT-2) on clusters and
@@ -15,16 +17,18 @@ grid of ranks. Every layout trains the same model as one rank, and any layout re
 any checkpoint (one parallel-HDF5 file)."""
 
 EPILOG = """\
-launching under MPI:
-  train runs on every rank of an MPI job (so can prepare and plan --calibrate); start it
-  with the site's launcher, one rank per core or per GPU:
-    mpirun -n 4 hpctrain train share/configs/demo.toml --run-dir runs/demo
-    srun -n 4 hpctrain train share/configs/demo.toml --run-dir runs/demo   (in a SLURM
-        allocation; some sites need srun --mpi=pmix)
-    hpctrain launch -n 4 -- hpctrain train ...   (finds mpirun, mpiexec or srun and its flags)
-  The layout is set in the config, e.g. --set topology.dp=2 --set topology.tp=2; it must
-  multiply to the number of ranks (hpctrain plan CONFIG checks it without MPI). The other
-  commands run as one ordinary process.
+Launching under MPI: train runs on every rank of an MPI job (so can prepare and plan
+--calibrate); start it with the site's launcher, one rank per core or per GPU:
+
+  mpirun -n 4 hpctrain train share/configs/demo.toml --run-dir runs/demo
+  srun -n 4 hpctrain train share/configs/demo.toml --run-dir runs/demo
+  hpctrain launch -n 4 -- hpctrain train share/configs/demo.toml \\
+      --run-dir runs/demo
+
+srun runs inside a SLURM allocation (some sites need srun --mpi=pmix); hpctrain launch finds
+mpirun, mpiexec or srun and the flags each needs. The layout is set in the config, e.g.
+--set topology.dp=2 --set topology.tp=2, and must multiply to the number of ranks (hpctrain
+plan CONFIG checks it without MPI). The other commands run as one ordinary process.
 
 'hpctrain COMMAND --help' describes each command; the config keys are in docs/config.md,
 the guides in docs/ (README.md first)."""
@@ -50,13 +54,24 @@ DETAILS = {  # each command's description, where its module sets none
 
 
 class Formatter(argparse.HelpFormatter):
-    """Descriptions and epilogs of several lines as written (one line: wrapped); every
-    option's help ends with its default."""
+    """Descriptions and epilogs: paragraphs wrapped to the terminal, indented lines (commands,
+    examples) kept as written; every option's help ends with its default."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        if "\n" in text:
-            return "".join(indent + line for line in text.splitlines(keepends=True))
-        return super()._fill_text(text, width, indent)
+        out: list[str] = []
+        prose: list[str] = []
+        for line in [*text.splitlines(), None]:
+            if line and not line.startswith(" "):
+                prose.append(line)
+                continue
+            if prose:  # paths and options stay whole
+                out.append(textwrap.fill(" ".join(prose), width, initial_indent=indent,
+                                         subsequent_indent=indent, break_on_hyphens=False,
+                                         break_long_words=False))
+                prose = []
+            if line is not None:
+                out.append(indent + line)
+        return "\n".join(out)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

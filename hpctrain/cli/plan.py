@@ -12,17 +12,22 @@ one process, no MPI, no model built. Prints the layout (its world size from the 
 topology.pp x dp x cp x tp unless --world-size is given), the pipeline partition, every pp
 rank's schedule with its simulated bubble, the memory per rank (--memory-per-rank: whether
 it fits) and, with --nodes, which axes cross the inter-node link.
-  --cluster NAME|PATH  the predicted step time, its parts, tokens/s and MFU on that cluster
-  --search             the fastest layouts on --nodes nodes of --cluster, and why the others
-                       were rejected
-  --calibrate OUT.toml measure this machine (under mpirun) and write a cluster description
-  --published          published runs against the model
-The config keys: docs/config.md; the model behind the predictions: docs/performance-model.md."""
+
+  --cluster NAME|PATH   step time, its parts, tokens/s and MFU on that cluster
+  --search              the fastest layouts on --nodes nodes of --cluster, and
+                        why the others were rejected
+  --calibrate OUT.toml  measure this machine (under mpirun) and write a cluster
+                        description
+  --published           published runs against the model
+
+The config keys: docs/config.md; the model behind the predictions:
+docs/performance-model.md."""
 
 EPILOG = """\
 examples:
   hpctrain plan share/configs/demo.toml --set topology.dp=2 --set topology.pp=2
-  hpctrain plan share/configs/demo.toml --world-size 16 --cluster dgx-a100 --nodes 2
+  hpctrain plan share/configs/demo.toml --cluster dgx-a100 --nodes 2 \\
+      --set topology.dp=8
   hpctrain plan share/configs/demo.toml --search --cluster dgx-a100 --nodes 8
 The clusters --cluster names: share/clusters/*.toml."""
 

@@ -18,7 +18,9 @@ examples:
   mpirun -n 8 hpctrain train share/configs/tiny-llama.toml --run-dir runs/x \\
       --set topology.dp=2 --set topology.tp=2 --set topology.pp=2
   srun -n 4 hpctrain train share/configs/demo.toml --run-dir $SCRATCH/demo
-  hpctrain launch -n 4 -- hpctrain train share/configs/demo.toml --run-dir runs/demo
+  hpctrain launch -n 4 -- hpctrain train share/configs/demo.toml \\
+      --run-dir runs/demo
+
 (hpctrain launch picks mpirun, mpiexec or srun and the flags each needs; as root or with
 more ranks than cores, plain mpirun wants `source scripts/mpi-env.sh` first.) Check a
 layout without MPI first: hpctrain plan CONFIG [--set ...]. Every config key (section,

@@ -75,3 +75,10 @@ def test_safetensors_export_into_a_directory(tmp_path):
     assert safetensors_path(f"{tmp_path}/new/") == tmp_path / "new" / "model.safetensors"
     assert safetensors_path(str(tmp_path / "m")) == tmp_path / "m.safetensors"
     assert safetensors_path(str(tmp_path / "m.safetensors")) == tmp_path / "m.safetensors"
+
+
+def test_every_help_fits_80_columns(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    wide = [f"{name}: {line}" for name, parser in parsers(build_parser())
+            for line in parser.format_help().splitlines() if len(line) > 80]
+    assert not wide, wide
