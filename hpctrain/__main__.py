@@ -1,12 +1,12 @@
-"""hpctrain: train large neural networks with plain MPI (one process per rank).
+"""The ``hpctrain`` command: ``hpctrain COMMAND ...`` (``python -m hpctrain`` is the same).
 
 Each subcommand lives in ``hpctrain/cli/<name>.py`` with ``add_arguments(parser)`` and
-``run(args) -> int``; add a new one to COMMANDS.
+``run(args) -> int``; add a new one to COMMANDS (one line of help each). What the top-level
+``--help`` says to users is ``cli/about.py``.
 
-Training is launched on every rank, under MPI:
-    mpirun -n 4 hpctrain train share/configs/demo.toml --run-dir runs/demo
-(an exception on any rank aborts the whole job, never a hang: ``comm.abort_on_exception``,
-installed by each subcommand that uses MPI; ``python -m mpi4py -m hpctrain`` does the same).
+Under MPI an exception on any rank aborts the whole job, never a hang
+(``comm.abort_on_exception``, installed by each subcommand that uses MPI;
+``python -m mpi4py -m hpctrain`` does the same).
 """
 
 from __future__ import annotations
@@ -16,30 +16,41 @@ import importlib
 import sys
 
 COMMANDS = {
-    "launch": "start a command on N ranks with this machine's launcher (mpirun, mpiexec, srun)",
-    "train": "train a model (run under mpirun/srun, one process per rank)",
-    "prepare": "turn text files (or a nanoGPT/Megatron corpus) into a token dataset (HDF5) "
-               "with a held-out split; in parallel under mpirun",
-    "tokenizer": "train a byte-level BPE tokenizer (tokenizer.json) on text files",
-    "plan": "plan a layout without MPI: schedule, bubble and memory per rank; --cluster: the "
-            "predicted step time; --search: the best layouts on --nodes nodes; --calibrate: "
-            "describe this machine (under mpirun); --published: the published runs",
-    "inspect": "show a checkpoint's tensors and lineage; --verify recomputes checksums",
-    "export": "export a checkpoint's model as safetensors, or as a Hugging Face directory",
-    "import": "turn a Hugging Face Llama/Mixtral directory into an hpctrain checkpoint",
-    "report": "plots and a Markdown summary of where a run's time went (needs matplotlib)",
-    "generate": "continue a prompt with a checkpoint's model (any layout's, on one process)",
+    "train": "train a model (under mpirun/srun, one process per rank)",
+    "plan": "predict memory and step time of a layout; search layouts",
+    "launch": "start a command on N ranks with this machine's launcher",
+    "prepare": "text files or a tokenized corpus -> a token dataset",
+    "tokenizer": "train a byte-level BPE tokenizer (tokenizer.json)",
+    "inspect": "a checkpoint's tensors and lineage; --verify checksums",
+    "export": "a checkpoint as safetensors or a Hugging Face directory",
+    "import": "a Hugging Face Llama/Mixtral directory as a checkpoint",
+    "generate": "continue a prompt with a checkpoint's model",
+    "report": "plots and a summary of where a run's time went",
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hpctrain", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: every subcommand's options, every help text."""
+    from .cli import about
+
+    parser = argparse.ArgumentParser(prog="hpctrain", description=about.DESCRIPTION,
+                                     epilog=about.EPILOG, formatter_class=about.Formatter)
+    parser.add_argument("--version", action=about.VersionAction,
+                        help="print the version and the commit of the code, then exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"hpctrain.cli.{name}")
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text,
+                           description=about.DETAILS.get(name, help_text))
         module.add_arguments(p)
         p.set_defaults(_module=module)
+    about.format_all(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     trailing = getattr(args._module, "TRAILING", None)  # an optional positional that may
     if extra and trailing and getattr(args, trailing) is None:  # follow the options

@@ -225,10 +225,14 @@ def with_checkout(env: dict[str, str]) -> dict[str, str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exports", action="store_true", help="print `export NAME=value` lines")
     p.add_argument("--describe", action="store_true", help="print the launcher found")
-    p.add_argument("-n", type=int, help="ranks: launch the command after --")
-    p.add_argument("--bind", choices=("core", "none"))
-    p.add_argument("--no-oversubscribe", action="store_true")
-    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.add_argument("-n", type=int, help="ranks: launch the command after -- (default: none; "
+                   "needed unless --exports or --describe)")
+    p.add_argument("--bind", choices=("core", "none"),
+                   help="bind each rank to a core, or not (default: the launcher's own)")
+    p.add_argument("--no-oversubscribe", action="store_true",
+                   help="refuse more ranks than cores (by default they are allowed)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the command every rank runs, after --")
 
 
 def run(a: argparse.Namespace) -> int:

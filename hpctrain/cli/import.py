@@ -13,7 +13,7 @@ def add_arguments(p) -> None:
                    help="checkpoint file (*.h5) or directory (gets step_00000000.h5 + latest)")
     p.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "float64"],
-                   help="the model's dtype in hpctrain (auto: the HF config's)")
+                   help="the model's dtype in hpctrain; auto: the HF config's")
 
 
 def run(args) -> int:

@@ -6,49 +6,68 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-DESCRIPTION = (
-    "Plan a layout without MPI and without building the model: the layout, the pipeline "
-    "partition, every pp rank's schedule, the simulated bubble and in-flight microbatches, "
-    "memory per rank (--memory-per-rank: whether it fits) and, with --nodes, which axes "
-    "cross the inter-node link. --cluster NAME|PATH: the predicted step time, its parts, "
-    "tokens/s and MFU on that cluster; --search: the best layouts on --nodes nodes of "
-    "--cluster, and why the others were rejected; --calibrate OUT.toml (under mpirun): "
-    "measure this machine and write a cluster description; --published: published runs "
-    "against the model. The config keys: docs/config.md.")
+DESCRIPTION = """\
+Predict a layout's memory per rank and step time, and search layouts, before an allocation:
+one process, no MPI, no model built. Prints the layout (its world size from the config's
+topology.pp x dp x cp x tp unless --world-size is given), the pipeline partition, every pp
+rank's schedule with its simulated bubble, the memory per rank (--memory-per-rank: whether
+it fits) and, with --nodes, which axes cross the inter-node link.
+
+  --cluster NAME|PATH   step time, its parts, tokens/s and MFU on that cluster
+  --search              the fastest layouts on --nodes nodes of --cluster, and
+                        why the others were rejected
+  --calibrate OUT.toml  measure this machine (under mpirun) and write a cluster
+                        description
+  --published           published runs against the model
+
+The config keys: docs/config.md; the model behind the predictions:
+docs/performance-model.md."""
+
+EPILOG = """\
+examples:
+  hpctrain plan share/configs/demo.toml --set topology.dp=2 --set topology.pp=2
+  hpctrain plan share/configs/demo.toml --cluster dgx-a100 --nodes 2 \\
+      --set topology.dp=8
+  hpctrain plan share/configs/demo.toml --search --cluster dgx-a100 --nodes 8
+The clusters --cluster names: share/clusters/*.toml."""
 
 
 def add_arguments(p) -> None:
-    p.description = DESCRIPTION
+    p.description, p.epilog = DESCRIPTION, EPILOG
     p.add_argument("config", nargs="?", default=None,
-                   help="TOML preset, e.g. share/configs/demo.toml")
-    p.add_argument("--world-size", type=int, default=0,
-                   help="number of ranks to plan for (--search: nodes x ranks per node)")
+                   help="TOML preset, e.g. share/configs/demo.toml (default: none; needed "
+                        "except with --published)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="number of ranks to plan for (default: the product of the config's "
+                        "topology.pp, dp, cp and tp; --search: nodes x ranks per node)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+                   metavar="SECTION.KEY=VALUE", help="override one config key, repeatable")
     p.add_argument("--costs", default="F=1,B=1,W=1", metavar="F=1,B=1,W=1",
                    help="relative cost of a stage's forward, input-gradient and weight-"
                         "gradient pass for the simulation (an unsplit backward costs B+W)")
     p.add_argument("--memory-per-rank", default="", metavar="BYTES",
                    help="memory available per rank, e.g. 80GiB: warn when the estimate "
                         "does not fit (--search: list the layouts that fit it, with their "
-                        "--set lines)")
+                        "--set lines; default: no limit)")
     p.add_argument("--nodes", type=int, default=0,
-                   help="nodes the ranks are packed on: show which axes cross the link")
+                   help="nodes the ranks are packed on: show which axes cross the link (default: "
+                        "not shown)")
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="ranks per node (default: world size / --nodes)")
     p.add_argument("--cluster", default="", metavar="NAME|PATH",
                    help="cluster description (share/clusters/NAME.toml or a file): predict "
-                        "the step time, tokens/s and MFU")
+                        "the step time, tokens/s and MFU (default: none, no prediction)")
     p.add_argument("--search", action="store_true",
                    help="rank every layout on --nodes nodes of --cluster by predicted step "
                         "time (with the reason each rejected one was rejected)")
     p.add_argument("--top", type=int, default=10, help="--search: layouts shown")
     p.add_argument("--calibrate", default="", metavar="OUT.toml",
-                   help="measure this machine (run under mpirun) and write a description")
+                   help="measure this machine (run under mpirun) and write a description "
+                        "(default: not measured)")
     p.add_argument("--published", action="store_true",
                    help="published runs (Megatron-LM, torchtitan) against the model")
     p.add_argument("--width", type=int, default=100,
-                   help="wrap each rank's action list at this many columns (0: no wrap)")
+                   help="wrap each rank's action list at this many columns; 0: no wrap")
 
 
 def _costs(text: str) -> dict[str, float]:
@@ -291,20 +310,24 @@ def run(args) -> int:
         costs = _costs(args.costs)
         if args.memory_per_rank:
             parse_bytes(args.memory_per_rank)
-        if args.world_size < 1 or args.nodes < 0 or args.ranks_per_node < 0:
+        if (args.world_size is not None and args.world_size < 1) or args.nodes < 0 \
+                or args.ranks_per_node < 0:
             raise ValueError("--world-size must be >= 1, --nodes and --ranks-per-node >= 0")
     except (ValueError, ConfigError, ClusterError) as e:
         print(f"hpctrain plan: {e}", file=sys.stderr)
         return 2
     try:
         cfg = load(args.config, args.overrides)
-        validate(cfg, args.world_size)
+        t = cfg.topology
+        world = args.world_size or t.pp * t.dp * t.cp * t.tp  # absent: the layout's own
+        validate(cfg, world)
         check_plan_inputs(cfg)  # the data, when it is here
     except ConfigError as e:
         print(f"hpctrain plan: {e}", file=sys.stderr)
         return 2
-    t = cfg.topology
-    lines = [f"{args.world_size} ranks: dp={t.dp} (ep={t.ep}) x "
+    whence = "" if args.world_size else " (from the config's topology)"
+    lines = [f"{world} ranks{whence}: "
+             f"dp={t.dp} (ep={t.ep}) x "
              f"{f'cp={t.cp} x ' if t.cp > 1 else ''}tp={t.tp} x pp={t.pp}"
              f"{' + sequence parallel' if t.sequence_parallel else ''}"]
     lines += schedule_section(cfg, args.width, costs)
@@ -313,7 +336,7 @@ def run(args) -> int:
     if args.nodes:
         try:  # topology.crossing: the nodes must hold the world
             lines += plan_section(cfg, args.nodes,
-                                  args.ranks_per_node or args.world_size // args.nodes)
+                                  args.ranks_per_node or world // args.nodes)
         except ValueError as e:
             print(f"hpctrain plan: {e}", file=sys.stderr)
             return 2

@@ -28,7 +28,8 @@ def add_arguments(p) -> None:
                    "byte or an executable, archive or image signature at the start), e.g. "
                    "for byte-level models of any data")
     p.add_argument("--from", dest="form", choices=FORMATS, default=None,
-                   help="read an already tokenized corpus instead of text")
+                   help="read an already tokenized corpus instead of text (default: none, "
+                        "the sources are text)")
     p.add_argument("--eot", type=int, default=None, help="end-of-text id that ends each "
                    "document of a --from nanogpt file (default: the file's: GPT-2's 50256 for "
                    "uint16 ids, 128000 for llm.c's Llama-3 files)")

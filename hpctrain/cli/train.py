@@ -5,15 +5,35 @@ from __future__ import annotations
 import os
 import sys
 
+DESCRIPTION = """\
+Train a model from a TOML config. Every rank of an MPI job runs this command: start it
+with mpirun or srun, one rank per core or per GPU; the config's layout (topology.dp, tp,
+pp, ep, cp) must multiply to the number of ranks. Writes config.toml, metrics.jsonl,
+train.log and checkpoints/ in --run-dir; run again with the same --run-dir to continue
+from its newest checkpoint."""
+
+EPILOG = """\
+examples:
+  mpirun -n 4 hpctrain train share/configs/demo.toml --run-dir runs/demo
+  mpirun -n 8 hpctrain train share/configs/tiny-llama.toml --run-dir runs/x \\
+      --set topology.dp=2 --set topology.tp=2 --set topology.pp=2
+  srun -n 4 hpctrain train share/configs/demo.toml --run-dir $SCRATCH/demo
+  hpctrain launch -n 4 -- hpctrain train share/configs/demo.toml \\
+      --run-dir runs/demo
+
+(hpctrain launch picks mpirun, mpiexec or srun and the flags each needs; as root or with
+more ranks than cores, plain mpirun wants `source scripts/mpi-env.sh` first.) Check a
+layout without MPI first: hpctrain plan CONFIG [--set ...]. Every config key (section,
+type, default, meaning, allowed values): docs/config.md."""
+
 
 def add_arguments(p) -> None:
-    p.epilog = ("Every config key (section, type, default, meaning, allowed values): "
-                "docs/config.md.")
+    p.description, p.epilog = DESCRIPTION, EPILOG
     p.add_argument("config", help="TOML preset, e.g. share/configs/demo.toml")
     p.add_argument("--run-dir", required=True, help="where metrics, logs and checkpoints go")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE",
-                   help="override one config key (repeatable; the keys: docs/config.md)")
+                   help="override one config key, repeatable; the keys are in docs/config.md")
 
 
 def run(args) -> int:

@@ -6,6 +6,7 @@ comparison: the same tokens, measured by :func:`benchmark`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..checkpoint import integrity as cv
-from ..config import from_dict
+from ..config import dumps_toml, from_dict
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,18 +39,31 @@ def whole_model(m):
 
 
 def load_model(path):
-    """(model on one process, config, (the checkpoint's lineage JSON, its config TOML))."""
+    """(model on one process, config, (the checkpoint's lineage JSON, its config TOML)) of a
+    checkpoint, or of a Hugging Face directory read as ``import`` reads it."""
     import h5py
-    import torch
 
+    from . import hf_import
+
+    if hf_import.is_hf_directory(path):
+        _, cfg, tensors, lineage = hf_import.read_hf(path)
+        model = _filled(whole_model(cfg.model), tensors.__getitem__)
+        return model, cfg, (json.dumps(lineage), dumps_toml(cfg))
     with h5py.File(path, "r") as f:
         cfg = from_dict(tomllib.loads(str(cv._plain(f.attrs["config"]))))
-        model = whole_model(cfg.model)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(torch.from_numpy(f[f"model/{name}"][...]).to(p.dtype))
+        model = _filled(whole_model(cfg.model), lambda name: f[f"model/{name}"][...])
         lineage = (str(cv._plain(f.attrs.get("lineage", ""))), str(cv._plain(f.attrs["config"])))
-    return model.eval(), cfg, lineage
+    return model, cfg, lineage
+
+
+def _filled(model, read):
+    """``model`` in eval mode with every parameter copied from ``read(name)`` (numpy)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(read(name)).to(p.dtype))
+    return model.eval()
 
 
 class Codec:

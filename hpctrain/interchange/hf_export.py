@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import integrity as cv
-from ..config import Config, from_dict
+from ..config import Config, dumps_toml, from_dict
 from ..data import tokenizer, tokenizer_match
 from . import hf_map
+from .hf_map import INDEX
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,7 +29,6 @@ else:  # pragma: no cover
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-INDEX = "model.safetensors.index.json"
 
 
 def parse_size(text: str) -> int:
@@ -40,11 +40,19 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
-def read_checkpoint(path: Path) -> tuple[Config, dict, dict]:
-    """(config, {name: numpy array} of model/, attributes) of a verified checkpoint."""
+def read_checkpoint(path: Path, verify: bool = True) -> tuple[Config, dict, dict]:
+    """(config, {name: numpy array} of model/, attributes) of a checkpoint (verified unless
+    ``verify`` is false), or of a Hugging Face directory read as ``import`` reads it (its
+    lineage and config as the attributes an imported checkpoint would have)."""
     import h5py
 
-    problems = cv.verify(path)
+    from . import hf_import
+
+    if hf_import.is_hf_directory(path):
+        _, cfg, tensors, lineage = hf_import.read_hf(path)
+        return cfg, tensors, {"config": dumps_toml(cfg), "lineage": json.dumps(lineage),
+                              "step": 0}
+    problems = cv.verify(path) if verify else []
     if problems:
         raise hf_map.InterchangeError(f"{path} is damaged: {'; '.join(problems[:3])}")
     with h5py.File(path, "r") as f:

@@ -16,7 +16,7 @@ import numpy as np
 from ..checkpoint import integrity as cv
 from ..config import Config, ModelConfig, dumps_toml
 from . import hf_map
-from .hf_export import INDEX
+from .hf_map import INDEX
 
 DERIVED = (".rotary_emb.inv_freq",)  # buffers computed from config.json, not weights
 HEAD = "lm_head.weight"
@@ -217,9 +217,14 @@ def tokenizer_lineage(directory: Path, m: ModelConfig) -> dict:
                      "tokenizer_file": str(path.resolve()), "vocab_size": tok.vocab_size}}
 
 
-def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
-              say=print) -> Path:
-    """Convert HF directory ``directory`` into an hpctrain checkpoint at ``out``."""
+def is_hf_directory(path: str | Path) -> bool:
+    """A Hugging Face model directory (it has config.json), not an hpctrain checkpoint."""
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+
+
+def read_hf(directory: str | Path, dtype: str = "auto"):
+    """(reader, config with the directory's model, {parameter: global array}, lineage) of an
+    HF directory, as ``import`` converts it; ``export`` and ``generate`` read it the same way."""
     reader = HFReader(directory)
     m = reader.model_config(dtype)
     tensors = global_tensors(reader, m)
@@ -227,6 +232,14 @@ def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
     lineage = {"imported_from": str(Path(directory).resolve()),
                "hf_architectures": reader.config.get("architectures"),
                "hf_config": reader.config, **tokenizer_lineage(reader.dir, m)}
+    return reader, cfg, tensors, lineage
+
+
+def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
+              say=print) -> Path:
+    """Convert HF directory ``directory`` into an hpctrain checkpoint at ``out``."""
+    reader, cfg, tensors, lineage = read_hf(directory, dtype)
+    m = cfg.model
     final = write_checkpoint(Path(out), cfg, file_arrays(tensors, m.dtype), lineage)
     n = sum(a.size for a in tensors.values())
     keys = ", ".join(f"model.{k}={v!r}" for k, v in hf_map.model_section(reader.config)

@@ -1,0 +1,132 @@
+"""What ``hpctrain --help`` and ``hpctrain --version`` say, and the help formatter every
+subcommand uses: prose is wrapped to the terminal, indented lines (examples) are kept as
+written, and each option's help ends with its default (or says it is required) unless the
+help text states the default itself."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+DESCRIPTION = """\
+hpctrain trains large neural networks (Llama, Mixtral-style experts, GPT-2) on clusters and
+supercomputers with plain MPI: every rank is one process started by mpirun or srun, and data
+(with ZeRO 1-3), tensor, sequence, pipeline, expert and context parallelism are axes of one
+grid of ranks. Every layout trains the same model as one rank, and any layout resumes from
+any checkpoint (one parallel-HDF5 file)."""
+
+EPILOG = """\
+Launching under MPI: train runs on every rank of an MPI job (so can prepare and plan
+--calibrate); start it with the site's launcher, one rank per core or per GPU:
+
+  mpirun -n 4 hpctrain train share/configs/demo.toml --run-dir runs/demo
+  srun -n 4 hpctrain train share/configs/demo.toml --run-dir runs/demo
+  hpctrain launch -n 4 -- hpctrain train share/configs/demo.toml \\
+      --run-dir runs/demo
+
+srun runs inside a SLURM allocation (some sites need srun --mpi=pmix); hpctrain launch finds
+mpirun, mpiexec or srun and the flags each needs. The layout is set in the config, e.g.
+--set topology.dp=2 --set topology.tp=2, and must multiply to the number of ranks (hpctrain
+plan CONFIG checks it without MPI). The other commands run as one ordinary process.
+
+'hpctrain COMMAND --help' describes each command; the config keys are in docs/config.md,
+the guides in docs/ (README.md first)."""
+
+DETAILS = {  # each command's description, where its module sets none
+    "launch": "Start a command on N ranks with the launcher this machine has (Open MPI's "
+              "mpirun, MPICH's mpiexec or srun) and the flags each needs for more ranks than "
+              "cores, running as root, binding and passing the environment.",
+    "prepare": "Turn text files (JSONL and Parquet shards, directories, globs) or a nanoGPT/"
+               "Megatron token file into a token dataset (HDF5) with a held-out split chosen "
+               "by document content. One process, or every rank under mpirun/srun (the file "
+               "is the same for any number of ranks). docs/data.md.",
+    "tokenizer": "Train a byte-level BPE tokenizer (tokenizer.json) on text files or the "
+                 "embedded corpus, offline and deterministic.",
+    "inspect": "Show a checkpoint's tensors, shapes, dtypes, lineage and how it was written "
+               "(--verify recomputes every checksum), or a prepared data file's contents.",
+    "import": "Turn a Hugging Face Llama/Mixtral directory into an hpctrain checkpoint that "
+              "any layout starts from (or use --set checkpoint.init_from=DIR directly).",
+    "generate": "Continue a prompt with a model: a checkpoint of any layout, or a Hugging "
+                "Face Llama/Mixtral directory, on one process (no MPI).",
+    "report": "Plots and a Markdown summary of where a run's time went (needs matplotlib).",
+}
+
+
+class Formatter(argparse.HelpFormatter):
+    """Descriptions and epilogs: paragraphs wrapped to the terminal, indented lines (commands,
+    examples) kept as written; every option's help ends with its default."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        prose: list[str] = []
+        for line in [*text.splitlines(), None]:
+            if line and not line.startswith(" "):
+                prose.append(line)
+                continue
+            if prose:  # paths and options stay whole
+                out.append(textwrap.fill(" ".join(prose), width, initial_indent=indent,
+                                         subsequent_indent=indent, break_on_hyphens=False,
+                                         break_long_words=False))
+                prose = []
+            if line is not None:
+                out.append(indent + line)
+        return "\n".join(out)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return f"{text} ({shown})" if (shown := default_note(action, text)) else text
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):  # room for the commands' names
+            for sub in action._get_subactions():
+                width = len(self._format_action_invocation(sub)) + self._current_indent + 4
+                self._action_max_length = max(self._action_max_length, width)
+
+
+def default_note(action: argparse.Action, text: str) -> str:
+    """"default: X" or "required" for ``action``'s help; "" when the help says it already,
+    for flags (off unless given) and for what argparse shows itself (--help, --version)."""
+    if action.help == argparse.SUPPRESS or action.nargs == 0 or "default" in text.lower():
+        return ""
+    if action.required:
+        return "required" if action.option_strings else ""
+    if action.nargs == argparse.REMAINDER or action.default in (None, ""):
+        return ""  # no value to show: the help text must say what happens without it
+    if action.default == []:
+        return "default: none"
+    value = action.default
+    if isinstance(value, str) and value != value.strip():
+        value = repr(value)  # the spaces matter
+    return f"default: {value}".replace("%", "%%")
+
+
+def version() -> str:
+    """``hpctrain 0.1.0 (commit 1a2b3c4...)``: the package version and the commit of the
+    code that runs, as a checkpoint's lineage records it."""
+    from .. import __version__
+    from ..checkpoint.integrity import git_commit
+
+    return f"hpctrain {__version__} (commit {git_commit()})"
+
+
+class VersionAction(argparse.Action):
+    """``--version``: the commit is looked up only when asked for."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())
+        sys.stdout.flush()
+        parser.exit()
+
+
+def format_all(parser: argparse.ArgumentParser) -> None:
+    """Give every (nested) subcommand parser the :class:`Formatter`."""
+    parser.formatter_class = Formatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                format_all(sub)
