@@ -142,8 +142,8 @@ hpctrain_check_gpus() {
   fi
   if [ "${SLURM_CPUS_PER_TASK:-1}" = 1 ]; then
     hpctrain_log "warning: one CPU core per GPU rank (data loading, Python and MPI progress" \
-                 "share it): ask for more, e.g. --cpus-per-task=8 or SBATCH_CPUS_PER_TASK" \
-                 "in jobs/site.sh" >&2
+                 "share it): ask for more, e.g. sbatch --cpus-per-task=8" \
+                 "(the node's cores / its GPUs)" >&2
   fi
 }
 

@@ -11,7 +11,8 @@
 # export SBATCH_ACCOUNT=project123        # --account: the allocation the hours come from
 # export SBATCH_PARTITION=batch           # --partition (GPU nodes are often a partition)
 # export SBATCH_QOS=normal                # --qos
-# export SBATCH_CPUS_PER_TASK=8           # --cpus-per-task: GPU nodes: cores / GPUs per node
+# Cores per rank: sbatch reads no variable for --cpus-per-task; give it on the command line
+# (sbatch --cpus-per-task=N ...; jobs/gpu.sbatch asks for 8: the node's cores / its GPUs).
 # export SBATCH_EXPORT=NONE               # sites that want it: templates take their input
                                           # as arguments (jobs/env.sh), so CONFIG survives
 
