@@ -41,8 +41,9 @@ SCRIPT = ROOT / "scripts" / "cluster.sh"
 
 
 
-def launch(size: str, repeats: int, out: Path) -> str:
-    """Make the cluster, run the worker on 4 ranks over it, remove it; returns the log."""
+def launch(size: str, repeats: int, out: Path, worker: str = "cluster_worker") -> str:
+    """Make the cluster, run ``worker`` (a module of this package) on 4 ranks over it,
+    remove it; returns the log."""
     name = f"b{os.getpid() % 10**6}"
     env = nested_env()
     subprocess.run([str(SCRIPT), "up", name, "2", "2", RATE], check=True, env=env,
@@ -50,7 +51,7 @@ def launch(size: str, repeats: int, out: Path) -> str:
     try:
         launcher = detect().with_program(cluster_program(str(SCRIPT), name))
         proc = subprocess.run(
-            command(4, sys.executable, "-m", "mpi4py", "-m", f"{__package__}.cluster_worker",
+            command(4, sys.executable, "-m", "mpi4py", "-m", f"{__package__}.{worker}",
                     "--size", size, "--repeats", str(repeats), "--out", str(out),
                     launcher=launcher), env=env, capture_output=True, text=True,
             timeout=1500, cwd=ROOT)
