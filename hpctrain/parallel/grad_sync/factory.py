@@ -26,8 +26,8 @@ from .choice import overlap_on, progress_for, reduction_mode
 from .layout import BucketLayout
 from .nonblocking import NonblockingBuckets, OverlappedBuckets
 from .per_parameter import PerParameter
-from .wire import wire_dtype
 from .sharded import Zero1, Zero2
+from .wire import wire_dtype
 from .zero3 import Zero3, units_of
 
 STRATEGIES = (BlockingBuckets, NonblockingBuckets, OverlappedBuckets, PerParameter,
