@@ -45,7 +45,7 @@ class Doubling:
     def __init__(self):
         self.seen = []
 
-    def allreduce_(self, t, op="sum"):
+    def allreduce_(self, t, op="sum (the collective's default)"):
         self.seen.append((t.dtype, op))
         return t.mul_(2)
 
@@ -63,7 +63,8 @@ def test_carried_without_a_wire_dtype_or_a_peer_is_the_plain_sum():
     flat = torch.tensor([1.0 + 2**-12])
     group = Doubling()
     wire.carried(group, flat, None, group.allreduce_)
-    assert group.seen == [(torch.float32, "sum")] and flat.item() == 2 * (1.0 + 2**-12)
+    assert group.seen == [(torch.float32, "sum (the collective's default)")]
+    assert flat.item() == 2 * (1.0 + 2**-12)
     alone = SimpleNamespace(size=1)
     assert wire.outgoing(flat, alone, torch.bfloat16) is flat
 

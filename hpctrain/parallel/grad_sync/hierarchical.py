@@ -89,4 +89,4 @@ class HierarchicalBuckets(GradSync):
         for b in self.buckets:
             h = self.split[b.group.axis]
             carried(b.group, b.flat, self.layout.wire,
-                    lambda t, op, h=h: reduce_hierarchical(h, t, op))
+                    lambda t, *op, h=h: reduce_hierarchical(h, t, *op))

@@ -122,8 +122,8 @@ class PostedSync(GradSync):
             return None
         sent = outgoing(b.flat, b.group, self.layout.wire)
         op = op_for(sent, self.layout.wire)
-        h = thread.allreduce_(b.group, sent, op) if thread is not None \
-            else b.group.iallreduce_(sent, op)
+        h = thread.allreduce_(b.group, sent, *op) if thread is not None \
+            else b.group.iallreduce_(sent, *op)
         return h, (None if sent is b.flat else sent)
 
     def _wait_all(self) -> None:

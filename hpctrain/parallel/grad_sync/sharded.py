@@ -34,8 +34,8 @@ class Zero1(PostedSync):
         send = outgoing(self._send(b), b.group, self.layout.wire)
         recv = torch.empty_like(b.shard, dtype=send.dtype)  # added to the shard after the wait
         op = op_for(send, self.layout.wire)
-        h = thread.reduce_scatter(b.group, send, recv, op) if thread is not None \
-            else b.group.ireduce_scatter(send, recv, op)
+        h = thread.reduce_scatter(b.group, send, recv, *op) if thread is not None \
+            else b.group.ireduce_scatter(send, recv, *op)
         return h, recv
 
     def _sum(self) -> None:

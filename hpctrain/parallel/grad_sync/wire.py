@@ -16,9 +16,10 @@ def wire_dtype(name: str) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def op_for(t: torch.Tensor, wire: torch.dtype | None) -> str:
-    """The reduction op of a tensor about to be sent: ``sum16`` for a wire copy."""
-    return "sum16" if wire is not None and t.dtype == wire else "sum"
+def op_for(t: torch.Tensor, wire: torch.dtype | None) -> tuple:
+    """The op argument of a collective about to send ``t``: ``("sum16",)`` for a wire copy,
+    none (the collective's own sum) otherwise."""
+    return ("sum16",) if wire is not None and t.dtype == wire else ()
 
 
 def outgoing(t: torch.Tensor, group, wire: torch.dtype | None) -> torch.Tensor:
@@ -28,9 +29,9 @@ def outgoing(t: torch.Tensor, group, wire: torch.dtype | None) -> torch.Tensor:
 
 
 def carried(group, flat: torch.Tensor, wire: torch.dtype | None, reduce) -> None:
-    """``reduce(tensor, op)`` summing ``flat`` in place over ``group``, on its wire copy when
-    ``wire`` is set (then copied back into ``flat``)."""
+    """``reduce(tensor[, op])`` summing ``flat`` in place over ``group``, on its wire copy
+    (op ``sum16``) when ``wire`` is set, then copied back into ``flat``."""
     sent = outgoing(flat, group, wire)
-    reduce(sent, op_for(sent, wire))
+    reduce(sent, *op_for(sent, wire))
     if sent is not flat:
         flat.copy_(sent)
