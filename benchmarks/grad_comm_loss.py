@@ -1,7 +1,7 @@
 """The loss with 16-bit gradient traffic against float32 traffic, over a few hundred steps
 of the demo (``share/configs/demo.toml``, dp=4):
 
-    python -m benchmarks.grad_comm_loss [--steps 300] [--out DIR]
+    python -m benchmarks.grad_comm_loss [--steps 300] [--out FILE] [--set KEY=VALUE ...]
 
 trains the demo twice under ``mpirun`` (``optim.grad_comm_dtype`` = ``""`` and
 ``"bfloat16"``, nothing else differs) and prints, per step window, the relative difference of
@@ -28,8 +28,8 @@ DEMO = ROOT / "share" / "configs" / "demo.toml"
 SIDES = {"float32": '""', "bfloat16": '"bfloat16"'}
 
 
-def train(run_dir: Path, steps: int, wire: str) -> list[dict]:
-    sets = [f"train.steps={steps}", "checkpoint.every=0", "checkpoint.save_final=false",
+def train(run_dir: Path, steps: int, wire: str, extra: list[str]) -> list[dict]:
+    sets = [*extra, f"train.steps={steps}", "checkpoint.every=0", "checkpoint.save_final=false",
             "train.eval_every=50", f"optim.grad_comm_dtype={wire}", f"train.log_every={steps}"]
     args = ["-m", "hpctrain", "train", str(DEMO), "--run-dir", str(run_dir)]
     for s in sets:
@@ -56,9 +56,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.grad_comm_loss")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--out", default="", help="write the comparison here as JSON")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another override for both runs (e.g. train.seed=7)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hpct-wire-") as d:
-        runs = {k: train(Path(d) / k, args.steps, v) for k, v in SIDES.items()}
+        runs = {k: train(Path(d) / k, args.steps, v, args.set) for k, v in SIDES.items()}
     res = compare(runs)
     print(f"training loss, bfloat16 vs float32 traffic over {res['steps']} steps: mean "
           f"relative difference {res['mean_rel']:.2e}, max {res['max_rel']:.2e}")
