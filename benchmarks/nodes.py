@@ -22,17 +22,13 @@ link's rate. The plan's prediction of each hpctrain variant comes from
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 from hpctrain.launch import ROOT
 
-from .cluster import RATE, SCRIPT, launch
+from .cluster import RATE, begin
 from .cluster_worker import MODEL
-from .common import median, pair_ratios, ratio, result, row, same_losses
+from .common import median, pair_ratios, ratio, row, same_losses
 from .nodes_worker import HPCTRAIN, TORCH, hpctrain_variants
 
 RANKS = (1,)
@@ -139,16 +135,10 @@ def check(samples: dict) -> dict:
 
 def run(world, size: str, repeats: int) -> dict:
     """Drive the cluster from world rank 0 (world size 1); see the module docstring."""
-    out = result("nodes", world, size, repeats,
-                 f"2 simulated nodes x 2 ranks, inter-node link {RATE} (tc tbf), same model, "
-                 f"data and global batch: {' '.join(MODEL[size])}")
-    probe = subprocess.run([str(SCRIPT), "check"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        out["notes"].append(f"skipped: no simulated cluster here ({probe.stderr.strip()})")
+    out, samples = begin("nodes", world, size, repeats, "same model, data and global batch",
+                         "nodes_worker")
+    if samples is None:
         return out
-    with tempfile.TemporaryDirectory(prefix="hpct-nodes-bench-") as d:
-        launch(size, repeats, Path(d) / "samples.json", worker="nodes_worker")
-        samples = json.loads((Path(d) / "samples.json").read_text())
     per = {k: [median(_steady(s["step_s"])) for s in v] for k, v in samples.items()}
     step = {k: median(v) for k, v in per.items()}
     comm = {k: median([_comm(s) for s in v]) for k, v in samples.items()

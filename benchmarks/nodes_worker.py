@@ -13,14 +13,10 @@ Rank 0 writes each variant's samples (step seconds, exposed communication per ax
 
 from __future__ import annotations
 
-import contextlib
-import json
 import socket
 import sys
-import time
-from pathlib import Path
 
-from .cluster_worker import MODEL, train_once
+from .cluster_worker import MODEL, interleave, train_once, worker_args
 
 BF16 = 'optim.grad_comm_dtype="bfloat16"'
 DP4 = ["topology.dp=4"]
@@ -82,7 +78,7 @@ def torch_dist(world):
     return dist
 
 
-def _wrap(stage, kind: str, arg, world):
+def _wrap(stage, kind: str, arg):
     """DDP in its best settings (bucket ``arg`` MB, gradient_as_bucket_view, static graph),
     or FSDP2 ``fully_shard`` per block and at the root over a mesh of shape ``arg``
     ((4,): full shard; (2, 2): replicate across nodes x shard within a node)."""
@@ -102,50 +98,12 @@ def _wrap(stage, kind: str, arg, world):
 
 
 def torch_steps(cfg, world, kind: str, arg) -> dict:
-    """hpctrain's training as a PyTorch loop (torch AdamW, clip, accumulation) under DDP or
-    FSDP2; rank 0's step seconds and losses."""
-    import torch
+    """hpctrain's training as a PyTorch loop (``common.torch_loop``) under DDP or FSDP2
+    (:func:`_wrap`); rank 0's step seconds and losses."""
+    from .common import torch_loop
 
-    from hpctrain.data.dataset import Sampler, load_tokens
-    from hpctrain.optim import lr_at
-
-    from .common import local_model, torch_optimizer
-
-    dist = torch_dist(world)
-    t, o = cfg.train, cfg.optim
-    model = _wrap(local_model(cfg), kind, arg, world)
-    params = list(model.parameters())
-    opt = torch_optimizer(params, o)
-    tokens = load_tokens(cfg.data.path, "train", cfg.data.corpus_mb, cfg.data.val_fraction)
-    sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
-                      world.size, world.rank, t.seed)
-    scale = world.size / (t.global_batch_size * t.seq_len)  # both average over ranks
-    times, losses = [], []
-    for step in range(t.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        mbs = sampler.local(step)
-        opt.zero_grad(set_to_none=kind != "ddp")
-        total = 0.0
-        for j, (x, y) in enumerate(mbs):
-            last = j == len(mbs) - 1
-            if kind == "ddp":
-                ctx = contextlib.nullcontext() if last else model.no_sync()
-            else:
-                model.set_requires_gradient_sync(last)
-                ctx = contextlib.nullcontext()
-            with ctx:
-                loss = model(x, y)
-                (loss * scale).backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, o, t.steps)
-        opt.step()
-        buf = torch.tensor([total], dtype=torch.float64)
-        dist.all_reduce(buf)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(buf[0]) / (t.global_batch_size * t.seq_len))
+    torch_dist(world)
+    times, losses = torch_loop(cfg, world, wrap=lambda stage: _wrap(stage, kind, arg))
     return {"step_s": times, "comm_s": [{} for _ in times], "losses": losses}
 
 
@@ -169,27 +127,14 @@ def one(world, solo, name: str, size: str) -> dict | None:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     from hpctrain import comm
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.nodes_worker")
-    p.add_argument("--size", default="tiny")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    args = worker_args("python -m benchmarks.nodes_worker", argv)
     world = comm.world()
     solo = comm.split(world, world.rank, 0, "bench-solo")
     names = ["naive baseline", *hpctrain_variants(), *TORCH, "compute"]
-    samples: dict[str, list] = {k: [] for k in names}
-    for r in range(args.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            res = one(world, solo, name, args.size)
-            if world.rank == 0:
-                samples[name].append(res)
-                print(f"[nodes] {name}: {[round(s, 3) for s in res['step_s']]}", flush=True)
-    if world.rank == 0:
-        Path(args.out).write_text(json.dumps(samples))
+    interleave(world, names, args.repeats, lambda n: one(world, solo, n, args.size),
+               args.out, "nodes")
     return 0
 
 
