@@ -67,7 +67,7 @@ def predicted(size: str) -> dict[str, dict]:
 
     cluster = load_cluster(str(DESCRIPTION))
     out = {}
-    for name, overrides in hpctrain_variants().items():
+    for name, overrides in hpctrain_variants().items():  # (tiny runs only some)
         p = predict(_config(size, overrides), cluster)
         out[name] = {"step": p.step_s - p.parts["checkpoint"], "dp": p.parts.get("dp", 0.0),
                      "compute": p.parts.get("compute", 0.0)}
@@ -94,8 +94,8 @@ def ratios(per: dict, step: dict, comm: dict, plan: dict, bound: float) -> list[
     compute = step["compute"]
     ours = [n for n in step if n.startswith("hpctrain")]
     best = min(ours, key=step.get)
-    ddp = min((n for n in TORCH if TORCH[n][0] == "ddp"), key=step.get)
-    fsdp = min((n for n in TORCH if TORCH[n][0] == "fsdp"), key=step.get)
+    ddp = min((n for n in TORCH if TORCH[n][0] == "ddp" and n in step), key=step.get)
+    fsdp = min((n for n in TORCH if TORCH[n][0] == "fsdp" and n in step), key=step.get)
     out = []
     for peer, target in (("naive baseline", ">= 1.5"), (ddp, ">= 1.15"), (fsdp, ">= 1.15")):
         q = ratio(f"{peer} / {best[10:]}", 0.0, target, pair_ratios(per[peer], per[best]))
