@@ -4,7 +4,8 @@ Every collective and point-to-point transfer of the trainer goes through a :clas
 (one per topology axis). Tensors are handed over zero-copy: CPU torch tensors as numpy views
 with mpi4py's upper-case buffer methods, CUDA tensors through ``comm/gpu.py`` (CuPy
 via DLPack, or host staging). bfloat16/float16 travel as raw 16-bit words for data
-movement and are reduced in float32.
+movement and are reduced in float32, except with op ``sum16`` (bfloat16 summed as 16-bit
+words on the wire: ``wire.py``).
 
 Every operation is recorded (op, axis, peer, bytes, posted, completed) in the group's
 :class:`Recorder` (``records.py``), one per run, shared by all groups of a topology.
