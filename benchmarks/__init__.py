@@ -36,6 +36,7 @@ BENCHES = {
     "memory": (1, 2, 4),  # ZeRO 0/1/2 peak memory and step time (ZeRO issue)
     "scaling": (1, 2, 4),  # "just add devices": naive design vs hpctrain's, efficiency
     "cluster": (1,),  # 2 simulated nodes: placement, hierarchical dp, overlap, scaling
+    "nodes": (1,),  # 2 simulated nodes: hpctrain vs naive, DDP, FSDP2 and the bound
     "data": (1, 2, 4),  # prepare vs the tokenizers library; data share of a step; RSS vs corpus
 }
 SIZES = ("tiny", "small")

@@ -41,8 +41,9 @@ SCRIPT = ROOT / "scripts" / "cluster.sh"
 
 
 
-def launch(size: str, repeats: int, out: Path) -> str:
-    """Make the cluster, run the worker on 4 ranks over it, remove it; returns the log."""
+def launch(size: str, repeats: int, out: Path, worker: str = "cluster_worker") -> str:
+    """Make the cluster, run ``worker`` (a module of this package) on 4 ranks over it,
+    remove it; returns the log."""
     name = f"b{os.getpid() % 10**6}"
     env = nested_env()
     subprocess.run([str(SCRIPT), "up", name, "2", "2", RATE], check=True, env=env,
@@ -50,7 +51,7 @@ def launch(size: str, repeats: int, out: Path) -> str:
     try:
         launcher = detect().with_program(cluster_program(str(SCRIPT), name))
         proc = subprocess.run(
-            command(4, sys.executable, "-m", "mpi4py", "-m", f"{__package__}.cluster_worker",
+            command(4, sys.executable, "-m", "mpi4py", "-m", f"{__package__}.{worker}",
                     "--size", size, "--repeats", str(repeats), "--out", str(out),
                     launcher=launcher), env=env, capture_output=True, text=True,
             timeout=1500, cwd=ROOT)
@@ -60,6 +61,22 @@ def launch(size: str, repeats: int, out: Path) -> str:
         return log
     finally:
         subprocess.run([str(SCRIPT), "down", name], env=env, capture_output=True)
+
+
+def begin(name: str, world, size: str, repeats: int, what: str,
+          worker: str) -> tuple[dict, dict | None]:
+    """The result of part ``name`` (``what`` after the link) and each variant's samples from
+    ``worker`` run over a fresh simulated cluster, or None (with a note in the result)
+    where this machine cannot make one."""
+    out = result(name, world, size, repeats, f"2 simulated nodes x 2 ranks, inter-node link "
+                 f"{RATE} (tc tbf, no added delay), {what}: {' '.join(MODEL[size])}")
+    check = subprocess.run([str(SCRIPT), "check"], capture_output=True, text=True)
+    if check.returncode != 0:
+        out["notes"].append(f"skipped: no simulated cluster here ({check.stderr.strip()})")
+        return out, None
+    with tempfile.TemporaryDirectory(prefix="hpct-cluster-bench-") as d:
+        launch(size, repeats, Path(d) / "samples.json", worker)
+        return out, json.loads((Path(d) / "samples.json").read_text())
 
 
 def _steady(xs: list) -> list:
@@ -112,16 +129,10 @@ def _comm_note(name: str, runs: list[dict], step_s: float, share: float) -> str:
 
 def run(world, size: str, repeats: int) -> dict:
     """Drive the cluster from world rank 0 (world size 1); see the module docstring."""
-    out = result("cluster", world, size, repeats,
-                 f"2 simulated nodes x 2 ranks, inter-node link {RATE} (tc tbf, no added "
-                 f"delay), same model and global batch: {' '.join(MODEL[size])}")
-    check = subprocess.run([str(SCRIPT), "check"], capture_output=True, text=True)
-    if check.returncode != 0:
-        out["notes"].append(f"skipped: no simulated cluster here ({check.stderr.strip()})")
+    out, samples = begin("cluster", world, size, repeats, "same model and global batch",
+                         "cluster_worker")
+    if samples is None:
         return out
-    with tempfile.TemporaryDirectory(prefix="hpct-cluster-bench-") as d:
-        launch(size, repeats, Path(d) / "samples.json")
-        samples = json.loads((Path(d) / "samples.json").read_text())
     step = {k: median([median(_steady(s["step_s"])) for s in v]) for k, v in samples.items()}
     share = {k: median([_share(s) for s in v]) for k, v in samples.items()}
     out["rows"] = [row(k, [median(_steady(s["step_s"])) for s in v]) for k, v in

@@ -100,31 +100,46 @@ def train_once(world, sub, overrides: list[str], size: str) -> dict | None:
     return out
 
 
-def main(argv=None) -> int:
+def worker_args(prog: str, argv=None):
+    """``--size``, ``--repeats``, ``--out`` of a worker inside the simulated cluster."""
     import argparse
 
-    from hpctrain import comm
-
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cluster_worker")
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--size", default="tiny")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def interleave(world, names: list[str], repeats: int, one, out: str, tag: str) -> None:
+    """``one(name)`` for every variant, ``repeats`` times, the order reversed every other
+    repeat; rank 0 writes each variant's samples to ``out`` (JSON). Collective when ``one``
+    is."""
+    samples: dict[str, list] = {k: [] for k in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            res = one(name)
+            if world.rank == 0:
+                samples[name].append(res)
+                print(f"[{tag}] {name}: {res['step_s']}", flush=True)
+    if world.rank == 0:
+        Path(out).write_text(json.dumps(samples))
+
+
+def main(argv=None) -> int:
+    from hpctrain import comm
+
+    args = worker_args("python -m benchmarks.cluster_worker", argv)
     world = comm.world()
     node0 = comm.split(world, int(world.rank < 2), world.rank, "bench-node0")
     todo = variants(args.size)
-    samples = {k: [] for k in todo}
-    names = list(todo)
-    for r in range(args.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            n = todo[name][0]
-            sub = world if n == 4 else (node0 if world.rank < 2 else None)
-            res = train_once(world, sub, overrides_of(todo[name], args.size), args.size)
-            if world.rank == 0:
-                samples[name].append(res)
-                print(f"[cluster] {name}: {res['step_s']}", flush=True)
-    if world.rank == 0:
-        Path(args.out).write_text(json.dumps(samples))
+
+    def one(name: str) -> dict | None:
+        n = todo[name][0]
+        sub = world if n == 4 else (node0 if world.rank < 2 else None)
+        return train_once(world, sub, overrides_of(todo[name], args.size), args.size)
+
+    interleave(world, list(todo), args.repeats, one, args.out, "cluster")
     return 0
 
 

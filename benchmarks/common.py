@@ -225,11 +225,21 @@ def local_model(cfg):
     return stage
 
 
-def torch_loop(cfg, world=None) -> tuple[list[float], list[float]]:
+def _accumulating(model, sync: bool):
+    """The context of a microbatch's backward: gradients reduced only when ``sync`` (DDP's
+    ``no_sync`` otherwise; FSDP2's ``set_requires_gradient_sync``)."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else model.no_sync()
+
+
+def torch_loop(cfg, world=None, wrap=None) -> tuple[list[float], list[float]]:
     """The same training as ``hpctrain train`` written as a plain PyTorch loop: torch AdamW,
     ``clip_grad_norm_``, gradient accumulation over microbatches. With ``world`` (size > 1)
-    the model is wrapped in DistributedDataParallel (gloo, started by :func:`torch_dist`)
-    and each rank takes its dp slice of the same global batch. Returns (step s, losses)."""
+    the model is wrapped by ``wrap(stage)``, by default in DistributedDataParallel (gloo,
+    started by :func:`torch_dist`; DDP and FSDP2 both average over ranks), and each rank
+    takes its dp slice of the same global batch. Returns (step s, losses)."""
     import torch.distributed as dist
 
     from hpctrain.data.dataset import Sampler, load_tokens
@@ -237,11 +247,11 @@ def torch_loop(cfg, world=None) -> tuple[list[float], list[float]]:
 
     t, o = cfg.train, cfg.optim
     dp, rank = (world.size, world.rank) if world is not None else (1, 0)
-    stage = local_model(cfg)
-    params = list(stage.parameters())
-    model = stage
+    model = stage = local_model(cfg)
     if dp > 1:
-        model = torch.nn.parallel.DistributedDataParallel(stage, bucket_cap_mb=o.bucket_mb)
+        model = wrap(stage) if wrap is not None else \
+            torch.nn.parallel.DistributedDataParallel(stage, bucket_cap_mb=o.bucket_mb)
+    params = list(model.parameters())  # after wrapping: FSDP2 swaps in sharded ones
     opt = torch_optimizer(params, o)
     tokens = load_tokens(cfg.data.path, "train", cfg.data.corpus_mb, cfg.data.val_fraction)
     sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
@@ -256,7 +266,7 @@ def torch_loop(cfg, world=None) -> tuple[list[float], list[float]]:
         total = 0.0
         for j, (x, y) in enumerate(mbs):
             sync = dp == 1 or j == len(mbs) - 1
-            with contextlib.nullcontext() if sync else model.no_sync():
+            with _accumulating(model, sync):
                 loss = model(x, y)
                 (loss * scale).backward()
             total += float(loss.detach())

@@ -166,6 +166,27 @@ def _check_optim(cfg: Config, world_size: int, need) -> None:
     need(o.min_lr <= o.lr or o.min_lr < 0 or o.lr < 0,
          f"optim.min_lr={o.min_lr!r} must be <= optim.lr={o.lr!r} (the learning rate decays "
          "from lr to min_lr)")
+    _check_comm_dtype(cfg, need)
+
+
+def _check_comm_dtype(cfg: Config, need) -> None:
+    """``optim.grad_comm_dtype``: bfloat16 only, and only where a float32 reduction on host
+    buffers crosses ranks (docs/decisions.md says why float16 is refused)."""
+    wire, key = cfg.optim.grad_comm_dtype, "optim.grad_comm_dtype"
+    if not wire:
+        return
+    need(wire != "float16", f"{key}=float16 is refused: gradients of the mean loss underflow "
+         "float16's range (smallest normal 6e-5); use bfloat16 (float32's range)")
+    top = cfg.topology
+    need(top.dp * top.cp > 1, f"{key}={wire} needs a gradient reduction: topology.dp * "
+         f"topology.cp = {top.dp}*{top.cp} = 1; set it back to \"\" or raise dp")
+    need(cfg.model.dtype != "float64", f"{key}={wire} with model.dtype=float64 throws away the "
+         "precision float64 is for; use model.dtype=float32, or grad_comm_dtype=\"\"")
+    need(cfg.model.device == "cpu", f"{key}={wire} needs model.device=cpu (its 16-bit sum "
+         "runs on host memory); set it to \"\" on cuda")
+    need(cfg.experimental.reduction != "per-parameter", f"{key}={wire} with "
+         "experimental.reduction=per-parameter: the naive baseline carries the gradients' "
+         "dtype; drop one of the two")
 
 
 def _check_schedule(cfg: Config, world_size: int, need) -> None:

@@ -4,7 +4,8 @@ Every collective and point-to-point transfer of the trainer goes through a :clas
 (one per topology axis). Tensors are handed over zero-copy: CPU torch tensors as numpy views
 with mpi4py's upper-case buffer methods, CUDA tensors through ``comm/gpu.py`` (CuPy
 via DLPack, or host staging). bfloat16/float16 travel as raw 16-bit words for data
-movement and are reduced in float32.
+movement and are reduced in float32, except with op ``sum16`` (bfloat16 summed as 16-bit
+words on the wire: ``wire.py``).
 
 Every operation is recorded (op, axis, peer, bytes, posted, completed) in the group's
 :class:`Recorder` (``records.py``), one per run, shared by all groups of a topology.
@@ -20,12 +21,14 @@ import numpy as np
 from mpi4py import MPI
 
 from .records import OpRecord, Recorder
+from .wire import SUM16
 
 if TYPE_CHECKING:
     import torch
 
 PROC_NULL = MPI.PROC_NULL
-_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN,
+        "sum16": SUM16}  # bfloat16 summed as 16-bit words (wire.py); else 16 bits in float32
 
 
 
@@ -181,10 +184,11 @@ class Group:
 
     # -- reductions --------------------------------------------------------------------
     def allreduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce; 16-bit floats are reduced in float32."""
+        """In-place all-reduce; 16-bit floats are reduced in float32 (``sum16``: bfloat16 on
+        the wire)."""
         if self.size == 1:
             return t
-        if _low(t):
+        if _low(t) and op != "sum16":
             staged = t.float()
             self.allreduce_(staged, op)
             t.copy_(staged)
@@ -199,7 +203,7 @@ class Group:
         """Nonblocking in-place all-reduce; the tensor is valid after ``wait()``."""
         rec = self.recorder.post("iallreduce", self.axis, -1, t.nbytes)
         bufs = _Buffers()
-        if _low(t):
+        if _low(t) and op != "sum16":
             staged = t.float()
             req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(staged, write=True), _OPS[op])
 
@@ -226,27 +230,32 @@ class Group:
                       lambda: self.mpi.Allreduce(MPI.IN_PLACE, out, _OPS[op]))
         return out
 
-    def reduce_scatter(self, t_in: torch.Tensor, t_out: torch.Tensor) -> torch.Tensor:
-        """Sum ``t_in`` (``size`` equal blocks along dim 0) and keep block ``rank`` in t_out."""
+    def reduce_scatter(self, t_in: torch.Tensor, t_out: torch.Tensor,
+                       op: str = "sum") -> torch.Tensor:
+        """Sum ``t_in`` (``size`` equal blocks along dim 0) and keep block ``rank`` in t_out
+        (``sum16``: bfloat16 in and out, on the wire too)."""
         if self.size == 1:
             return t_out.copy_(t_in)
-        if _low(t_in):
+        if _low(t_in) and op != "sum16":
             out32 = t_out.new_empty(t_out.shape, dtype=t_in.float().dtype)
             self.reduce_scatter(t_in.float(), out32)
             return t_out.copy_(out32)
         bufs = _Buffers()
         sb, rb = bufs(t_in), bufs(t_out, write=True)
         self._run("reduce_scatter", t_in.nbytes,
-                  lambda: self.mpi.Reduce_scatter_block(sb, rb, MPI.SUM))
+                  lambda: self.mpi.Reduce_scatter_block(sb, rb, _OPS[op]))
         bufs.done()
         return t_out
 
-    def ireduce_scatter(self, t_in: torch.Tensor, t_out: torch.Tensor) -> Handle:
+    def ireduce_scatter(self, t_in: torch.Tensor, t_out: torch.Tensor,
+                        op: str = "sum") -> Handle:
         """Nonblocking :meth:`reduce_scatter`; ``t_out`` is valid after ``wait()``. 16-bit
-        inputs are reduced in float32 (``t_out`` may be float32 to keep that precision)."""
+        inputs are reduced in float32 (``t_out`` may be float32 to keep that precision),
+        except with ``sum16`` (bfloat16 in and out)."""
         rec = self.recorder.post("ireduce_scatter", self.axis, -1, t_in.nbytes)
-        src = t_in.float() if _low(t_in) else t_in
-        dst = t_out.float() if _low(t_out) or src.dtype != t_out.dtype \
+        wire = op == "sum16"
+        src = t_in.float() if _low(t_in) and not wire else t_in
+        dst = t_out.float() if not wire and (_low(t_out) or src.dtype != t_out.dtype) \
             else t_out
         bufs = _Buffers()
 
@@ -258,7 +267,7 @@ class Group:
         if self.size == 1:
             dst.copy_(src)
             return Handle(self.recorder, _DoneRequest(), rec, finalise=finalise)
-        req = self.mpi.Ireduce_scatter_block(bufs(src), bufs(dst, write=True), MPI.SUM)
+        req = self.mpi.Ireduce_scatter_block(bufs(src), bufs(dst, write=True), _OPS[op])
         return Handle(self.recorder, req, rec, finalise=finalise, keep=(src, dst))
 
     # -- data movement -----------------------------------------------------------------

@@ -117,18 +117,20 @@ class ProgressThread:
         self._jobs.put((blocking, nonblocking, req))
         return Handle(group.recorder, req, rec, keep=keep)
 
-    def allreduce_(self, group: Group, t: torch.Tensor) -> Handle:
-        """In-place sum over ``group``; ``t`` is valid after ``wait()``."""
+    def allreduce_(self, group: Group, t: torch.Tensor, op: str = "sum") -> Handle:
+        """In-place sum over ``group`` (``op``: as :meth:`Group.allreduce_`); ``t`` is valid
+        after ``wait()``."""
         dup = self._dups[id(group)]
-        return self._post(group, "allreduce (progress thread)", t.nbytes, lambda: dup.allreduce_(t),
-                          lambda: dup.iallreduce_(t), t)
+        return self._post(group, "allreduce (progress thread)", t.nbytes,
+                          lambda: dup.allreduce_(t, op), lambda: dup.iallreduce_(t, op), t)
 
-    def reduce_scatter(self, group: Group, send: torch.Tensor, recv: torch.Tensor) -> Handle:
+    def reduce_scatter(self, group: Group, send: torch.Tensor, recv: torch.Tensor,
+                       op: str = "sum") -> Handle:
         """:meth:`Group.reduce_scatter` of ``send`` into ``recv`` over ``group``."""
         dup = self._dups[id(group)]
         return self._post(group, "reduce_scatter (progress thread)", send.nbytes,
-                          lambda: dup.reduce_scatter(send, recv),
-                          lambda: dup.ireduce_scatter(send, recv), (send, recv))
+                          lambda: dup.reduce_scatter(send, recv, op),
+                          lambda: dup.ireduce_scatter(send, recv, op), (send, recv))
 
     def close(self) -> None:
         """Stop the thread after the operations already posted."""

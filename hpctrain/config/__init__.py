@@ -138,6 +138,10 @@ class OptimConfig:
                                         "(the final wait alone), auto (thread where dp crosses "
                                         "nodes and MPI is multi-threaded, else test)",
                                         choices=OVERLAP_PROGRESS)
+    grad_comm_dtype: str = key("", "what gradient reductions carry: \"\" the gradients' dtype; "
+                                   "bfloat16 half float32's bytes (accumulation and the "
+                                   "optimizer stay float32); float16 is refused (its range)",
+                               choices=("", "bfloat16", "float16"))
     loss_scale: float = key(65536.0, "float16: initial dynamic loss scale", gt=0)
 
 

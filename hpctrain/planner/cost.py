@@ -30,7 +30,8 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 The pipeline's makespan comes from ``pipeline/simulate.py`` fed with these per-rank costs
 (bubble included), or the closed form ``(m + (p-1)/v)(F+B)`` above ``SIMULATED_MAX``
 chunk-microbatches (zbv's V placement and bubble included). Then per step: the gradient
-reduction over the replicas dp x cp (ZeRO 0: all-reduce of float32 gradients; 1:
+reduction over the replicas dp x cp (ZeRO 0: all-reduce of float32 gradients, bfloat16 with
+``optim.grad_comm_dtype``; 1:
 reduce-scatter + all-gather of parameters; 2: reduce-scatter per microbatch; FSDP of the
 published runs (``Extras.fsdp``): two all-gathers of parameters and one reduce-scatter per
 microbatch; one latency per ``optim.bucket_mb`` bucket; the reductions a gradient hook
@@ -284,7 +285,7 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras,
     if d <= 1 or (o.zero == 3 and not ex.fsdp):  # zero 3: in the passes (zero3_exposed)
         return 0.0
     ps = DTYPE_BYTES[cfg.model.dtype]
-    gs = 8 if cfg.model.dtype == "float64" else 4
+    gs = 8 if cfg.model.dtype == "float64" else 2 if o.grad_comm_dtype else 4  # on the wire
     link = links["dp"]
     algo = "hierarchical" if t.dp_reduction == "hierarchical" else cluster.collective
     k = max(1, min(d, cluster.ranks_per_node // t.tp))

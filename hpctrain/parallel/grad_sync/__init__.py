@@ -8,6 +8,8 @@ one strategy object per way of summing gradients, behind one interface, chosen o
 - ``factory.py``: :func:`build` (from the configuration), :func:`create` (from explicit
   choices), :func:`choose` (the table: configuration -> strategy).
 - ``choice.py``: what the configuration asks: the reduction mode, overlap and its progress.
+- ``wire.py``: what reductions carry (``optim.grad_comm_dtype``): the buffers' dtype, or a
+  bfloat16 copy converted just before the collective and back after.
 - ``posting.py``: nonblocking posts in one fixed order, from gradient hooks or after
   backward, and the progress modes (shared machinery, not a strategy).
 - ``blocking.py``: :class:`BlockingBuckets`, one blocking all-reduce per bucket (default).

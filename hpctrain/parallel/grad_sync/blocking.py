@@ -1,5 +1,6 @@
 """Blocking buckets, the default (``experimental.reduction = "bucketed"``, zero 0, no overlap, flat
-dp): after backward, one blocking all-reduce per bucket, in bucket order.
+dp): after backward, one blocking all-reduce per bucket, in bucket order (in bfloat16 on the
+wire with ``optim.grad_comm_dtype``: ``wire.py``).
 
 Nothing to overlap with: the blocking, tuned all-reduce of the MPI library is the path here;
 docs/multi-node.md and docs/benchmarks.md ("Overlap and the naive baseline") compare it with
@@ -9,6 +10,7 @@ nonblocking buckets (libnbc) and with overlap.
 from __future__ import annotations
 
 from .base import GradSync
+from .wire import carried
 
 
 class BlockingBuckets(GradSync):
@@ -19,4 +21,4 @@ class BlockingBuckets(GradSync):
     def _sum(self) -> None:
         for b in self.buckets:
             b.posted += 1
-            b.group.allreduce_(b.flat)
+            carried(b.group, b.flat, self.layout.wire, b.group.allreduce_)

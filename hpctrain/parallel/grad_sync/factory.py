@@ -27,6 +27,7 @@ from .layout import BucketLayout
 from .nonblocking import NonblockingBuckets, OverlappedBuckets
 from .per_parameter import PerParameter
 from .sharded import Zero1, Zero2
+from .wire import wire_dtype
 from .zero3 import Zero3, units_of
 
 STRATEGIES = (BlockingBuckets, NonblockingBuckets, OverlappedBuckets, PerParameter,
@@ -56,14 +57,16 @@ def choose(zero: int = 0, overlap: bool = False, mode: str = "bucketed",
 
 def create(named, topo, bucket_mb: float, *, zero: int = 0, overlap: bool = False,
            microbatches: int = 1, mode: str = "bucketed", progress: str = "test",
-           split: dict | None = None, chunks: list | None = None) -> GradSync:
+           split: dict | None = None, chunks: list | None = None,
+           wire=None) -> GradSync:
     """The strategy for these choices over ``named`` parameters. ``split``: the two-level
     groups (``hierarchical.levels``) for a hierarchical reduction; ``chunks``: the model
-    chunks, ZeRO-3 only (its units and hooks). Collective over the groups with more than one
+    chunks, ZeRO-3 only (its units and hooks); ``wire``: the dtype reductions carry (None:
+    the gradients' own; ``wire.py``). Collective over the groups with more than one
     rank where a progress thread starts (``progress`` thread or poll) or ZeRO-3 shards."""
     cls = choose(zero, overlap, mode, "flat" if split is None else "hierarchical")
     units = units_of(chunks) if cls is Zero3 else None
-    layout = BucketLayout(named, topo, bucket_mb, sharded=zero > 0, units=units)
+    layout = BucketLayout(named, topo, bucket_mb, sharded=zero > 0, units=units, wire=wire)
     if cls is Zero3:
         return Zero3(layout, chunks, microbatches=microbatches, progress=progress)
     if cls in (Zero2, OverlappedBuckets):
@@ -80,11 +83,13 @@ def create(named, topo, bucket_mb: float, *, zero: int = 0, overlap: bool = Fals
 def build(cfg, topo, chunks: list, named) -> GradSync:
     """The grad sync for this configuration: ``optim.zero``, overlap (:func:`overlap_on`),
     its progress (:func:`progress_for`), the reduction mode (:func:`reduction_mode`) and
-    ``topology.dp_reduction``. Collective over the world's dp, edp and tp groups."""
+    ``topology.dp_reduction``, ``optim.grad_comm_dtype``. Collective over the world's dp,
+    edp and tp groups."""
     progress = progress_for(cfg.optim, topo)  # how overlapped reductions advance
     mode = reduction_mode(cfg)
     overlap = overlap_on(cfg.optim, topo, cfg.topology.dp_reduction, progress, mode)
     split = hierarchical.levels(topo)  # collective; None for a flat reduction
     return create(named, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero, overlap=overlap,
                   microbatches=microbatches_per_rank(cfg), mode=mode,
-                  progress=progress, split=split, chunks=chunks)
+                  progress=progress, split=split, chunks=chunks,
+                  wire=wire_dtype(cfg.optim.grad_comm_dtype))

@@ -17,6 +17,7 @@ import torch
 
 from ... import comm
 from .base import GradSync
+from .wire import carried
 
 
 @dataclass
@@ -43,22 +44,23 @@ def build_hierarchy(group: comm.Group, node_color: int | None = None) -> Hierarc
     return Hierarchy(group, local, cross, len(set(sizes)) == 1)
 
 
-def reduce_hierarchical(h: Hierarchy, flat: torch.Tensor) -> None:
+def reduce_hierarchical(h: Hierarchy, flat: torch.Tensor, op: str = "sum") -> None:
     """Sum ``flat`` (1-D, in place) over ``h.group`` in three steps: reduce-scatter over
     ``local``, all-reduce of this rank's shard over ``cross``, all-gather over ``local``.
-    Collective over ``h.group``; equal to ``h.group.allreduce_(flat)`` up to summation order."""
+    Collective over ``h.group``; equal to ``h.group.allreduce_(flat)`` up to summation order.
+    ``op``: ``sum``, or ``sum16`` for a bfloat16 ``flat`` carried as 16-bit words."""
     if h.group.size == 1:
         return
     if not h.uniform or h.local.size == 1 or h.cross.size == 1:
-        h.group.allreduce_(flat)  # one level only: the flat collective is the hierarchy
+        h.group.allreduce_(flat, op)  # one level only: the flat collective is the hierarchy
         return
     n, k = flat.numel(), h.local.size
     shard_n = -(-n // k)
     padded = flat if shard_n * k == n else torch.cat(
         [flat, flat.new_zeros(shard_n * k - n)])  # (k * shard_n,)
     shard = flat.new_empty(shard_n)
-    h.local.reduce_scatter(padded, shard)  # this node's sum of block local.rank
-    h.cross.allreduce_(shard)  # the global sum of that block
+    h.local.reduce_scatter(padded, shard, op)  # this node's sum of block local.rank
+    h.cross.allreduce_(shard, op)  # the global sum of that block
     h.local.allgather(shard, padded)  # every block, on every rank of the node
     if padded is not flat:
         flat.copy_(padded[:n])
@@ -85,4 +87,6 @@ class HierarchicalBuckets(GradSync):
 
     def _sum(self) -> None:
         for b in self.buckets:
-            reduce_hierarchical(self.split[b.group.axis], b.flat)
+            h = self.split[b.group.axis]
+            carried(b.group, b.flat, self.layout.wire,
+                    lambda t, *op, h=h: reduce_hierarchical(h, t, *op))

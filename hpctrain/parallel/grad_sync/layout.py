@@ -88,11 +88,14 @@ def cut(sizes: list, limit: float) -> list[list[int]]:
 class BucketLayout:
     """The buckets of ``named`` parameters (see the module docstring). ``sharded``: pad each
     bucket to a multiple of its group's size (ZeRO); ``units``: ZeRO-3's parameter names per
-    unit, one bucket per unit and group. Allocates nothing until a strategy asks."""
+    unit, one bucket per unit and group; ``wire``: the dtype the strategies' reductions carry
+    (``optim.grad_comm_dtype``, None: the buffers' own). Allocates nothing until a strategy
+    asks."""
 
     def __init__(self, named, topo, bucket_mb: float, *, sharded: bool = False,
-                 units: list | None = None):
+                 units: list | None = None, wire: torch.dtype | None = None):
         self.named, self.topo, self.sharded = list(named), topo, sharded
+        self.wire = wire  # the dtype reductions carry (wire.py); None: the buffers' own
         by_group: dict[str, list] = {"dp": [], "edp": []}
         for name, p in self.named:
             by_group[group_key(p)].append((name, p))

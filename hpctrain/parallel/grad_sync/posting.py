@@ -22,6 +22,7 @@ import torch
 from ... import comm
 from .base import GradSync
 from .layout import Bucket, BucketLayout
+from .wire import op_for, outgoing
 
 POLL_S = 0.0005  # optim.overlap_progress = "poll": seconds between MPI_Test calls
 
@@ -115,18 +116,21 @@ class PostedSync(GradSync):
 
     def _start(self, b: Bucket, thread) -> tuple | None:
         """Start ``b``'s reduction: (handle, receive buffer or None), or None when there is
-        nothing to send. Here: the bucket all-reduced in place."""
+        nothing to send. Here: the bucket all-reduced in place, or its wire copy (copied back
+        into the bucket after the wait)."""
         if b.group.size == 1:
             return None
-        h = thread.allreduce_(b.group, b.flat) if thread is not None \
-            else b.group.iallreduce_(b.flat)
-        return h, None
+        sent = outgoing(b.flat, b.group, self.layout.wire)
+        op = op_for(sent, self.layout.wire)
+        h = thread.allreduce_(b.group, sent, *op) if thread is not None \
+            else b.group.iallreduce_(sent, *op)
+        return h, (None if sent is b.flat else sent)
 
     def _wait_all(self) -> None:
         for handle, b, recv in self._pending:
             handle.wait()
-            if recv is not None:
-                b.shard.add_(recv)
+            if recv is not None:  # a shard's part (zero 1-3), or a bucket's wire copy
+                b.shard.add_(recv) if self.zero_level else b.flat.copy_(recv)
         self._pending, self._tested = [], 0
 
     def _sum(self) -> None:

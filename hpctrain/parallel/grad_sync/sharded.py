@@ -18,6 +18,7 @@ import torch
 
 from .layout import Bucket, shard_dtype
 from .posting import PostedSync
+from .wire import op_for, outgoing
 
 
 class Zero1(PostedSync):
@@ -30,10 +31,11 @@ class Zero1(PostedSync):
         return b.flat
 
     def _start(self, b: Bucket, thread) -> tuple:
-        send = self._send(b)
-        recv = torch.empty_like(b.shard)
-        h = thread.reduce_scatter(b.group, send, recv) if thread is not None \
-            else b.group.ireduce_scatter(send, recv)
+        send = outgoing(self._send(b), b.group, self.layout.wire)
+        recv = torch.empty_like(b.shard, dtype=send.dtype)  # added to the shard after the wait
+        op = op_for(send, self.layout.wire)
+        h = thread.reduce_scatter(b.group, send, recv, *op) if thread is not None \
+            else b.group.ireduce_scatter(send, recv, *op)
         return h, recv
 
     def _sum(self) -> None:

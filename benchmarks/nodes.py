@@ -1,0 +1,158 @@
+"""Across nodes, side by side: hpctrain's best layouts against the naive baseline, PyTorch
+DDP and FSDP2, and the bound, where the step is communication-bound.
+
+``python -m benchmarks --only nodes`` makes 2 simulated nodes x 2 ranks (``scripts/cluster.sh``,
+the inter-node link shaped to ``cluster.RATE`` by a token bucket) and runs ONE ``mpirun`` over
+them (:mod:`benchmarks.nodes_worker`) in which every variant trains the same model, init,
+data and global batch, interleaved repeat by repeat:
+
+- hpctrain's layouts, each a list of config overrides (``nodes_worker.HPCTRAIN``, plus HSDP
+  where the build has ``topology.shard_within``);
+- the naive baseline: flat dp, one blocking all-reduce per parameter, full replication, no
+  overlap, ``experimental.placement = "naive"``;
+- PyTorch DDP (gloo; bucket 4 and 25 MB, ``gradient_as_bucket_view``, ``static_graph``) and
+  FSDP2 (``fully_shard`` on gloo per block and root; full shard over 4, HSDP 2 x 2 mesh);
+- ``compute``: each rank alone on its quarter of the batch (no communication).
+
+The bound is ``compute`` plus the bytes that must cross each node's link (every gradient
+element once in each direction, at the wire dtype of hpctrain's fastest variant) at the
+link's rate. The plan's prediction of each hpctrain variant comes from
+``share/clusters/this-machine-2node.toml``. Every missed target prints its measured reason.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hpctrain.launch import ROOT
+
+from .cluster import RATE, begin
+from .cluster_worker import MODEL
+from .common import median, pair_ratios, ratio, row, same_losses
+from .nodes_worker import HPCTRAIN, TORCH, hpctrain_variants
+
+RANKS = (1,)
+DESCRIPTION = ROOT / "share" / "clusters" / "this-machine-2node.toml"
+
+
+def rate_bytes(rate: str) -> float:
+    """``tc`` rate text (``200mbit``) in bytes per second."""
+    m = re.fullmatch(r"([0-9.]+)\s*([kmg]?)bit", rate.strip().lower())
+    if not m:
+        raise ValueError(f"HPCTRAIN_CLUSTER_RATE={rate!r}: expected e.g. 200mbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] / 8
+
+
+def _steady(xs: list) -> list:
+    return xs[1:] if len(xs) > 1 else xs
+
+
+def _comm(sample: dict) -> float:
+    """Exposed communication seconds per steady step (hpctrain's metrics, rank 0)."""
+    steps = _steady(sample["comm_s"])
+    return sum(sum(c.values()) for c in steps) / len(steps)
+
+
+def _config(size: str, overrides: list[str]):
+    from .common import train_config
+
+    return train_config(size, *MODEL[size], *overrides)
+
+
+def predicted(size: str) -> dict[str, dict]:
+    """The plan's step (checkpoint left out) of each hpctrain variant on the description,
+    and its parts: ``{"step": s, "compute": s, "dp": s}``."""
+    from hpctrain.planner.cluster import load as load_cluster
+    from hpctrain.planner.cost import predict
+
+    cluster = load_cluster(str(DESCRIPTION))
+    out = {}
+    for name, overrides in hpctrain_variants().items():  # (tiny runs only some)
+        p = predict(_config(size, overrides), cluster)
+        out[name] = {"step": p.step_s - p.parts["checkpoint"], "dp": p.parts.get("dp", 0.0),
+                     "compute": p.parts.get("compute", 0.0)}
+    return out
+
+
+def wire_s(size: str, bf16: bool) -> float:
+    """Seconds the gradients need on one node's link: every element in and out once."""
+    from .common import local_model
+
+    n = sum(p.numel() for p in local_model(_config(size, [])).parameters())
+    return n * (2 if bf16 else 4) / rate_bytes(RATE)
+
+
+def _why(name: str, step: dict, comm: dict, compute: float) -> str:
+    exposed = (f"exposed communication {comm[name] * 1e3:.0f} ms" if name in comm else
+               f"about {(step[name] - compute) * 1e3:.0f} ms beyond compute")
+    return f"{name}: step {step[name] * 1e3:.0f} ms, compute {compute * 1e3:.0f} ms, {exposed}"
+
+
+def ratios(per: dict, step: dict, comm: dict, plan: dict, bound: float) -> list[dict]:
+    """The targets of the issue, each with its measured reason (``why``); against a peer,
+    the median of per-repeat ratios (``per``: each variant's step per repeat, interleaved)."""
+    compute = step["compute"]
+    ours = [n for n in step if n.startswith("hpctrain")]
+    best = min(ours, key=step.get)
+    ddp = min((n for n in TORCH if TORCH[n][0] == "ddp" and n in step), key=step.get)
+    fsdp = min((n for n in TORCH if TORCH[n][0] == "fsdp" and n in step), key=step.get)
+    out = []
+    for peer, target in (("naive baseline", ">= 1.5"), (ddp, ">= 1.15"), (fsdp, ">= 1.15")):
+        q = ratio(f"{peer} / {best[10:]}", 0.0, target, pair_ratios(per[peer], per[best]))
+        q["why"] = f"{_why(best, step, comm, compute)}; {_why(peer, step, comm, compute)}"
+        out.append(q)
+    link = bound - compute  # the bound of each repeat: its compute + the link's share
+    q = ratio(f"{best[10:]} / bound", 0.0, "<= 1.25",
+              pair_ratios(per[best], [c + link for c in per["compute"]]))
+    q["why"] = (f"bound {bound * 1e3:.0f} ms = compute {compute * 1e3:.0f} ms + link "
+                f"{(bound - compute) * 1e3:.0f} ms; {_why(best, step, comm, compute)}")
+    out.append(q)
+    for name in ours:
+        p = plan[name]
+        q = ratio(f"plan error |predicted / measured - 1|, {name[10:]}",
+                  abs(p["step"] / step[name] - 1), "<= 0.25")
+        q["why"] = (f"predicted {p['step'] * 1e3:.0f} ms (compute {p['compute'] * 1e3:.0f} ms, "
+                    f"exposed dp {p['dp'] * 1e3:.0f} ms), measured {step[name] * 1e3:.0f} ms "
+                    f"({_why(name, step, comm, compute)}; compute alone {compute * 1e3:.0f} ms)")
+        out.append(q)
+    return out
+
+
+def check(samples: dict) -> dict:
+    """Same losses: float32 traffic exactly as the naive baseline (1e-4); bf16 within 1e-2."""
+    f32 = {k: v[0]["losses"] for k, v in samples.items() if k != "compute" and "bf16" not in k}
+    b16 = {k: v[0]["losses"] for k, v in samples.items() if "bf16" in k}
+    out = same_losses(f32, tol=1e-4)
+    if b16:
+        loose = same_losses({"naive baseline": f32["naive baseline"], **b16}, tol=1e-2)
+        out["ok"] = out["ok"] and loose["ok"]
+        out["values"].update(loose["values"])
+        out["rel_err_bf16"] = loose["rel_err"]
+    out["what"] = ("per-step losses: float32 traffic within 1e-4 of the naive baseline, "
+                   "bfloat16 traffic within 1e-2")
+    return out
+
+
+def run(world, size: str, repeats: int) -> dict:
+    """Drive the cluster from world rank 0 (world size 1); see the module docstring."""
+    out, samples = begin("nodes", world, size, repeats, "same model, data and global batch",
+                         "nodes_worker")
+    if samples is None:
+        return out
+    per = {k: [median(_steady(s["step_s"])) for s in v] for k, v in samples.items()}
+    step = {k: median(v) for k, v in per.items()}
+    comm = {k: median([_comm(s) for s in v]) for k, v in samples.items()
+            if k == "naive baseline" or k.startswith("hpctrain")}
+    fastest = min((n for n in step if n.startswith("hpctrain")), key=step.get)
+    bound = step["compute"] + wire_s(size, "bf16" in fastest)
+    plan = predicted(size)
+    out["rows"] = [row(k, v, "s/step") for k, v in per.items()]
+    out["ratios"] = ratios(per, step, comm, plan, bound)
+    out["table"] = [{"variant": k, "step_s": step[k], "exposed_comm_s": comm.get(k),
+                     "predicted_s": plan[k]["step"] if k in plan else None} for k in step]
+    out["table"].append({"variant": "bound", "step_s": bound})
+    names = hpctrain_variants()
+    hsdp = "" if len(names) > len(HPCTRAIN) else " (no HSDP: topology.shard_within is absent)"
+    out["notes"].append(f"hpctrain variants: {', '.join(names)}{hsdp}")
+    out["check"] = check(samples)
+    return out

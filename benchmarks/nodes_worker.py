@@ -1,0 +1,152 @@
+"""The ranks of :mod:`benchmarks.nodes` inside the simulated cluster (2 nodes x 2 ranks,
+``scripts/cluster.sh``), ONE ``mpirun`` of 4 ranks:
+
+    scripts/cluster.sh mpirun NAME -n 4 python -m mpi4py \
+        -m benchmarks.nodes_worker --size tiny --repeats 1 --out SAMPLES.json
+
+Every variant trains the same model (``cluster_worker.MODEL``), init, data and global batch,
+interleaved repeat by repeat: hpctrain's layouts (:func:`hpctrain_variants`, config overrides
+only), the naive baseline (:data:`NAIVE`), PyTorch DDP and FSDP2 (gloo, :func:`torch_steps`)
+and ``compute``: every rank training its quarter of the batch alone (no communication).
+Rank 0 writes each variant's samples (step seconds, exposed communication per axis, losses).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+from .cluster_worker import MODEL, interleave, train_once, worker_args
+
+BF16 = 'optim.grad_comm_dtype="bfloat16"'
+DP4 = ["topology.dp=4"]
+HPCTRAIN = {  # name -> overrides on top of MODEL: the layouts that compete
+    "hpctrain: overlapped, bf16 traffic": [*DP4, "optim.overlap=true", BF16],
+    "hpctrain: hierarchical, bf16 traffic": [*DP4, 'topology.dp_reduction="hierarchical"',
+                                             BF16],
+    "hpctrain: overlapped, float32 traffic": [*DP4, "optim.overlap=true"],
+}
+HSDP = ("hpctrain: HSDP (zero 3 in a node), bf16 traffic",
+        [*DP4, "optim.zero=3", 'topology.shard_within="node"', BF16])
+# flat dp, one blocking all-reduce per parameter, no overlap, ranks placed without regard
+# to nodes
+NAIVE = [*DP4, 'experimental.reduction="per-parameter"', "optim.overlap_across_nodes=false",
+         'experimental.placement="naive"']
+TORCH = {"torch DDP (gloo, 4 MB buckets)": ("ddp", 4.0),
+         "torch DDP (gloo, 25 MB buckets)": ("ddp", 25.0),
+         "torch FSDP2 full shard (gloo)": ("fsdp", (4,)),
+         "torch FSDP2 HSDP 2x2 mesh (gloo)": ("fsdp", (2, 2))}
+
+
+# the smoke test (size tiny) runs one of each kind: seconds, not a comparison
+TINY = ("naive baseline", "hpctrain: overlapped, bf16 traffic", "torch DDP (gloo, 4 MB buckets)",
+        "torch FSDP2 HSDP 2x2 mesh (gloo)", "compute")
+
+
+def variant_names(size: str) -> list[str]:
+    """Every variant, interleaved in this order (at ``tiny``: :data:`TINY`)."""
+    names = ["naive baseline", *hpctrain_variants(), *TORCH, "compute"]
+    return [n for n in names if size != "tiny" or n in TINY]
+
+
+def hpctrain_variants() -> dict[str, list[str]]:
+    """hpctrain's variants; HSDP where this build has ``topology.shard_within``."""
+    from hpctrain.config import TopologyConfig
+
+    out = dict(HPCTRAIN)
+    if "shard_within" in TopologyConfig.__dataclass_fields__:
+        out[HSDP[0]] = HSDP[1]
+    return out
+
+
+def _my_address() -> tuple[str, str]:
+    """This node's address and interface for gloo: eth0's inside the cluster (a UDP
+    connect to the hub sends nothing), else loopback."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.213.0.254", 9))
+            return s.getsockname()[0], "eth0"
+    except OSError:
+        return "127.0.0.1", "lo"
+
+
+def torch_dist(world):
+    """gloo over the nodes' links: rank 0's node address, a port it picked."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist
+    addr, iface = _my_address()
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        port = s.getsockname()[1]
+    addr, port = world.bcast_obj((addr, port) if world.rank == 0 else None)
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=iface)
+    dist.init_process_group("gloo", init_method="env://", rank=world.rank,
+                            world_size=world.size)
+    return dist
+
+
+def _wrap(stage, kind: str, arg):
+    """DDP in its best settings (bucket ``arg`` MB, gradient_as_bucket_view, static graph),
+    or FSDP2 ``fully_shard`` per block and at the root over a mesh of shape ``arg``
+    ((4,): full shard; (2, 2): replicate across nodes x shard within a node)."""
+    import torch
+
+    if kind == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(
+            stage, bucket_cap_mb=arg, gradient_as_bucket_view=True, static_graph=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = ("shard",) if len(arg) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", arg, mesh_dim_names=names)
+    for block in stage.blocks.values():
+        fully_shard(block, mesh=mesh)
+    return fully_shard(stage, mesh=mesh)
+
+
+def torch_steps(cfg, world, kind: str, arg) -> dict:
+    """hpctrain's training as a PyTorch loop (``common.torch_loop``) under DDP or FSDP2
+    (:func:`_wrap`); rank 0's step seconds and losses."""
+    from .common import torch_loop
+
+    torch_dist(world)
+    times, losses = torch_loop(cfg, world, wrap=lambda stage: _wrap(stage, kind, arg))
+    return {"step_s": times, "comm_s": [{} for _ in times], "losses": losses}
+
+
+def compute_overrides(size: str) -> list[str]:
+    """One rank alone on a quarter of the global batch: the same microbatches per rank."""
+    g = next(int(x.split("=")[1]) for x in MODEL[size] if x.startswith("train.global_batch"))
+    return [f"train.global_batch_size={g // 4}", "topology.dp=1"]
+
+
+def one(world, solo, name: str, size: str) -> dict | None:
+    from .common import train_config
+
+    if name in TORCH:
+        cfg = train_config(size, *MODEL[size])
+        res = torch_steps(cfg, world, *TORCH[name])
+        return res if world.rank == 0 else None
+    if name == "compute":
+        return train_once(world, solo, [*MODEL[size], *compute_overrides(size)], size)
+    extra = NAIVE if name == "naive baseline" else hpctrain_variants()[name]
+    return train_once(world, world, [*MODEL[size], *extra], size)
+
+
+def main(argv=None) -> int:
+    from hpctrain import comm
+
+    args = worker_args("python -m benchmarks.nodes_worker", argv)
+    world = comm.world()
+    solo = comm.split(world, world.rank, 0, "bench-solo")
+    interleave(world, variant_names(args.size), args.repeats,
+               lambda n: one(world, solo, n, args.size), args.out, "nodes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
