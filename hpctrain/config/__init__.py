@@ -50,6 +50,8 @@ class TopologyConfig:
     dp_reduction: str = key("flat", "the dp gradient reduction: one flat all-reduce, or "
                                     "hierarchical (within a node, across nodes, within)",
                                     choices=("flat", "hierarchical"))
+    shard_within: str = key("", "ZeRO shard group (HSDP): \"\" all of dp*cp, \"node\" the ranks "
+                                "of a node, or a size N (\"2\"); replicated across groups")
 
 
 @dataclass(frozen=True)
