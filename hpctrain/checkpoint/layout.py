@@ -18,9 +18,10 @@ this rank's own tensors, no communication; a tensor is a flat shard when
 local parameter's flattened elements [a, b)), otherwise it has the parameter's local shape
 and is a shard like the parameter. Loading writes into these tensors in place.
 ``optimizer.writes_shard(name)`` (HSDP: copies of a shard in several shard groups) says
-whether this rank writes its flat shard. ``optimizer.step_count`` is the global step counter. ZeRO-3 shards the parameters too:
-``optimizer.param_shard(name)`` is then a 1-D view of the parameter's flat shard, written
-and read as a flat piece by every rank of the group (no gathering, ever).
+whether this rank writes its flat shard. ``optimizer.step_count`` is the global step
+counter. ZeRO-3 shards the parameters too: ``optimizer.param_shard(name)`` is then a 1-D
+view of the parameter's flat shard, written and read as a flat piece by every rank of the
+group (no gathering, ever).
 
 :func:`transfer` moves one piece between memory and an open h5py dataset with the HDF5
 low-level API so that ranks holding nothing still take part in a collective transfer

@@ -318,3 +318,10 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
 def microbatches(cfg: Config) -> int:
     t = cfg.train
     return t.global_batch_size // (cfg.topology.dp * t.micro_batch_size)
+
+
+def shard_size(tcfg: TopologyConfig) -> int:
+    """Ranks of a ZeRO shard group: ``topology.shard_within`` as a size, else all the replicas
+    of a parameter, dp x cp (``"node"``: known under MPI or from a cluster description)."""
+    w = tcfg.shard_within
+    return int(w) if w.isdigit() and int(w) >= 1 else tcfg.dp * tcfg.cp
