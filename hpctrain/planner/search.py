@@ -124,7 +124,7 @@ def judge(cfg: Config, cluster: Cluster, world: int) -> Candidate:
 
 def hsdp_variant(cfg: Config, cluster: Cluster) -> list[Config]:
     """HSDP of a ZeRO layout: shards within a node of ``cluster`` (``shard_within`` its
-    size), when a node holds some but not all of the dp x cp replicas; else []."""
+    size), when a node holds more than one but not all of the dp x cp replicas; else []."""
     t = cfg.topology
     if not cfg.optim.zero or t.shard_within:
         return []
@@ -133,7 +133,7 @@ def hsdp_variant(cfg: Config, cluster: Cluster) -> list[Config]:
             t, shard_within="node")), cluster)
     except ValueError:  # a node's share does not divide dp x cp
         return []
-    return [c] if int(c.topology.shard_within) < t.dp * t.cp else []
+    return [c] if 1 < int(c.topology.shard_within) < t.dp * t.cp else []
 
 
 def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
