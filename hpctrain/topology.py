@@ -144,6 +144,31 @@ def crossing(tcfg, nodes: int, ranks_per_node: int,
     return out
 
 
+def shard_groups(topo) -> dict[str, tuple[comm.Group, comm.Group]]:
+    """HSDP (``topology.shard_within``): each replica group (``dpcp_comm``, ``edpcp_comm``)
+    cut into *shard groups* (its ranks on this node, or in this rank's block of N consecutive
+    ``dpcp_comm`` ranks) and *replica groups* (its ranks at the same position of every shard
+    group), keyed ``dp`` / ``edp`` as ``grad_sync.layout.group_key``. ValueError when the
+    shard groups of one replica group differ in size (nodes holding unequal numbers of its
+    ranks). Collective over the world."""
+    w = topo.cfg.shard_within
+    if w == "node":  # the node, named by its lowest grid rank
+        color = int(topo.node_comm.allreduce(float(topo.rank), "min"))
+    else:
+        color = topo.dpcp_comm.rank // int(w)
+    out = {}
+    for key, g in (("dp", topo.dpcp_comm), ("edp", topo.edpcp_comm)):
+        shard = comm.split(g, color, g.rank, f"{g.axis}-shard")
+        replica = comm.split(g, shard.rank, g.rank, f"{g.axis}-replica")
+        sizes = sorted(set(g.allgather_obj(shard.size)))
+        if len(sizes) > 1:
+            raise ValueError(f"topology.shard_within={w!r}: the {g.axis} groups hold "
+                             f"{' or '.join(map(str, sizes))} ranks per shard group (nodes "
+                             "with unequal rank counts); give a size that divides dp*cp")
+        out[key] = (shard, replica)
+    return out
+
+
 class Topology:
     """This process's place in the grid and the communicators of each axis.
 
@@ -155,6 +180,8 @@ class Topology:
     the checkpoint writers) and ``edpcp_comm`` (dp_outer x cp: experts); with cp = 1 they
     are ``dp_comm`` and ``edp_comm`` themselves.
     ``pp_prev``/``pp_next`` are ranks in ``pp_comm`` (``MPI.PROC_NULL`` at the ends).
+    ``hsdp``: with ``topology.shard_within``, the (shard, replica) groups of ``dp`` and
+    ``edp`` (:func:`shard_groups`), else None.
     Creating a Topology is collective over the world communicator.
     """
 
@@ -190,6 +217,7 @@ class Topology:
             self.edpcp_comm = comm.sub(self.cart, (F, T, F, T, F), "edpcp")
         self.pp_prev, self.pp_next = comm.shift(self.cart, 0)
         self.node_comm = comm.node_local(self.cart)
+        self.hsdp = shard_groups(self) if tcfg.shard_within else None
         self.within_node = check(self)  # axis -> every group inside one node
         self.hostname = comm.processor_name()
 

@@ -17,9 +17,11 @@ this rank's own tensors, no communication; a tensor is a flat shard when
 ``optimizer.flat_shard(name)`` returns ``(a, b)`` (ZeRO: a 1-D view of the shard holding the
 local parameter's flattened elements [a, b)), otherwise it has the parameter's local shape
 and is a shard like the parameter. Loading writes into these tensors in place.
-``optimizer.step_count`` is the global step counter. ZeRO-3 shards the parameters too:
-``optimizer.param_shard(name)`` is then a 1-D view of the parameter's flat shard, written
-and read as a flat piece by every rank of the group (no gathering, ever).
+``optimizer.writes_shard(name)`` (HSDP: copies of a shard in several shard groups) says
+whether this rank writes its flat shard. ``optimizer.step_count`` is the global step
+counter. ZeRO-3 shards the parameters too: ``optimizer.param_shard(name)`` is then a 1-D
+view of the parameter's flat shard, written and read as a flat piece by every rank of the
+group (no gathering, ever).
 
 :func:`transfer` moves one piece between memory and an open h5py dataset with the HDF5
 low-level API so that ranks holding nothing still take part in a collective transfer
@@ -192,6 +194,7 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
     zero3 = getattr(optimizer, "zero3", False)
     local_state = getattr(optimizer, "local_state", None)
     state = local_state() if local_state is not None else optimizer.state
+    writes_shard = getattr(optimizer, "writes_shard", lambda _name: True)  # HSDP: one copy
     out = []
     for i, (name, p) in enumerate(named_params):
         meta = p.hp
@@ -200,11 +203,12 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
         # replicas take turns (parameter i: replica i mod dp): the writing is spread evenly
         mine = group.rank == i % group.size
         rng = flat_shard(name) if flat_shard is not None else None
+        first = first_tp and writes_shard(name)  # of a flat shard
         if zero3:  # the parameter lives only in the shards: every rank writes its own
             pshard = optimizer.param_shard(name)
             a, b = rng or (0, 0)
             out.append(flat_piece(f"model/{name}", pshard if pshard is not None else
-                                  p.new_empty(0), meta, p.shape, a, b, topo, first_tp))
+                                  p.new_empty(0), meta, p.shape, a, b, topo, first))
         else:
             out.append(shard_piece(f"model/{name}", p.detach(), meta, topo,
                                    first_tp and mine))
@@ -212,7 +216,7 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
             path = f"optim/{name}/{key}"
             if rng is not None and t.dim() == 1 and t.numel() == rng[1] - rng[0]:
                 # every rank of the group writes its own shard (tp-replicated: tp rank 0)
-                out.append(flat_piece(path, t, meta, p.shape, *rng, topo, first_tp))
+                out.append(flat_piece(path, t, meta, p.shape, *rng, topo, first))
             elif rng is None and tuple(t.shape) == tuple(p.shape):
                 out.append(shard_piece(path, t, meta, topo, first_tp and mine))
             else:

@@ -77,6 +77,33 @@ def _check_layout(cfg: Config, world_size: int, need) -> None:
                                      and top.dp_reduction == "flat"),
          f"experimental.reduction={reduction} needs optim.zero=0, optim.overlap=false and "
          "topology.dp_reduction=flat (it replaces the bucketed reduction they use)")
+    _check_shards(top, o.zero, need)
+
+
+def _check_shards(top, zero: int, need) -> None:
+    """``topology.shard_within`` (HSDP): a ZeRO level to shard, a size that divides dp*cp and
+    cuts the expert replicas (each ep rank's members of the dp*cp order) into equal groups."""
+    w = top.shard_within
+    if not w:
+        return
+    need(zero >= 1, f"topology.shard_within={w!r} shards the ZeRO state: it needs optim.zero "
+         "= 1, 2 or 3")
+    if w == "node":
+        return
+    if not w.isdigit() or int(w) < 1:
+        need(False, f"topology.shard_within={w!r} must be \"\", \"node\" or a shard group "
+             "size such as \"2\"")
+        return
+    s, n = int(w), top.dp * top.cp
+    if n % s:
+        need(False, f"topology.shard_within={s} must divide dp*cp = {top.dp}*{top.cp} = {n} "
+             "(the ranks that hold the same parameters); choose a divisor of it")
+        return
+    sizes = {sum((i // top.cp) % top.ep == e for i in range(k, k + s))
+             for k in range(0, n, s) for e in range(top.ep)} - {0}
+    need(len(sizes) == 1, f"topology.shard_within={s} cuts the expert replicas unevenly "
+         f"(ep={top.ep}, cp={top.cp}); choose a multiple of ep*cp = {top.ep * top.cp} or a "
+         f"divisor of cp = {top.cp}")
 
 
 def _check_model(cfg: Config, world_size: int, need) -> None:

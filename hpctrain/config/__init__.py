@@ -50,6 +50,8 @@ class TopologyConfig:
     dp_reduction: str = key("flat", "the dp gradient reduction: one flat all-reduce, or "
                                     "hierarchical (within a node, across nodes, within)",
                                     choices=("flat", "hierarchical"))
+    shard_within: str = key("", "ZeRO shard group (HSDP): \"\" all of dp*cp, \"node\" the ranks "
+                                "of a node, or a size N (\"2\"); replicated across groups")
 
 
 @dataclass(frozen=True)
@@ -326,3 +328,10 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
 def microbatches(cfg: Config) -> int:
     t = cfg.train
     return t.global_batch_size // (cfg.topology.dp * t.micro_batch_size)
+
+
+def shard_size(tcfg: TopologyConfig) -> int:
+    """Ranks of a ZeRO shard group: ``topology.shard_within`` as a size, else all the replicas
+    of a parameter, dp x cp (``"node"``: known under MPI or from a cluster description)."""
+    w = tcfg.shard_within
+    return int(w) if w.isdigit() and int(w) >= 1 else tcfg.dp * tcfg.cp

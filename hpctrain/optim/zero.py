@@ -5,8 +5,12 @@ A sharded gradient sync (:class:`~hpctrain.parallel.grad_sync.GradSync` with ``z
 reduced gradient of this rank's contiguous shard (``bucket.shard``, float32, or float64 for
 float64 models). :class:`ZeroAdamW` keeps, for that shard only, the Adam moments and, for
 16-bit parameters, the float32 master weights, updates the shard, and all-gathers the updated
-values back into every replica of the parameters. Dense buckets shard over ``topo.dp_comm``,
-expert buckets over ``topo.edp_comm`` (each bucket carries its group).
+values back into every replica of the parameters. Dense buckets shard over ``topo.dpcp_comm``,
+expert buckets over ``topo.edpcp_comm`` (each bucket carries its group). With HSDP
+(``topology.shard_within``) a bucket's group is a shard group inside those and its
+``replica`` group holds identical copies of the shard: every copy takes the same step, the
+norm counts the copy in the first shard group, a checkpoint is written from it
+(:meth:`writes_shard`).
 
 Memory per rank for Ψ parameters over a group of d ranks: zero 0 keeps 2Ψ moments (+Ψ fp32
 master for 16-bit parameters); ZeRO keeps them divided by d (plus one bucket of padding).
@@ -64,6 +68,8 @@ class ZeroAdamW(ScaledOptimizer):
         self._ranges = {n: (plo, phi) for _, n, _, _, plo, phi in self._overlaps()}
         self._pshards = {n: b.pshard[lo:hi] for b, n, lo, hi in self._bucket_overlaps()
                          if b.pshard is not None}
+        self._writers = {n: b.replica is None or b.replica.rank == 0
+                         for b in grads.buckets for n in b.names}
 
     def _init_shard(self, b) -> dict[str, torch.Tensor]:
         lo, hi = b.shard_range
@@ -72,9 +78,10 @@ class ZeroAdamW(ScaledOptimizer):
               "exp_avg_sq": torch.zeros(hi - lo, dtype=dt, device=dev)}
         decay = torch.zeros(hi - lo, dtype=dt, device=dev)
         counted = torch.zeros(hi - lo, dtype=torch.bool, device=dev)
+        first = b.replica is None or b.replica.rank == 0  # HSDP: one copy of the shard counts
         for p, a, e, _, _ in self.grads.segments(b):
             decay[a:e] = 1.0 if p.dim() >= 2 else 0.0
-            counted[a:e] = counted_here(p.hp, self.topo, grads_sharded_over_dp=True)
+            counted[a:e] = first and counted_here(p.hp, self.topo, grads_sharded_over_dp=True)
         if b.dtype in _LOW:
             st["master"] = self._gather_params(b, dt)
         self._masks.append((decay, counted))
@@ -171,6 +178,11 @@ class ZeroAdamW(ScaledOptimizer):
         parameter ``name``'s elements :meth:`flat_shard` (a checkpoint writes and reads the
         parameter there); None for zero 1/2 or when the shard holds none of it."""
         return self._pshards.get(name)
+
+    def writes_shard(self, name: str) -> bool:
+        """Whether this rank writes its shard of ``name`` to a checkpoint: always, except
+        with HSDP, where the copy in the first shard group does (every copy reads)."""
+        return self._writers.get(name, True)
 
     def flat_shard(self, name: str) -> tuple[int, int] | None:
         """[a, b) of the flattened local parameter ``name`` held in this rank's shard."""

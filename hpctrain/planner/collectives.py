@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 
-from ..config import Config
+from ..config import Config, shard_size
 from ..model.moe import is_moe_layer
 from ..parallel.grad_sync.layout import cut
 from ..telemetry.memory import DTYPE_BYTES
@@ -112,8 +112,8 @@ def zero3_exposed(cfg: Config, cluster: Cluster, w: dict, link: Link, fwd: float
     and the gradient reduce-scatters (every unit, as its backward ends) over dp x cp, not
     hidden: each unit's gather is prefetched behind the previous unit's compute, except
     the first unit of each pass. One collective (its latencies and ``call_overhead_s``)
-    per unit."""
-    d = cfg.topology.dp * cfg.topology.cp
+    per unit. HSDP: over the shard group (``link``: its link)."""
+    d = min(shard_size(cfg.topology), cfg.topology.dp * cfg.topology.cp)
     if cfg.optim.zero != 3 or d <= 1:
         return 0.0, 0.0
     ps = DTYPE_BYTES[cfg.model.dtype]

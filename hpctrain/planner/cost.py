@@ -46,7 +46,9 @@ Collectives (alpha-beta, per rank): ring all-reduce ``2(d-1)a + 2(d-1)/d N b``; 
 ``2 log2(d) a + 2 N b``; hierarchical: reduce-scatter inside the node, a ring all-reduce of
 ``N/k`` across nodes, all-gather inside (``topology.dp_reduction = "hierarchical"`` asks for
 it on dp). The link of an axis is the inter-node one when any of its groups spans two nodes
-(``topology.crossing``, ranks packed ``ranks_per_node`` per node).
+(``topology.crossing``, ranks packed ``ranks_per_node`` per node). HSDP
+(``topology.shard_within``): the ZeRO collectives over the shard group on its link, plus
+the shards' all-reduce across groups (``planner/hsdp.py``).
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ import functools
 import itertools
 from dataclasses import dataclass, field
 
-from ..config import Config, microbatches
+from ..config import Config, microbatches, shard_size
 from ..model.families import family_of
 from ..model.moe import is_moe_layer
 from ..telemetry.flops import train_flops_per_token
 from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate, stage_params
+from . import hsdp
 from .cluster import Cluster, Link
 from .collectives import (
     allreduce,
@@ -229,7 +232,8 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
         if t.cp > 1:  # the ring attention's own work beyond its FLOPs: 1 forward, 2 backward
             ring = cluster.ring_overhead_s * w["layers"] / share
             cp_f, cp_b = cp_f + ring, cp_b + (2 + redo) * ring
-        z_f, z_b = zero3_exposed(cfg, cluster, w, links["dp"], f + over, 2 * (f + over))
+        z_f, z_b = zero3_exposed(cfg, cluster, w, links.get("zero3", links["dp"]), f + over,
+                                 2 * (f + over))
         back = (2 * (1 + split) + redo) * (f + over)  # split: B + W = split_b + split_w
         hk = hooks * w["tensors"]
         fwd = f + over + tp + c["ep_f"] + cp_f + z_f
@@ -282,8 +286,12 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras,
     (``nb``: the buckets the busiest rank reduces, :func:`buckets`)."""
     t, o = cfg.topology, cfg.optim
     d = t.dp * t.cp  # the replicas of a parameter (gradients are summed over dp x cp)
-    if d <= 1 or (o.zero == 3 and not ex.fsdp):  # zero 3: in the passes (zero3_exposed)
+    if d <= 1:
         return 0.0
+    s, shard_link, replica_link = hsdp.groups(cfg, cluster, links)
+    cross = hsdp.across(cfg, cluster, replica_link, P, nb)  # HSDP: shards across groups
+    if o.zero == 3 and not ex.fsdp:  # zero 3: the gathers are in the passes (zero3_exposed)
+        return cross
     ps = DTYPE_BYTES[cfg.model.dtype]
     gs = 8 if cfg.model.dtype == "float64" else 2 if o.grad_comm_dtype else 4  # on the wire
     link = links["dp"]
@@ -297,17 +305,20 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras,
     if o.zero == 0:
         return allreduce(P * gs, d, link, algo, k, cluster.intra) + 2 * extra
     rs = M if o.zero == 2 else 1
-    return rs * (scatter(P * gs, d, link) + extra) + scatter(P * ps, d, link) + extra
+    extra = (nb - 1) * (s - 1) * shard_link.latency  # ZeRO: inside the shard groups
+    return (rs * (scatter(P * gs, s, shard_link) + extra) + scatter(P * ps, s, shard_link)
+            + extra + cross)
 
 
 def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
             simulated: bool = True) -> Prediction:
     """The step time, its parts, tokens/s, MFU and memory of ``cfg`` on ``cluster``
     (``simulated=False``: the pipeline's closed form, for a quick first ranking)."""
-    c = equivalent(cfg, ex)
+    c = hsdp.on_cluster(equivalent(cfg, ex), cluster)  # shard_within "node" as a size
     t, m, tr = c.topology, c.model, c.train
     world = t.dp * t.tp * t.pp * t.cp
     links = axis_links(c, cluster)
+    links["zero3"] = hsdp.groups(c, cluster, links)[1]  # ZeRO-3's gathers: the shard groups
     work = rank_work(c, ex.attention_full)
     costs = pass_costs(c, cluster, links, work)
     ps = DTYPE_BYTES[m.dtype]
@@ -348,7 +359,7 @@ def _update_and_save(cfg: Config, cluster: Cluster, mem: Estimate, P: int,
     state = 2 * ss + (4 if ps == 2 else 0)
     t = cfg.topology
     sharded = cfg.optim.zero or ex.fsdp
-    n = P / (t.dp * t.cp if sharded else 1)
+    n = P / (shard_size(t) if sharded else 1)
     optimizer = n * (2 * (ps + state) + ss) / cluster.memory_bandwidth
     world = t.dp * t.tp * t.pp * t.cp
     nodes = max(1, world // cluster.ranks_per_node)

@@ -13,7 +13,8 @@ stage (0, 1, 2, 3) and recompute is either
   cluster's memory per rank (``plan --memory-per-rank`` replaces that); or
 - **predicted** (``cost.predict``) and ranked by step time.
 
-ZeRO at dp x cp = 1 is ZeRO 0 (one candidate, not four).
+ZeRO at dp x cp = 1 is ZeRO 0 (one candidate, not four). Every ZeRO layout whose dp x cp
+replicas span nodes is also tried as HSDP, sharded within a node (:func:`hsdp_variant`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..config import Config, ConfigError
 from ..telemetry.memory import estimate, fmt_bytes
 from .cluster import Cluster
 from .cost import Prediction, predict
+from .hsdp import on_cluster
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zbv", 1), ("interleaved", 2),
              ("interleaved", 4))
@@ -46,6 +48,7 @@ class Candidate:
         out = [f"topology.dp={t.dp}", f"topology.tp={t.tp}", f"topology.pp={t.pp}"]
         out += [f"topology.ep={t.ep}"] if t.ep > 1 else []
         out += [f"topology.cp={t.cp}"] if t.cp > 1 else []
+        out += [f'topology.shard_within="{t.shard_within}"'] if t.shard_within else []
         out += [f"train.micro_batch_size={tr.micro_batch_size}",
                 f"schedule.kind={s.kind}" if t.pp > 1 else "schedule.kind=1f1b"]
         out += [f"schedule.virtual_stages={s.virtual_stages}"] if s.kind == "interleaved" else []
@@ -57,8 +60,9 @@ class Candidate:
         t, s = self.cfg.topology, self.cfg.schedule
         sched = "-" if t.pp == 1 else s.kind + (f" v={s.virtual_stages}"
                                                 if s.kind == "interleaved" else "")
+        shard = f" shard={t.shard_within}" if t.shard_within else ""
         return (f"dp={t.dp} tp={t.tp} pp={t.pp} ep={t.ep} cp={t.cp} {sched} "
-                f"mbs={self.cfg.train.micro_batch_size} zero={self.cfg.optim.zero} "
+                f"mbs={self.cfg.train.micro_batch_size} zero={self.cfg.optim.zero}{shard} "
                 f"recompute={'on' if self.cfg.model.recompute else 'off'}")
 
 
@@ -119,6 +123,20 @@ def judge(cfg: Config, cluster: Cluster, world: int) -> Candidate:
     return Candidate(cfg, predict(cfg, cluster, simulated=False))
 
 
+def hsdp_variant(cfg: Config, cluster: Cluster) -> list[Config]:
+    """HSDP of a ZeRO layout: shards within a node of ``cluster`` (``shard_within`` its
+    size), when a node holds more than one but not all of the dp x cp replicas; else []."""
+    t = cfg.topology
+    if not cfg.optim.zero or t.shard_within:
+        return []
+    try:
+        c = on_cluster(dataclasses.replace(cfg, topology=dataclasses.replace(
+            t, shard_within="node")), cluster)
+    except ValueError:  # a node's share does not divide dp x cp
+        return []
+    return [c] if 1 < int(c.topology.shard_within) < t.dp * t.cp else []
+
+
 def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
            refine: int = 30, max_cp: int = 0) -> list[Candidate]:
     """All candidates on ``nodes`` full nodes: fitting ones first, fastest first, then the
@@ -127,13 +145,14 @@ def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
     simulator. ``max_cp``: the largest cp tried (0: any, 1: none)."""
     world = nodes * cluster.ranks_per_node
     seen, out = set(), []
-    for c in layouts(cfg, world, max_tp, max_cp):
-        key = (c.topology, c.train.micro_batch_size, c.schedule.kind,
-               c.schedule.virtual_stages, c.optim.zero, c.model.recompute)
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(judge(c, cluster, world))
+    for layout in layouts(cfg, world, max_tp, max_cp):
+        for c in (layout, *hsdp_variant(layout, cluster)):
+            key = (c.topology, c.train.micro_batch_size, c.schedule.kind,
+                   c.schedule.virtual_stages, c.optim.zero, c.model.recompute)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(judge(c, cluster, world))
     fits = sorted((c for c in out if c.prediction), key=lambda c: c.prediction.step_s)
     for c in fits[:refine]:
         c.prediction = predict(c.cfg, cluster)

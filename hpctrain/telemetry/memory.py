@@ -10,6 +10,7 @@
   shard plus one block's staging;
 - optimizer state: Adam's two moments (+ a float32 master copy for 16-bit parameters), all
   divided by dp under ZeRO;
+- HSDP (``topology.shard_within``): "dp" above is the shard group's size, not dp x cp;
 - zero 3: parameters divided by dp too, plus what is gathered at once (:func:`gathered`: the
   running unit and the prefetched one: two blocks, or a block and the embedding or head);
 - activations: what autograd saves per microbatch, times the microbatches in flight on the
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import Config, microbatches
+from ..config import Config, microbatches, shard_size
 from ..model.families import family_of
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -137,7 +138,7 @@ def estimate(cfg: Config) -> Estimate:
     per_rank = [sum(stage_params(cfg, len(ranges[s]), s == 0, s == S - 1)
                     for s in chunks_of_rank(r, top.pp, v, style)) for r in range(top.pp)]
     P = max(per_rank)
-    d = top.dp * top.cp  # ZeRO shards over the replicas of a parameter: dp x cp
+    d = shard_size(top)  # ZeRO shards over the replicas of a parameter, dp x cp (HSDP: fewer)
     e = Estimate(params=P * ps)
     if o.zero == 3:
         block, at_once = gathered(cfg)
@@ -189,14 +190,15 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
     out = {}
     d = top.dp * top.cp  # the replicas of a parameter: dp x cp
     if d > 1:
-        frac = (d - 1) / d
+        s = shard_size(top)  # the ZeRO collectives' group; HSDP: shards all-reduced across
+        frac = (s - 1) / s if cfg.optim.zero else (d - 1) / d
         rs = M if cfg.optim.zero >= 2 else 1  # zero 2/3 reduce every microbatch
         # zero 3: forward and backward gather the stage per microbatch (a split backward's W
         # reads no weight: model/weight_grad.py; the embedding, gathered for the forward
         # only, is counted twice: an upper bound)
         gathers = 2 * M if cfg.optim.zero == 3 else 1
         out["dp"] = int(2 * P * ps * frac) if cfg.optim.zero == 0 else int(
-            (rs + gathers) * P * ps * frac)
+            (rs + gathers) * P * ps * frac + 2 * P * ps / s * (d - s) / d)
     act = t.micro_batch_size * local_tokens(cfg) * m.d_model * ps  # one (B, T/cp, C)
     layers_here = -(-m.n_layers // top.pp)
     if top.cp > 1:  # the ring: k and v blocks forward (cp-1 hops), again backward with

@@ -206,7 +206,9 @@ def test_search_recommends_what_megatron_used():
     the 2021 code did not have) and ranks the authors' split among the first three, within
     2 % of the best (pp=12, dp=16: fewer gradient bytes per rank to reduce over dp). Layouts
     are ranked by their best schedule (one layout appears once per schedule and ZeRO
-    stage)."""
+    stage); the first three among those without HSDP (sharding within a node, which the
+    2021 code did not have either and which moves layouts with several dp ranks per node
+    ahead), the 2 % against the best of all."""
     run = published.RUNS[6]
     cands = search.search(published.config_of(run), load_cluster(run.cluster), 192,
                           max_tp=8)
@@ -215,7 +217,8 @@ def test_search_recommends_what_megatron_used():
     best: dict = {}  # (tp, pp, dp) -> its best candidate, in rank order
     for c in cands:
         t = c.cfg.topology
-        best.setdefault((t.tp, t.pp, t.dp), c)
+        if not t.shard_within:
+            best.setdefault((t.tp, t.pp, t.dp), c)
     assert (8, 8, 24) in list(best)[:3]
     assert best[(8, 8, 24)].prediction.step_s < 1.02 * cands[0].prediction.step_s
 
@@ -224,18 +227,20 @@ def test_search_explains_a_faster_layout_than_megatrons():
     """GPT 39.1B on 64 nodes: the authors' tp=8 pp=2 is predicted within 10 % of the best,
     tp=4 with a longer pipeline (pp 4 or 8, interleaved): half the tp all-reduce bytes and
     fewer parameters (gradient bytes over dp) per rank, the longer pipeline's bubble hidden
-    by its virtual stages."""
+    by its virtual stages. That explanation is of the best layout without HSDP (which the
+    authors' code did not have either); the 10 % is against the best of all."""
     run = published.RUNS[4]
     cands = search.search(published.config_of(run), load_cluster(run.cluster), 64,
                           max_tp=8)
     theirs = next(c for c in cands if c.prediction and
                   (c.cfg.topology.tp, c.cfg.topology.pp) == (8, 2))
-    best = cands[0].prediction
-    assert cands[0].cfg.topology.tp == 4 and cands[0].cfg.topology.pp in (4, 8)
-    assert cands[0].cfg.schedule.kind == "interleaved"
+    flat = next(c for c in cands if c.prediction and not c.cfg.topology.shard_within)
+    best = flat.prediction
+    assert flat.cfg.topology.tp == 4 and flat.cfg.topology.pp in (4, 8)
+    assert flat.cfg.schedule.kind == "interleaved"
     assert best.parts["tp"] < theirs.prediction.parts["tp"]
     assert best.parts["dp"] <= theirs.prediction.parts["dp"]
-    assert theirs.prediction.step_s < 1.10 * best.step_s
+    assert theirs.prediction.step_s < 1.10 * cands[0].prediction.step_s
 
 
 def test_best_layout_as_set_arguments_and_slurm_line():

@@ -79,15 +79,26 @@ class GradSync(abc.ABC):
 
     def reduce(self) -> None:
         """Finish the step's reduction: sum every bucket over its group (:meth:`_sum`, the
-        strategy), then sum sequence-parallel partial gradients over tp (sums over dp and tp
-        commute). Collective over dp_comm, edp_comm and tp_comm."""
+        strategy) and, with HSDP, the shards across shard groups (:meth:`_across`), then sum
+        sequence-parallel partial gradients over tp (sums over dp and tp commute). Collective
+        over dp_comm, edp_comm and tp_comm."""
         self._sum()
+        self._across()
         self._finish()
 
     @abc.abstractmethod
     def _sum(self) -> None:
         """Sum every bucket over its group (all-reduce in place, or reduce-scatter into the
         shards), in bucket order; nothing left in flight on return."""
+
+    def _across(self) -> None:
+        """HSDP: sum each reduced shard over its copies in the other shard groups (every copy
+        then holds the gradient summed over the whole replica group). Collective over each
+        bucket's ``replica`` group."""
+        handles = [b.replica.iallreduce_(b.shard) for b in self.buckets
+                   if b.replica is not None and b.replica.size > 1]
+        for h in handles:
+            h.wait()
 
     def _finish(self) -> None:
         if self.sharded is not None:  # zero 3: no gathered parameters outlive the step

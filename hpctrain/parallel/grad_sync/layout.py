@@ -4,7 +4,9 @@ into buckets (:func:`cut`; the planner counts buckets with it too).
 
 Parameters are split by reduction group first (dense parameters: ``topo.dpcp_comm``; expert
 parameters: ``topo.edpcp_comm``: the data-parallel groups, times the context-parallel ring
-when cp > 1, whose ranks hold the same parameters and different tokens). Within a group,
+when cp > 1, whose ranks hold the same parameters and different tokens). With HSDP
+(``topo.hsdp``, sharded strategies only) a bucket's group is the shard group inside them and
+``bucket.replica`` the group that holds copies of its shard. Within a group,
 buckets are cut in reverse parameter order (the order backward produces gradients): a bucket
 closes once its bytes reach ``bucket_mb``. ZeRO-3 cuts one bucket per unit (block or stage
 root) and group instead (``units``).
@@ -44,6 +46,7 @@ class Bucket:
     unit: int = 0  # zero 3: the unit (block or stage root) this bucket belongs to
     pshard: torch.Tensor | None = None  # zero 3: this rank's shard of the parameters
     full: torch.Tensor | None = None  # zero 3: the gathered parameters (storage freed)
+    replica: comm.Group | None = None  # HSDP: the shard's copies in the other shard groups
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -100,6 +103,10 @@ class BucketLayout:
         for name, p in self.named:
             by_group[group_key(p)].append((name, p))
         self.groups = {"dp": topo.dpcp_comm, "edp": topo.edpcp_comm}  # = dp/edp when cp = 1
+        hsdp = getattr(topo, "hsdp", None) if sharded else None
+        if hsdp:  # shards within each shard group, copies across (topology.shard_groups)
+            self.groups = {key: shard for key, (shard, _) in hsdp.items()}
+        replicas = {key: hsdp[key][1] if hsdp else None for key in self.groups}
         self.buckets: list[Bucket] = []
         self.runs: list[list[Bucket]] = []  # the buckets of each _add call (one flat each)
         if units is not None:  # one bucket per unit and group, in backward order
@@ -108,17 +115,17 @@ class BucketLayout:
                 for key in by_group:
                     items = [(n, names[n]) for n in unit if group_key(names[n]) == key]
                     if items:
-                        self._add(items, self.groups[key], 2**62, unit=k)
+                        self._add(items, self.groups[key], 2**62, replicas[key], unit=k)
         else:
             limit = max(1, int(bucket_mb * 2**20))
             for key, items in by_group.items():
                 if items:
-                    self._add(items, self.groups[key], limit)
+                    self._add(items, self.groups[key], limit, replicas[key])
         self.where = {id(p): (b, off) for b in self.buckets
                       for p, off in zip(b.params, b.offsets)}
         self.sp_params = [p for _, p in self.named if p.hp.sp_partial and topo.tp_size > 1]
 
-    def _add(self, items, group: comm.Group, limit: int, unit: int = 0) -> None:
+    def _add(self, items, group: comm.Group, limit: int, replica=None, unit: int = 0) -> None:
         dtype = items[0][1].dtype
         if any(p.dtype != dtype for _, p in items):
             raise ValueError("all parameters of one reduction group must share a dtype")
@@ -131,7 +138,8 @@ class BucketLayout:
                 offsets.append(n)
                 n += p.numel()
             run.append(Bucket(group, None, [m for m, _ in members], [p for _, p in members],
-                              offsets, -(-n // pad) * pad, dtype, unit=unit))
+                              offsets, -(-n // pad) * pad, dtype, unit=unit,
+                              replica=replica))
         self.runs.append(run)
         self.buckets += run
 
