@@ -19,6 +19,7 @@ import abc
 import torch
 
 from .layout import LOW, Bucket, BucketLayout, main_grad
+from .wire import op_for, outgoing
 
 
 class GradSync(abc.ABC):
@@ -94,11 +95,17 @@ class GradSync(abc.ABC):
     def _across(self) -> None:
         """HSDP: sum each reduced shard over its copies in the other shard groups (every copy
         then holds the gradient summed over the whole replica group). Collective over each
-        bucket's ``replica`` group."""
-        handles = [b.replica.iallreduce_(b.shard) for b in self.buckets
-                   if b.replica is not None and b.replica.size > 1]
-        for h in handles:
+        bucket's ``replica`` group, in the wire dtype (``wire.py``) like the reduction before."""
+        posted = []
+        for b in self.buckets:
+            if b.replica is not None and b.replica.size > 1:
+                wire = self.layout.wire
+                sent = outgoing(b.shard, b.replica, wire)
+                posted.append((b, sent, b.replica.iallreduce_(sent, *op_for(sent, wire))))
+        for b, sent, h in posted:
             h.wait()
+            if sent is not b.shard:
+                b.shard.copy_(sent)
 
     def _finish(self) -> None:
         if self.sharded is not None:  # zero 3: no gathered parameters outlive the step
