@@ -6,8 +6,8 @@ the inter-node link shaped to ``cluster.RATE`` by a token bucket) and runs ONE `
 them (:mod:`benchmarks.nodes_worker`) in which every variant trains the same model, init,
 data and global batch, interleaved repeat by repeat:
 
-- hpctrain's layouts, each a list of config overrides (``nodes_worker.HPCTRAIN``, plus HSDP
-  where the build has ``topology.shard_within``);
+- hpctrain's layouts, each a list of config overrides (``nodes_worker.HPCTRAIN``, HSDP
+  among them);
 - the naive baseline: flat dp, one blocking all-reduce per parameter, full replication, no
   overlap, ``experimental.placement = "naive"``;
 - PyTorch DDP (gloo; bucket 4 and 25 MB, ``gradient_as_bucket_view``, ``static_graph``) and
@@ -29,7 +29,7 @@ from hpctrain.launch import ROOT
 from .cluster import RATE, begin
 from .cluster_worker import MODEL
 from .common import median, pair_ratios, ratio, row, same_losses
-from .nodes_worker import HPCTRAIN, TORCH, hpctrain_variants
+from .nodes_worker import TORCH, hpctrain_variants
 
 RANKS = (1,)
 DESCRIPTION = ROOT / "share" / "clusters" / "this-machine-2node.toml"
@@ -151,8 +151,6 @@ def run(world, size: str, repeats: int) -> dict:
     out["table"] = [{"variant": k, "step_s": step[k], "exposed_comm_s": comm.get(k),
                      "predicted_s": plan[k]["step"] if k in plan else None} for k in step]
     out["table"].append({"variant": "bound", "step_s": bound})
-    names = hpctrain_variants()
-    hsdp = "" if len(names) > len(HPCTRAIN) else " (no HSDP: topology.shard_within is absent)"
-    out["notes"].append(f"hpctrain variants: {', '.join(names)}{hsdp}")
+    out["notes"].append(f"hpctrain variants: {', '.join(hpctrain_variants())}")
     out["check"] = check(samples)
     return out
