@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 SKIPPED = ("ranks", "run_start")  # per-rank lists, the layout: not time series
@@ -67,11 +68,13 @@ class Trackers:
             offline_environment(run_dir)
             import wandb
 
+            hook = sys.excepthook  # hpctrain's (ends the job on an error); wandb's own
             self.wb = wandb.init(
                 mode="offline", dir=str(run_dir), project="hpctrain", name=run_dir.name,
                 config={"config": dataclasses.asdict(cfg), "lineage": lineage},
                 settings=wandb.Settings(console="off", disable_git=True, save_code=False,
                                         x_disable_stats=True, silent=True))
+            sys.excepthook = hook  # would print the traceback, then pass it on: printed twice
 
     def log(self, record: dict) -> None:
         step = int(record["step"])

@@ -123,3 +123,21 @@ def test_wandb_is_kept_offline_and_inside_the_run_directory(tmp_path, monkeypatc
     for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
         assert Path(env[name]).is_relative_to(tmp_path)
     assert all(os.environ[k] == v for k, v in env.items())
+
+
+def test_wandb_leaves_the_excepthook_that_ends_the_job(tmp_path, monkeypatch):
+    import sys
+
+    from hpctrain.config import load
+    from hpctrain.telemetry.tracking import Trackers
+
+    for name in ("WANDB_MODE", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    ours = lambda *exc: None  # noqa: E731 (stands for comm.abort_on_exception's hook)
+    monkeypatch.setattr(sys, "excepthook", ours)
+    cfg = load(None, ['telemetry.wandb="offline"'])
+    trackers = Trackers(cfg, tmp_path, "", {"commit": "x"}, is_writer=True)
+    try:
+        assert sys.excepthook is ours  # wandb.init installs its own; one traceback, then abort
+    finally:
+        trackers.wb.finish()
