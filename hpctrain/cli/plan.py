@@ -184,7 +184,7 @@ def performance_section(cfg, cluster) -> list[str]:
     p = predict(cfg, cluster)
     dtype = cfg.model.dtype
     parts = ", ".join(f"{k} {v:.4g}" + (f" ({p.links[k]})" if k in p.links and v else "")
-                      for k, v in p.parts.items() if v)
+                      for k, v in p.parts.items() if abs(v) >= 1e-9)  # not rounding residue
     fit = "fits" if p.memory.total <= cluster.memory else "DOES NOT FIT"
     return [f"performance on {cluster.name} ({cluster.ranks_per_node} ranks per node, "
             f"{cluster.efficiency:.3g} x {cluster.peak(dtype):.4g} FLOP/s {dtype} per rank):",
