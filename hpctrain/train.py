@@ -114,6 +114,10 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
              f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "
              f"data: {data_lineage.get('source')} "
              f"({' + '.join(f'{n:,}' for n in sampler.epoch_sizes())} samples per epoch)")
+    if topo.hsdp:  # topology.shard_within
+        shard, replica = topo.hsdp["dp"]
+        log.info(f"HSDP: ZeRO-{cfg.optim.zero} state sharded over {shard.size} ranks "
+                 f"(shard_within={cfg.topology.shard_within!r}), {replica.size} replicas")
     if cfg.model.device == "cuda":
         log.info(f"device {device}; {gpu.describe()}")
     meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)

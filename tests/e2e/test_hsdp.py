@@ -46,6 +46,8 @@ def test_hsdp_zero3_equals_one_rank(dp4, session_dir):
     assert_state_same(dp4, ref, "hsdp dp4")
     assert_about_one_dp(dp4, ref, 2, "hsdp dp4: state over the shard group of 2, not dp=4")
     assert_sharded_and_replicated(dp4)
+    log = (dp4.run_dir / "train.log").read_text()
+    assert "HSDP: ZeRO-3 state sharded over 2 ranks (shard_within='2'), 2 replicas" in log, log
 
 
 def test_hsdp_checkpoints_continue_on_any_layout(dp4, tmp_path, session_dir):
