@@ -15,7 +15,7 @@ from hpctrain.config import load
 from hpctrain.planner import search
 from hpctrain.planner.cluster import from_dict as cluster_from_dict
 from hpctrain.planner.cost import predict
-from hpctrain.planner.hsdp import on_cluster
+from hpctrain.planner.hsdp import across, on_cluster
 from hpctrain.telemetry.memory import estimate
 
 
@@ -81,6 +81,11 @@ def test_plan_prices_hsdp_on_each_link(zero):
         assert (hsdp.links["zero3"], flat.links["zero3"]) == ("intra", "inter")
         assert hsdp.parts["zero3"] < flat.parts["zero3"] / 10
     assert hsdp.memory.optimizer == 2 * flat.memory.optimizer  # shards of 4, not of 8
+    sized = [*sets, 'topology.shard_within="4"', "model.dtype=float32"]
+    f32 = across(load(TINY, sized), SLOW, SLOW.inter, P=10**9, calls=1)
+    wire = across(load(TINY, [*sized, 'optim.grad_comm_dtype="bfloat16"']), SLOW, SLOW.inter,
+                  P=10**9, calls=1)
+    assert wire == pytest.approx(f32 / 2, rel=0.01)  # the cross-node shards in 16 bits
 
 
 @settings(max_examples=25, deadline=None)
