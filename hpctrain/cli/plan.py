@@ -299,6 +299,7 @@ def run(args) -> int:
     from ..checks.validate import validate
     from ..config import ConfigError, load
     from ..planner.cluster import ClusterError
+    from ..planner.hsdp import on_cluster as hsdp_on_cluster
     from ..telemetry.memory import parse_bytes
 
     try:  # the command line's own values; the modes that do not plan one layout
@@ -322,7 +323,10 @@ def run(args) -> int:
         world = args.world_size or t.pp * t.dp * t.cp * t.tp  # absent: the layout's own
         validate(cfg, world)
         check_plan_inputs(cfg)  # the data, when it is here
-    except ConfigError as e:
+        # the cluster first: it turns shard_within="node" into the size a node holds
+        cluster = _cluster(args.cluster, args.ranks_per_node) if args.cluster else None
+        cfg = hsdp_on_cluster(cfg, cluster) if cluster else cfg
+    except (ConfigError, ValueError, ClusterError) as e:
         print(f"hpctrain plan: {e}", file=sys.stderr)
         return 2
     whence = "" if args.world_size else " (from the config's topology)"
@@ -340,10 +344,10 @@ def run(args) -> int:
         except ValueError as e:
             print(f"hpctrain plan: {e}", file=sys.stderr)
             return 2
-    if args.cluster:
+    if cluster:
         try:
-            lines += performance_section(cfg, _cluster(args.cluster, args.ranks_per_node))
-        except (ValueError, ClusterError) as e:
+            lines += performance_section(cfg, cluster)
+        except ValueError as e:
             print(f"hpctrain plan: {e}", file=sys.stderr)
             return 2
     print("\n".join(lines))

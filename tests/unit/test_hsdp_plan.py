@@ -117,3 +117,18 @@ def test_search_chooses_hsdp_where_the_inter_node_link_is_slow():
     assert 'topology.shard_within="4"' in best.sets and "shard=4" in best.label()
     flat = [c for c in cands if c.prediction and not c.cfg.topology.shard_within]
     assert best.prediction.step_s < min(c.prediction.step_s for c in flat) / 3
+
+
+def test_plan_with_a_cluster_shows_the_memory_of_a_node_sized_shard(capsys):
+    """`plan --cluster` resolves shard_within="node" before every section: the memory lines
+    are those of shard groups of a node's 4 ranks, not of all 8."""
+    from hpctrain.__main__ import main
+
+    def section(within: str) -> str:
+        assert main(["plan", str(TINY), "--set", "topology.dp=8", "--set", "optim.zero=3",
+                     "--set", f"topology.shard_within={within}", "--cluster", "dgx-h100",
+                     "--ranks-per-node", "4"]) == 0
+        out = capsys.readouterr().out
+        return out[out.index("memory per rank"):out.index("communication per rank")]
+
+    assert section('"node"') == section('"4"') != section('""')
