@@ -224,11 +224,12 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
          f"schedule.virtual_stages={s.virtual_stages} is used only by "
          f"schedule.kind='interleaved', not {s.kind!r}: set it to 1 or use interleaved")
     v = s.virtual_stages if s.kind == "interleaved" else 2 if s.kind == "zbv" else 1
-    need(not (s.moe_overlap and m.recompute), "schedule.moe_overlap cannot be combined with "
-         "model.recompute (the forward is cut into segments at the expert all-to-alls)")
+    need(not (s.moe_overlap and m.recompute == "full"), "schedule.moe_overlap cannot be "
+         "combined with model.recompute='full' (the forward is cut into segments at the "
+         "expert all-to-alls); 'selective' can")
     if cfg.optim.zero == 3:  # the gathers hang on module calls and backward hooks
-        for bad, why in ((m.recompute, "model.recompute (the recomputed forward would free "
-                          "the block its backward needs)"),
+        for bad, why in ((m.recompute == "full", "model.recompute='full' (the recomputed "
+                          "forward would free the block its backward needs)"),
                          (s.moe_overlap, "schedule.moe_overlap (its executor steps into "
                           "blocks without the module calls that gather them)")):
             need(not bad, f"optim.zero=3 cannot be combined with {why}; use optim.zero=2")

@@ -24,6 +24,7 @@ REDUCTIONS = ("bucketed", "bucketed-nonblocking", "per-parameter")
 OVERLAP_PROGRESS = ("auto", "test", "thread", "poll", "wait")  # optim.overlap_progress
 ARCHS = ("gpt", "llama")  # model.arch: the families' registry's names (a unit test)
 DTYPES = ("float32", "float64", "bfloat16", "float16")  # model.dtype
+RECOMPUTE = ("none", "selective", "full")  # model.recompute
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")  # schedule.kind
 
 
@@ -73,7 +74,9 @@ class ModelConfig:
     tie_embeddings: bool = key(False, "the head shares the embedding matrix (needs pp=1)")
     norm_eps: float = key(1e-5, "epsilon of the layer norms", gt=0)
     init_std: float = key(0.02, "standard deviation of the initial weights", ge=0)
-    recompute: bool = key(False, "recompute each block's activations in backward")
+    recompute: str = key("none", "activations recomputed in backward: none, selective (the "
+                                 "attention core softmax(QK^T)V) or full (each whole block); "
+                                 "true/false read as full/none", choices=RECOMPUTE)
     num_experts: int = key(0, "experts per MoE layer; 0: a dense model", ge=0)
     top_k: int = key(1, "MoE: experts per token, 1 or 2 (at most num_experts)")
     moe_every: int = key(1, "MoE: every N-th block has experts (>= 1, <= n_layers)")
@@ -276,6 +279,9 @@ def upgrade(raw: dict) -> dict:
             value = out[section].pop(key)
             if isinstance(out.setdefault(to, {}), dict):
                 out[to].setdefault(name, value)
+    model = out.get("model")
+    if isinstance(model, dict) and isinstance(model.get("recompute"), bool):
+        model["recompute"] = "full" if model["recompute"] else "none"  # the boolean form
     return out
 
 

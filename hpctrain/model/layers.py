@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import ARCHS, ModelConfig
 from .families import family_of
@@ -166,6 +167,9 @@ class Attention(nn.Module):
         kv = family.kv_heads(cfg)
         self.rotary = rotary if family.rotary else None
         self.context = context  # context parallelism (None: the whole sequence is here)
+        # selective recompute: the core is replayed in backward (ring attention already
+        # recomputes its blocks' probabilities: nothing more to save there)
+        self.recompute_core = cfg.recompute == "selective"
         self.heads, self.kv, self.hd = cfg.n_heads // tp, kv // tp, hd
         self.wq = _param((self.heads * hd, C), ParamMeta((cfg.n_heads * hd, C), tp_dim=0,
                                                          std=cfg.init_std), dtype)
@@ -185,26 +189,49 @@ class Attention(nn.Module):
         q = linear(x, self.wq).view(B, T, self.heads, self.hd).transpose(1, 2)
         k = linear(x, self.wk).view(B, T, self.kv, self.hd).transpose(1, 2)
         v = linear(x, self.wv).view(B, T, self.kv, self.hd).transpose(1, 2)
-        if self.context is not None and cache is None:  # this rank's chunks of the sequence
-            return linear(self._context_attention(q, k, v, doc), self.wo)
-        if doc is not None and cache is None:
-            return linear(self._document_attention(q, k, v, doc), self.wo)
-        start = cache.length if cache is not None else 0
-        if self.rotary is not None:
-            q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
         if cache is not None:
-            k, v = cache.extend(layer, k, v)  # (B, kv, start + T, hd)
+            y = self._cached_attention(q, k, v, cache, layer)
+        elif self.context is not None:  # this rank's chunks of the sequence
+            y = self._context_attention(q, k, v, doc)
+        elif self.recompute_core and torch.is_grad_enabled():  # saves q, k, v only
+            y = checkpoint(self._core, q, k, v, doc, use_reentrant=False)
+        else:
+            y = self._core(q, k, v, doc)
+        return linear(y, self.wo)  # partial sum over tp: (B, T, C)
+
+    def _core(self, q, k, v, doc=None):
+        """The attention core, softmax(QK^T)V with positions, over the whole sequence: q
+        (B, H_local, T, hd), k/v (B, kv_local, T, hd); causal, or inside documents with
+        ``doc``. Returns (B, T, H_local * hd)."""
+        if doc is not None:
+            return self._document_attention(q, k, v, doc)
+        B, _, T, _ = q.shape
+        if self.rotary is not None:
+            q, k = self.rotary.apply(q, 0), self.rotary.apply(k, 0)
         if self.kv != self.heads:  # HF repeat_kv: query head h reads kv head h // groups
             k = k.repeat_interleave(self.heads // self.kv, dim=1)
             v = v.repeat_interleave(self.heads // self.kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
+        return y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
+
+    def _cached_attention(self, q, k, v, cache: KVCache, layer):
+        """New queries at positions ``cache.length`` onwards against the cached keys and
+        values extended by the new ones. Returns (B, T_new, H_local * hd)."""
+        B, _, T, _ = q.shape
+        start = cache.length
+        if self.rotary is not None:
+            q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
+        k, v = cache.extend(layer, k, v)  # (B, kv, start + T, hd)
+        if self.kv != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv, dim=1)
         if start:  # new query i sits at position start + i and sees keys 0 .. start + i
-            keys = torch.arange(start + T, device=x.device)
-            mask = keys <= torch.arange(start, start + T, device=x.device).unsqueeze(1)
+            keys = torch.arange(start + T, device=q.device)
+            mask = keys <= torch.arange(start, start + T, device=q.device).unsqueeze(1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
-        return linear(y, self.wo)  # partial sum over tp: (B, T, C)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
 
     def _document_attention(self, q, k, v, doc):
         """Attention inside documents: q (B, H_local, T, hd), k/v (B, kv_local, T, hd); a

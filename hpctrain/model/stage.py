@@ -178,12 +178,12 @@ class DecoderStage(nn.Module):
     def hidden_steps(self, x: torch.Tensor, doc: torch.Tensor | None = None):
         """Generator (``model/steps.py``): the embedding (first stage) and every block, each
         requested with :class:`RunBlock`; returns the activations (B, T, C). With
-        ``model.recompute`` each block runs under activation checkpointing, in one go.
+        ``model.recompute = "full"`` each block runs under activation checkpointing, in one go.
         ``doc``: document ids and positions (B, 2, T) (``data.document_mask``), or None."""
         if self.first:
             x = self.embed_tokens(x)
         for block in self.blocks.values():
-            if self.cfg.recompute and torch.is_grad_enabled():
+            if self.cfg.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(block, *((x,) if doc is None else (x, doc)), use_reentrant=False)
             else:
                 x = yield RunBlock(block, x, doc)

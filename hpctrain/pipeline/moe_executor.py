@@ -33,7 +33,7 @@ def stage_steps(stage, x, targets, cuts: list | None, exchange, doc=None):
     exchange requests; returns the loss sum or the activations. With ``cuts`` (a list) the
     graph is cut before each MoE layer and the cut recorded; after each block the posted
     exchanges are driven (``exchange.progress``)."""
-    if stage.cfg.recompute:
+    if stage.cfg.recompute == "full":
         raise ValueError("schedule.moe_overlap does not support model.recompute")
     return (yield from _relay(stage.steps(x, targets, doc), cuts, exchange))
 

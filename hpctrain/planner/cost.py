@@ -4,7 +4,8 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 
 - **compute**: the rank's model FLOPs (``telemetry/flops.py`` per layer: its layers, the head
   on the last stage, split over tp) at ``peak x efficiency x compute_share`` (the share is 1
-  for a one-rank run); backward 2x forward, +1 forward with ``model.recompute``; plus
+  for a one-rank run); backward 2x forward, +1 forward with ``model.recompute = "full"``,
+  + the attention core's forward with ``"selective"`` (:func:`core_redo_flops`); plus
   ``overhead_s`` per layer and pass and ``pass_overhead_s`` per stage (chunk) and pass,
   over the share too (host work, slowed alike; so are the hook and ring overheads);
 - **hooks** (ZeRO 2/3, ``optim.overlap``, 16-bit models): ``hook_overhead_s`` per
@@ -225,7 +226,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
     for w in work:
         f = w["flops"] * tokens / rate
         over = (cluster.overhead_s * w["layers"] + cluster.pass_overhead_s * w["chunks"]) / share
-        redo = 1 if m.recompute else 0
+        redo = 1 if m.recompute == "full" else 0
         c = tp_ep_costs(cfg, cluster, links, w)
         tp = c["tp"]
         cp_f, cp_b = ring_f * w["layers"], (ring_b + redo * ring_f) * w["layers"]
@@ -235,6 +236,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
         z_f, z_b = zero3_exposed(cfg, cluster, w, links.get("zero3", links["dp"]), f + over,
                                  2 * (f + over))
         back = (2 * (1 + split) + redo) * (f + over)  # split: B + W = split_b + split_w
+        back += core_redo_flops(cfg) * w["layers"] * tokens / rate
         hk = hooks * w["tensors"]
         fwd = f + over + tp + c["ep_f"] + cp_f + z_f
         bwd = back + hk + tp * (1 + redo) + c["ep_b"] + redo * c["ep_f"] + cp_b + z_b
@@ -243,6 +245,16 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
                                "ep": c["ep_f"] * (1 + redo) + c["ep_b"],
                                "cp": cp_f + cp_b, "zero3": z_f + z_b}))
     return out
+
+
+def core_redo_flops(cfg: Config) -> float:
+    """Forward FLOPs per token and layer on one rank that selective recompute replays in
+    backward: the attention core, QK^T and AV (``telemetry/flops.py``), over tp; 0 for the
+    other modes and with cp > 1 (ring attention recomputes its blocks either way)."""
+    m, t = cfg.model, cfg.topology
+    if m.recompute != "selective" or t.cp > 1:
+        return 0.0
+    return 2 * 2 * m.d_model * (cfg.train.seq_len + 1) / 2 / t.tp
 
 
 # -- the step ----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ ranks, every combination of tp (a power of two dividing the heads), cp (context
 parallelism: a power of two with ``seq_len % (2 cp) == 0``, at most ``max_cp``), pp, dp
 (the rest; ``cp x tp x pp x ep`` must divide the world, ep is the config's), microbatch
 size, schedule (1f1b, gpipe, zb-h1, zbv, interleaved with 2 or 4 virtual stages), ZeRO
-stage (0, 1, 2, 3) and recompute is either
+stage (0, 1, 2, 3) and recompute (none, selective: its attention core replayed, priced in
+FLOPs; full) is either
 
 - **rejected**, with the reason: the config's own rules (``validate``: the batch does not
   split, the layers do not, a schedule does not fit the microbatch count, ZeRO-3 with
@@ -24,7 +25,7 @@ import itertools
 import shlex
 from dataclasses import dataclass
 
-from ..config import Config, ConfigError
+from ..config import RECOMPUTE, Config, ConfigError
 from ..telemetry.memory import estimate, fmt_bytes
 from .cluster import Cluster
 from .cost import Prediction, predict
@@ -53,7 +54,7 @@ class Candidate:
                 f"schedule.kind={s.kind}" if t.pp > 1 else "schedule.kind=1f1b"]
         out += [f"schedule.virtual_stages={s.virtual_stages}"] if s.kind == "interleaved" else []
         out += [f"optim.zero={self.cfg.optim.zero}",
-                f"model.recompute={str(self.cfg.model.recompute).lower()}"]
+                f"model.recompute={self.cfg.model.recompute}"]
         return out
 
     def label(self) -> str:
@@ -63,7 +64,9 @@ class Candidate:
         shard = f" shard={t.shard_within}" if t.shard_within else ""
         return (f"dp={t.dp} tp={t.tp} pp={t.pp} ep={t.ep} cp={t.cp} {sched} "
                 f"mbs={self.cfg.train.micro_batch_size} zero={self.cfg.optim.zero}{shard} "
-                f"recompute={'on' if self.cfg.model.recompute else 'off'}")
+                f"recompute={SHOWN.get(self.cfg.model.recompute, 'selective')}")
+
+SHOWN = {"none": "off", "full": "on"}  # model.recompute in a candidate's label
 
 
 def _divisors(n: int) -> list[int]:
@@ -84,7 +87,7 @@ def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0):
             dp = world // (tp * cp * pp)
             for mbs in (1, 2, 4, 8):
                 for (kind, v), zero, rc in itertools.product(
-                        SCHEDULES if pp > 1 else SCHEDULES[:1], ZEROS, (False, True)):
+                        SCHEDULES if pp > 1 else SCHEDULES[:1], ZEROS, RECOMPUTE):
                     yield _with(cfg, (dp, tp, pp, cp), mbs, kind, v, zero, rc)
 
 

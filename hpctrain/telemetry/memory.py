@@ -15,7 +15,9 @@
   running unit and the prefetched one: two blocks, or a block and the embedding or head);
 - activations: what autograd saves per microbatch, times the microbatches in flight on the
   first stage (pp=1: 1; 1f1b/zb-h1/zbv/interleaved: min(pp, microbatches); gpipe: all).
-  Recompute keeps each block's input plus one block's activations during its backward.
+  Full recompute keeps each block's input plus one block's activations during its backward;
+  selective recompute keeps the attention core's inputs (q, k, v with kv heads), not its
+  log-sum-exp nor the rotated and repeated keys (:func:`block_activation_bytes`).
   Context parallelism: every rank holds ``seq_len / cp`` tokens of each sequence, so all of
   these are per ``seq_len / cp`` tokens (:func:`local_tokens`).
 
@@ -81,15 +83,19 @@ def block_activation_bytes(cfg: Config) -> int:
     the MLP's hidden-sized tensors (over tp; the family's ``mlp_saved``: GELU's input and
     output; SwiGLU's gate, silu(gate), up and their product). With cp > 1, per
     ``seq_len / cp`` tokens, and ring attention saves q, k and v (kv heads), its output and
-    the output reshaped for ``wo``."""
+    the output reshaped for ``wo``. Selective recompute (cp = 1): q, k and v (kv heads) and
+    the output for ``wo``, no log-sum-exp."""
     m, tp, cp = cfg.model, cfg.topology.tp, cfg.topology.cp
     T, C, F, ps = local_tokens(cfg), m.d_model, m.ffn_dim, DTYPE_BYTES[m.dtype]
     ls = 4 if ps == 2 else ps
     family = family_of(m)
     hidden = family.mlp_saved
-    attn = 4 * C if cp <= 1 else 3 * C + 2 * family.kv_heads(m) * m.head_dim
-    return 2 * _norm_bytes(T, C, ps) + T * (attn // tp * ps + m.n_heads // tp * ls
-                                            + hidden * F // tp * ps)
+    kv = 2 * family.kv_heads(m) * m.head_dim
+    attn = 4 * C if cp <= 1 else 3 * C + kv
+    lse = m.n_heads // tp * ls
+    if m.recompute == "selective" and cp <= 1:  # the core keeps its inputs q, k, v (kv
+        attn, lse = 2 * C + kv, 0  # heads, before rotary and repeat); wo keeps its input
+    return 2 * _norm_bytes(T, C, ps) + T * (attn // tp * ps + lse + hidden * F // tp * ps)
 
 
 def _ends_activation_bytes(cfg: Config, first: bool, last: bool) -> int:
@@ -158,7 +164,7 @@ def estimate(cfg: Config) -> Estimate:
     for r in range(top.pp):  # the rank whose in-flight activations are largest
         mine = [s for s in range(r, S, top.pp)]
         layers = sum(len(ranges[s]) for s in mine)
-        if m.recompute:  # block inputs, plus one block live again during its backward
+        if m.recompute == "full":  # block inputs, plus one block live again in its backward
             per_mb = layers * local_tokens(cfg) * m.d_model * ps + blk
         else:
             per_mb = layers * blk
@@ -238,7 +244,7 @@ def report(cfg: Config, memory_per_rank: int = 0) -> str:
     e = estimate(cfg)
     o = cfg.optim
     lines = [f"memory per rank (most loaded stage; zero={o.zero}, dtype={cfg.model.dtype}, "
-             f"recompute={str(cfg.model.recompute).lower()}, "
+             f"recompute={cfg.model.recompute}, "
              f"{in_flight(cfg)} microbatch(es) in flight):"]
     for key in ("params", "grads", "optimizer", "activations", "total"):
         lines.append(f"  {key:<12} {fmt_bytes(getattr(e, key)):>12}")
@@ -248,7 +254,7 @@ def report(cfg: Config, memory_per_rank: int = 0) -> str:
         if e.total > memory_per_rank:
             lines.append(f"WARNING: needs {fmt_bytes(e.total)} per rank but only "
                          f"{fmt_bytes(memory_per_rank)} is available: raise optim.zero, "
-                         "set model.recompute=true, or add tp/pp ranks")
+                         "set model.recompute=\"full\", or add tp/pp ranks")
         else:
             lines.append(f"fits: {fmt_bytes(e.total)} of {fmt_bytes(memory_per_rank)} "
                          f"({100 * e.total / memory_per_rank:.0f}%)")
