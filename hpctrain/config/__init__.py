@@ -85,6 +85,10 @@ class ModelConfig:
     aux_loss_coef: float = key(0.01, "MoE: weight of the load-balancing loss (>= 0)")
     z_loss_coef: float = key(0.001, "MoE: weight of the router z-loss (>= 0)")
 
+    def __post_init__(self):  # the boolean form of recompute, as the Python API gives it
+        if isinstance(self.recompute, bool):
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+
     @property
     def ffn_dim(self) -> int:
         return self.d_ff or 4 * self.d_model
@@ -280,8 +284,9 @@ def upgrade(raw: dict) -> dict:
             if isinstance(out.setdefault(to, {}), dict):
                 out[to].setdefault(name, value)
     model = out.get("model")
-    if isinstance(model, dict) and isinstance(model.get("recompute"), bool):
-        model["recompute"] = "full" if model["recompute"] else "none"  # the boolean form
+    flag = str(model.get("recompute")).lower() if isinstance(model, dict) else ""
+    if flag in ("true", "false"):  # the boolean form of model.recompute
+        model["recompute"] = "full" if flag == "true" else "none"
     return out
 
 

@@ -34,6 +34,9 @@ SCHEDULES = [
 COMPOSED = [
     ("dp2xpp2-zb", 4, ["topology.dp=2", "topology.pp=2", kind("zb-h1")]),
     ("tp2xpp2", 4, ["topology.tp=2", "topology.pp=2", kind("1f1b")]),
+    # selective recompute: the attention core replayed in backward, under tp and pp
+    ("tp2xpp2-selective", 4, ["topology.tp=2", "topology.pp=2", kind("zb-h1"),
+                              'model.recompute="selective"']),
     ("tp2xpp2-sp-interleaved", 4, ["topology.tp=2", "topology.pp=2", SP, kind("interleaved"),
                                    "schedule.virtual_stages=2"]),
     ("dp2xtp2xpp2-sp", 8, ["topology.dp=2", "topology.tp=2", "topology.pp=2", SP,

@@ -8,6 +8,7 @@ from hpctrain.checks.validate import validate
 from hpctrain.config import (
     Config,
     ConfigError,
+    ModelConfig,
     dumps_toml,
     from_dict,
     load,
@@ -129,6 +130,8 @@ def test_unknown_key_lists_valid_keys():
     (["model.n_kv_heads=4"], 1, r"model.n_kv_heads=4 needs model.arch='llama'"),
     (['model.arch="mamba"'], 1, r"model.arch='mamba'; valid: gpt, llama"),
     (["topology.tp=0"], 1, r"topology.tp=0 must be >= 1"),
+    (['model.recompute="attention"'], 1,
+     r"model.recompute='attention'; valid: none, selective, full"),
     (["experimental.reduction=\"ring\""], 1, r"experimental.reduction='ring'; valid: bucketed, "),
     (["optim.overlap_progress=\"spin\""], 1,
      r"optim.overlap_progress='spin'; valid: auto, test, thread, poll, wait"),
@@ -138,6 +141,16 @@ def test_unknown_key_lists_valid_keys():
 def test_layout_errors_show_arithmetic(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         validate(load(TINY, overrides), world)
+
+
+def test_recompute_boolean_form_reads_as_full_or_none():
+    """``model.recompute = true/false`` (TOML, --set, the Python API) means full / none;
+    selective recompute combines with ZeRO-3, which full recompute does not."""
+    assert load(TINY, ["model.recompute=true"]).model.recompute == "full"
+    assert load(TINY, ['model.recompute="false"']).model.recompute == "none"
+    assert load(TINY, []).model.recompute == "none"
+    assert ModelConfig(recompute=True).recompute == "full"
+    validate(load(TINY, ["topology.dp=2", "optim.zero=3", 'model.recompute="selective"']), 2)
 
 
 def test_all_errors_reported_together():

@@ -1,4 +1,5 @@
-"""Activation recomputation (``model.recompute``): the same gradients, less saved memory.
+"""Activation recomputation (``model.recompute``, full and selective): the same gradients,
+less saved memory.
 
 Memory is measured as the bytes autograd holds in saved tensors (``saved_tensors_hooks``,
 each storage once, parameters excluded; :class:`hpctrain.telemetry.memory.ActivationMeter`): on CPU
@@ -48,6 +49,23 @@ def test_recompute_same_gradients_less_memory(preset):
     assert abs(memory.estimate(cfg).activations - peak0) <= 0.02 * peak0
     transient = memory.block_activation_bytes(on) * 2
     assert abs(memory.estimate(on).activations - (peak1 + transient)) <= 0.02 * peak1
+
+
+@pytest.mark.parametrize("preset", [TINY, TINY_LLAMA])
+def test_selective_recompute_same_gradients_plan_as_measured(preset):
+    """``model.recompute = "selective"``: only the attention core is replayed; the gradients
+    are bitwise those of no recompute, the saved bytes drop by the core's own (its
+    log-sum-exp; llama: the rotated and repeated keys) and the plan says so exactly."""
+    cfg = load(preset, ["train.micro_batch_size=2"])
+    sel = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="selective"))
+    g0, peak0 = _grads_and_peak(cfg)
+    g1, peak1 = _grads_and_peak(sel)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+    assert peak1 < peak0
+    assert abs(memory.estimate(sel).activations - peak1) <= 0.02 * peak1
+    saved = memory.block_activation_bytes(cfg) - memory.block_activation_bytes(sel)
+    assert abs((peak0 - peak1) - 2 * cfg.model.n_layers * saved) <= 0.02 * (peak0 - peak1)
 
 
 def test_meter_counts_each_storage_once():
