@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpctrain.__main__ import main
-from hpctrain.config import TopologyConfig, from_dict, load
+from hpctrain.config import TopologyConfig, from_dict, load, microbatches
 from hpctrain.planner import published, search
 from hpctrain.planner.cluster import ClusterError, dumps, shipped
 from hpctrain.planner.cluster import from_dict as cluster_from_dict
@@ -21,6 +21,7 @@ from hpctrain.planner.cost import (
     Extras,
     Link,
     allreduce,
+    core_redo_flops,
     equivalent,
     layer_flops,
     packed_crossing,
@@ -160,6 +161,28 @@ def test_more_bandwidth_never_slower():
     faster = dataclasses.replace(c, inter=Link(c.inter.latency, 10 * c.inter.bandwidth))
     c, faster = (dataclasses.replace(x, ranks_per_node=2) for x in (c, faster))
     assert predict(cfg, faster).step_s < predict(cfg, c).step_s
+
+
+def test_selective_recompute_priced_by_its_attention_core():
+    """Selective recompute adds the attention core's forward (QK^T and AV) to the backward:
+    between no recompute and full recompute, and it grows with the sequence."""
+    cluster = _small_cluster(2 ** 40)
+
+    def compute(rc, *sets):
+        cfg = load(TINY, ["topology.tp=2", f'model.recompute="{rc}"', *sets])
+        return predict(cfg, cluster).parts["compute"]
+
+    none, sel, full = (compute(rc) for rc in ("none", "selective", "full"))
+    assert none < sel < full
+    cfg = load(TINY, ["topology.tp=2", 'model.recompute="selective"'])
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    rate = cluster.peak("float64") * cluster.efficiency * cluster.compute_share
+    redo = core_redo_flops(cfg) * cfg.model.n_layers * tokens / rate * microbatches(cfg)
+    assert sel - none == pytest.approx(redo)
+    long = [compute(rc, "train.seq_len=1024") for rc in ("none", "selective")]
+    assert long[1] - long[0] > 30 * (sel - none)  # quadratic: x64 tokens x ~64 keys each
+    labels = {c.label().rsplit(" ", 1)[1] for c in search.search(cfg, cluster, 2)}
+    assert labels == {"recompute=off", "recompute=selective", "recompute=on"}
 
 
 # -- search --------------------------------------------------------------------------------
