@@ -5,8 +5,9 @@ ranks, every combination of tp (a power of two dividing the heads), cp (context
 parallelism: a power of two with ``seq_len % (2 cp) == 0``, at most ``max_cp``), pp, dp
 (the rest; ``cp x tp x pp x ep`` must divide the world, ep is the config's), microbatch
 size, schedule (1f1b, gpipe, zb-h1, zbv, interleaved with 2 or 4 virtual stages), ZeRO
-stage (0, 1, 2, 3) and recompute (none, selective: its attention core replayed, priced in
-FLOPs; full) is either
+stage (0, 1, 2, 3) and recompute (none; full; selective, its attention core replayed and
+priced in FLOPs, tried where the layout without recompute does not fit: elsewhere it is
+only slower) is either
 
 - **rejected**, with the reason: the config's own rules (``validate``: the batch does not
   split, the layers do not, a schedule does not fit the microbatch count, ZeRO-3 with
@@ -147,15 +148,18 @@ def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
     Candidates are ranked by the pipeline's closed form; the best ``refine`` again with the
     simulator. ``max_cp``: the largest cp tried (0: any, 1: none)."""
     world = nodes * cluster.ranks_per_node
-    seen, out = set(), []
+    seen, out, too_big = set(), [], set()
     for layout in layouts(cfg, world, max_tp, max_cp):
         for c in (layout, *hsdp_variant(layout, cluster)):
             key = (c.topology, c.train.micro_batch_size, c.schedule.kind,
-                   c.schedule.virtual_stages, c.optim.zero, c.model.recompute)
-            if key in seen:
-                continue
-            seen.add(key)
+                   c.schedule.virtual_stages, c.optim.zero)
+            if (*key, c.model.recompute) in seen or (
+                    c.model.recompute == "selective" and key not in too_big):
+                continue  # selective: only where no recompute does not fit (else slower)
+            seen.add((*key, c.model.recompute))
             out.append(judge(c, cluster, world))
+            if c.model.recompute == "none" and out[-1].reason.startswith("needs"):
+                too_big.add(key)
     fits = sorted((c for c in out if c.prediction), key=lambda c: c.prediction.step_s)
     for c in fits[:refine]:
         c.prediction = predict(c.cfg, cluster)
