@@ -22,22 +22,16 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
-from .ring_attention import segments
+from .ring_attention import RingContext, segments
 
 
-class UlyssesContext:
-    """The ``context`` object the model's attention calls (``model.layers.Attention``), as
-    ``ring_attention.RingContext``: this rank's positions, attention over ``cp_comm``."""
-
-    def __init__(self, cp_comm: comm.Group):
-        self.group = cp_comm
-        self.cp_size, self.cp_rank = cp_comm.size, cp_comm.rank
+class UlyssesContext(RingContext):
+    """The ``context`` object the model's attention calls (``model.layers.Attention``): the
+    ring's positions of this rank's tokens (``RingContext.segments``), Ulysses attention
+    over ``cp_comm``."""
 
     def __repr__(self) -> str:
         return f"UlyssesContext(cp={self.cp_size}, rank={self.cp_rank})"
-
-    def segments(self, T_local: int) -> list[tuple[int, int]]:
-        return segments(T_local, self.cp_size, self.cp_rank)
 
     def attention(self, q, k, v, groups: int, ids=None) -> torch.Tensor:
         """Causal attention of local queries q (B, H, T/cp, hd) over the whole sequence,
@@ -101,6 +95,4 @@ class _Exchange(torch.autograd.Function):
         ctx.group = group
         return _exchange(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange(grad, ctx.group), None
+    backward = staticmethod(lambda ctx, grad: (_exchange(grad, ctx.group), None))
