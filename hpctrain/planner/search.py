@@ -69,13 +69,17 @@ class Candidate:
                 f"recompute={'on' if self.cfg.model.recompute else 'off'}")
 
 
+CP_KINDS = ("ring", "ulysses")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0):
+def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0,
+            cp_kinds: tuple = CP_KINDS):
     """Every (tp, cp, cp kind, pp, dp, mbs, schedule, virtual, zero, recompute) for
-    ``world`` ranks (cp > 1: ring and Ulysses)."""
+    ``world`` ranks (cp > 1: each of ``cp_kinds``)."""
     m, T, ep = cfg.model, cfg.train.seq_len, cfg.topology.ep
     tps = [d for d in _divisors(world) if m.n_heads % d == 0 and d & (d - 1) == 0
            and (not max_tp or d <= max_tp)]
@@ -84,8 +88,8 @@ def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0):
     for tp, cp in itertools.product(tps, cps):
         if world % (tp * cp * ep):
             continue
-        cp_kinds = ("ring", "ulysses") if cp > 1 else (cfg.topology.cp_kind,)
-        for pp, ck in itertools.product(_divisors(world // (tp * cp * ep)), cp_kinds):
+        kinds = cp_kinds if cp > 1 else (cfg.topology.cp_kind,)
+        for pp, ck in itertools.product(_divisors(world // (tp * cp * ep)), kinds):
             dp = world // (tp * cp * pp)
             for mbs in (1, 2, 4, 8):
                 for (kind, v), zero, rc in itertools.product(
@@ -143,14 +147,15 @@ def hsdp_variant(cfg: Config, cluster: Cluster) -> list[Config]:
 
 
 def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
-           refine: int = 30, max_cp: int = 0) -> list[Candidate]:
+           refine: int = 30, max_cp: int = 0, cp_kinds: tuple = CP_KINDS) -> list[Candidate]:
     """All candidates on ``nodes`` full nodes: fitting ones first, fastest first, then the
     rejected ones in enumeration order. Duplicates (ZeRO at dp x cp = 1) are dropped.
     Candidates are ranked by the pipeline's closed form; the best ``refine`` again with the
-    simulator. ``max_cp``: the largest cp tried (0: any, 1: none)."""
+    simulator. ``max_cp``: the largest cp tried (0: any, 1: none); ``cp_kinds``: the
+    kinds of context parallelism tried for cp > 1."""
     world = nodes * cluster.ranks_per_node
     seen, out = set(), []
-    for layout in layouts(cfg, world, max_tp, max_cp):
+    for layout in layouts(cfg, world, max_tp, max_cp, cp_kinds):
         for c in (layout, *hsdp_variant(layout, cluster)):
             key = (c.topology, c.train.micro_batch_size, c.schedule.kind,
                    c.schedule.virtual_stages, c.optim.zero, c.model.recompute)
