@@ -3,7 +3,7 @@ attention over ``cp_comm`` with causal load balancing trains the same model as o
 alone and composed with tp + sequence parallelism, pp x dp with ZeRO-3 and experts (ep). Each layout
 shares a baseline other tests already run (the llama and gpt presets, the MoE reference of
 ``test_moe_equivalence.py``); cp=4 runs in ``test_checkpoint_reshard.py`` (cp=4 -> 1 rank,
-ring cp=2 -> Ulysses cp=4). ``topology.cp_kind=ulysses`` runs composed with tp + sequence
+1 rank -> Ulysses cp=4). ``topology.cp_kind=ulysses`` runs composed with tp + sequence
 parallelism.
 """
 
