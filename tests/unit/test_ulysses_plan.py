@@ -14,6 +14,7 @@ from hpctrain.planner.collectives import scatter
 from hpctrain.planner.cost import predict
 
 TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
+LLAMA = TINY.replace("tiny.toml", "tiny-llama.toml")
 CP4 = ["train.seq_len=4096", "train.global_batch_size=4", "topology.cp=4"]
 
 
@@ -56,3 +57,17 @@ def test_ulysses_wins_when_the_ring_pays_its_own_work():
     assert cp and all(c.cfg.topology.cp_kind == "ulysses" for c in cp[:1])
     assert {c.cfg.topology.cp_kind for c in cp} == {"ring", "ulysses"}
     assert 'topology.cp_kind="ulysses"' in cp[0].sets
+
+
+def test_plan_counts_ulysses_bytes():
+    """``plan``'s communication line: each rank sends (cp-1)/cp of its q, k, v and output
+    per layer, forward and again backward (tiny-llama: 8 query, 4 kv heads)."""
+    from hpctrain.telemetry.memory import comm_volume
+
+    cfg = load(LLAMA, ["topology.cp=4", "topology.cp_kind=ulysses"])
+    m, tr = cfg.model, cfg.train
+    row = tr.micro_batch_size * tr.seq_len // 4 * m.head_dim * 8  # one head, float64
+    want = m.n_layers * 2 * (2 * m.n_heads + 2 * m.kv_heads) * row * 3 / 4
+    assert comm_volume(cfg, 1000, 8, 1)["cp"] == int(want)
+    ring = comm_volume(load(LLAMA, ["topology.cp=4"]), 1000, 8, 1)["cp"]
+    assert ring > want  # the ring passes k, v around cp-1 hops twice and returns gradients
