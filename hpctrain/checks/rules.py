@@ -155,6 +155,24 @@ def _check_context(cfg: Config, world_size: int, need) -> None:
          "model.capacity_factor=0 (dropless) or topology.cp=1")
     need(not cfg.schedule.moe_overlap,
          "schedule.moe_overlap needs topology.cp=1 (not combined with context parallelism)")
+    _check_ulysses(cfg, need)
+
+
+def _check_ulysses(cfg: Config, need) -> None:
+    """``topology.cp_kind``: Ulysses splits each tp rank's query and kv heads over cp."""
+    top, m = cfg.topology, cfg.model
+    need(top.cp_kind != "hybrid",
+         "topology.cp_kind=\"hybrid\" (Ulysses inside groups, ring across) is not "
+         "available; set topology.cp_kind=\"ring\" or \"ulysses\"")
+    if top.cp_kind != "ulysses":
+        return
+    family = families.find(m)
+    kv = family.kv_heads(m) if family is not None else m.n_heads
+    for name, heads in (("model.n_heads", m.n_heads), ("key/value heads", kv)):
+        need(heads % (top.tp * top.cp) == 0,
+             f"topology.cp_kind=\"ulysses\": {name}={heads} is not divisible by "
+             f"topology.tp*cp = {top.tp}*{top.cp} (Ulysses gives each cp rank "
+             f"heads/(tp*cp) heads); change topology.cp or use topology.cp_kind=\"ring\"")
 
 
 def _check_experts(cfg: Config, world_size: int, need) -> None:

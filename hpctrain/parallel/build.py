@@ -27,7 +27,11 @@ def build_model(cfg: Config, topo) -> list[DecoderStage]:
     ranges = layer_ranges(cfg)  # balanced, or at schedule.boundaries
     ops = tp_ops(cfg, topo)
     context = None
-    if topo.cp_size > 1:
+    if topo.cp_size > 1 and cfg.topology.cp_kind == "ulysses":
+        from .ulysses import UlyssesContext
+
+        context = UlyssesContext(topo.cp_comm)
+    elif topo.cp_size > 1:
         from .ring_attention import RingContext
 
         context = RingContext(topo.cp_comm)

@@ -105,6 +105,19 @@ def ring_exposed(cfg: Config, cluster: Cluster, link: Link,
     return (cp - 1) * max(0.0, hop - step), (cp - 1) * max(0.0, 2 * hop - 2 * step) + hop
 
 
+def ulysses_exposed(cfg: Config, cluster: Cluster, link: Link) -> float:
+    """Ulysses (``parallel/ulysses.py``): seconds per layer and pass (forward and backward
+    alike) of its all-to-alls over cp, none hidden: q, k, v to heads and the output back
+    (the backward: the same four with gradients), each ``(cp-1)/cp`` of a ``B (T/cp)
+    heads/tp hd`` tensor (kv heads for k and v) over the link, plus one call each."""
+    m, t, tr = cfg.model, cfg.topology, cfg.train
+    if t.cp <= 1:
+        return 0.0
+    elems = tr.micro_batch_size * tr.seq_len // t.cp * m.head_dim // t.tp
+    n = (2 * m.n_heads + 2 * m.kv_heads) * elems * DTYPE_BYTES[m.dtype]
+    return 4 * cluster.call_overhead_s + scatter(n, t.cp, link)
+
+
 def zero3_exposed(cfg: Config, cluster: Cluster, w: dict, link: Link, fwd: float,
                   bwd: float) -> tuple[float, float]:
     """ZeRO-3 (``parallel/grad_sync/zero3.py``): (forward s, backward s) per microbatch of the

@@ -2,7 +2,8 @@
 
 For a model, sequence length and global batch (the config) on ``nodes x ranks_per_node``
 ranks, every combination of tp (a power of two dividing the heads), cp (context
-parallelism: a power of two with ``seq_len % (2 cp) == 0``, at most ``max_cp``), pp, dp
+parallelism: a power of two with ``seq_len % (2 cp) == 0``, at most ``max_cp``; ring or
+Ulysses), pp, dp
 (the rest; ``cp x tp x pp x ep`` must divide the world, ep is the config's), microbatch
 size, schedule (1f1b, gpipe, zb-h1, zbv, interleaved with 2 or 4 virtual stages), ZeRO
 stage (0, 1, 2, 3) and recompute (none; full; selective, its attention core replayed and
@@ -50,6 +51,7 @@ class Candidate:
         out = [f"topology.dp={t.dp}", f"topology.tp={t.tp}", f"topology.pp={t.pp}"]
         out += [f"topology.ep={t.ep}"] if t.ep > 1 else []
         out += [f"topology.cp={t.cp}"] if t.cp > 1 else []
+        out += [f'topology.cp_kind="{t.cp_kind}"'] if t.cp > 1 and t.cp_kind != "ring" else []
         out += [f'topology.shard_within="{t.shard_within}"'] if t.shard_within else []
         out += [f"train.micro_batch_size={tr.micro_batch_size}",
                 f"schedule.kind={s.kind}" if t.pp > 1 else "schedule.kind=1f1b"]
@@ -63,19 +65,25 @@ class Candidate:
         sched = "-" if t.pp == 1 else s.kind + (f" v={s.virtual_stages}"
                                                 if s.kind == "interleaved" else "")
         shard = f" shard={t.shard_within}" if t.shard_within else ""
-        return (f"dp={t.dp} tp={t.tp} pp={t.pp} ep={t.ep} cp={t.cp} {sched} "
+        cp = f"cp={t.cp}" + (f" {t.cp_kind}" if t.cp > 1 and t.cp_kind != "ring" else "")
+        return (f"dp={t.dp} tp={t.tp} pp={t.pp} ep={t.ep} {cp} {sched} "
                 f"mbs={self.cfg.train.micro_batch_size} zero={self.cfg.optim.zero}{shard} "
                 f"recompute={SHOWN.get(self.cfg.model.recompute, 'selective')}")
 
 SHOWN = {"none": "off", "full": "on"}  # model.recompute in a candidate's label
 
 
+CP_KINDS = ("ring", "ulysses")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0):
-    """Every (tp, cp, pp, dp, mbs, schedule, virtual, zero, recompute) for ``world`` ranks."""
+def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0,
+            cp_kinds: tuple = CP_KINDS):
+    """Every (tp, cp, cp kind, pp, dp, mbs, schedule, virtual, zero, recompute) for
+    ``world`` ranks (cp > 1: each of ``cp_kinds``)."""
     m, T, ep = cfg.model, cfg.train.seq_len, cfg.topology.ep
     tps = [d for d in _divisors(world) if m.n_heads % d == 0 and d & (d - 1) == 0
            and (not max_tp or d <= max_tp)]
@@ -84,18 +92,19 @@ def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0):
     for tp, cp in itertools.product(tps, cps):
         if world % (tp * cp * ep):
             continue
-        for pp in _divisors(world // (tp * cp * ep)):
+        kinds = cp_kinds if cp > 1 else (cfg.topology.cp_kind,)
+        for pp, ck in itertools.product(_divisors(world // (tp * cp * ep)), kinds):
             dp = world // (tp * cp * pp)
             for mbs in (1, 2, 4, 8):
                 for (kind, v), zero, rc in itertools.product(
                         SCHEDULES if pp > 1 else SCHEDULES[:1], ZEROS, RECOMPUTE):
-                    yield _with(cfg, (dp, tp, pp, cp), mbs, kind, v, zero, rc)
+                    yield _with(cfg, (dp, tp, pp, cp, ck), mbs, kind, v, zero, rc)
 
 
 def _with(cfg: Config, layout, mbs, kind, v, zero, rc) -> Config:
     r = dataclasses.replace
-    dp, tp, pp, cp = layout
-    return r(cfg, topology=r(cfg.topology, dp=dp, tp=tp, pp=pp, cp=cp,
+    dp, tp, pp, cp, cp_kind = layout
+    return r(cfg, topology=r(cfg.topology, dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=cp_kind,
                              sequence_parallel=cfg.topology.sequence_parallel and tp > 1),
              train=r(cfg.train, micro_batch_size=mbs),
              schedule=r(cfg.schedule, kind=kind, virtual_stages=v, boundaries=""),
@@ -142,14 +151,15 @@ def hsdp_variant(cfg: Config, cluster: Cluster) -> list[Config]:
 
 
 def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
-           refine: int = 30, max_cp: int = 0) -> list[Candidate]:
+           refine: int = 30, max_cp: int = 0, cp_kinds: tuple = CP_KINDS) -> list[Candidate]:
     """All candidates on ``nodes`` full nodes: fitting ones first, fastest first, then the
     rejected ones in enumeration order. Duplicates (ZeRO at dp x cp = 1) are dropped.
     Candidates are ranked by the pipeline's closed form; the best ``refine`` again with the
-    simulator. ``max_cp``: the largest cp tried (0: any, 1: none)."""
+    simulator. ``max_cp``: the largest cp tried (0: any, 1: none); ``cp_kinds``: the
+    kinds of context parallelism tried for cp > 1."""
     world = nodes * cluster.ranks_per_node
     seen, out, too_big = set(), [], set()
-    for layout in layouts(cfg, world, max_tp, max_cp):
+    for layout in layouts(cfg, world, max_tp, max_cp, cp_kinds):
         for c in (layout, *hsdp_variant(layout, cluster)):
             key = (c.topology, c.train.micro_batch_size, c.schedule.kind,
                    c.schedule.virtual_stages, c.optim.zero)

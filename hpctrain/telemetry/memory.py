@@ -211,6 +211,9 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
         kv = 2 * t.micro_batch_size * local_tokens(cfg) * family_of(m).kv_heads(m) \
             * m.head_dim * ps // top.tp  # their gradients (cp hops), per layer and microbatch
         out["cp"] = int(layers_here * M * kv * (2 * (top.cp - 1) + top.cp))
+        if top.cp_kind == "ulysses":  # q, k, v and the output, forward and backward
+            qo = kv // family_of(m).kv_heads(m) * m.n_heads
+            out["cp"] = int(layers_here * M * 2 * (qo + kv) * (top.cp - 1) / top.cp)
     if top.tp > 1:  # 2 all-reduces forward + 2 backward per block, per microbatch
         out["tp"] = int(4 * layers_here * M * act * 2 * (top.tp - 1) / top.tp)
     if top.pp > 1:  # one activation forward and one gradient backward per microbatch

@@ -109,3 +109,15 @@ def test_cp4_to_one_rank_and_one_rank_to_cp2(tmp_path, session_dir):
     assert_tail_equal(b, ref, 3, "cp=4 -> 1 rank")
     _, c = reshard(tmp_path / "back", ref, layout(), ("topology.cp=2",), load_extra=whole)
     assert_tail_equal(c, ref, 3, "1 rank -> cp=2")
+
+
+def test_one_rank_to_ulysses_cp4(tmp_path, session_dir):
+    # Checkpoints do not depend on the kind of context parallelism (a ring run writes the
+    # reference's file, test_cp4_to_one_rank_and_one_rank_to_cp2): the reference's own
+    # checkpoint continues as Ulysses over 4 ranks (2 of the 8 query and 1 of the 4 kv
+    # heads per cp rank), one launch.
+    whole = ("train.micro_batch_size=16",)
+    ref = baseline(session_dir, *COMMON)
+    _, b = reshard(tmp_path, ref, layout(), ("topology.cp=4",),
+                   load_extra=(*whole, "topology.cp_kind=ulysses"))
+    assert_tail_equal(b, ref, 3, "1 rank -> ulysses cp=4")

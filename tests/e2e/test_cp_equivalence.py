@@ -2,7 +2,9 @@
 attention over ``cp_comm`` with causal load balancing trains the same model as one rank,
 alone and composed with tp + sequence parallelism, pp x dp with ZeRO-3 and experts (ep). Each layout
 shares a baseline other tests already run (the llama and gpt presets, the MoE reference of
-``test_moe_equivalence.py``); cp=4 runs in ``test_checkpoint_reshard.py`` (cp=4 -> 1 rank).
+``test_moe_equivalence.py``); cp=4 runs in ``test_checkpoint_reshard.py`` (cp=4 -> 1 rank,
+1 rank -> Ulysses cp=4). ``topology.cp_kind=ulysses`` runs composed with tp + sequence
+parallelism.
 """
 
 import pytest
@@ -21,6 +23,9 @@ WHOLE, HALF = "train.micro_batch_size=16", "train.micro_batch_size=4"
 LAYOUTS = [
     ("gpt-cp2", 2, TINY_GPT, ["topology.cp=2", WHOLE], []),
     ("cp2xtp2-sp", 4, TINY, ["topology.cp=2", "topology.tp=2", SP, WHOLE], []),
+    # Ulysses: the all-to-all of heads over cp (8 query / 4 kv heads split over tp x cp)
+    ("ulysses-cp2xtp2-sp", 4, TINY, ["topology.cp=2", "topology.cp_kind=ulysses",
+                                     "topology.tp=2", SP, WHOLE], []),
     # ... with ZeRO-3: parameters sharded over the dp x cp replicas
     ("cp2xpp2xdp2-zero3", 8, TINY, ["topology.cp=2", "topology.pp=2", "topology.dp=2", HALF,
                                     "optim.zero=3"], []),
@@ -35,7 +40,7 @@ def test_cp_float64_equals_one_rank(tmp_path, session_dir, name, n, config, over
     reference = baseline(session_dir, *ref, config=config)
     run = train_cli(tmp_path / name, n, *overrides, config=config)
     assert_same(run, reference, rel=1e-9, what=name)
-    # The ring's transfers are recorded under their own axis (bytes: never a timing claim),
+    # The cp transfers are recorded under their own axis (bytes: never a timing claim),
     # and the gradients of the cp replicas are summed over dp x cp.
     assert all(m["comm_bytes"].get("cp", 0) > 0 for m in run.metrics), run.metrics[0]
     assert all(m["comm_bytes"].get("dpcp", 0) > 0 for m in run.metrics), run.metrics[0]

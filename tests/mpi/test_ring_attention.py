@@ -4,7 +4,7 @@ keys and values (this rank's positions) must equal causal attention over the who
 in float64, with grouped-query heads; and the llama attention layer with a ring context
 (rotary at global positions) must equal the same layer on one rank. With document ids
 (``data.document_mask``) the ring equals causal attention of each document alone, and the
-layer (rotary at document positions) equals one rank's."""
+layer (rotary at document positions) equals one rank's. Every test runs for Ulysses too."""
 
 from dataclasses import replace
 
@@ -18,15 +18,19 @@ from hpctrain.data.dataset import context_positions
 from hpctrain.model.layers import Attention, Rotary
 from hpctrain.model.stage import LocalOps, init_parameters
 from hpctrain.parallel.ring_attention import RingContext, segments
+from hpctrain.parallel.ulysses import UlyssesContext
 
 pytestmark = pytest.mark.mpi
 
 TOL = dict(rtol=1e-11, atol=1e-13)
 
 
-@pytest.fixture(scope="module")
-def ring():
-    return RingContext(comm.Group(comm.world().mpi.Dup(), "cp"))
+@pytest.fixture(scope="module", params=["ring", "ulysses"])
+def ring(request):
+    """Each test runs with the ring and with Ulysses (``parallel/ulysses.py``, the same
+    token layout, an all-to-all of heads): both must equal one rank."""
+    kind = RingContext if request.param == "ring" else UlyssesContext
+    return kind(comm.Group(comm.world().mpi.Dup(), "cp"))
 
 
 def mine(t, ring, T):

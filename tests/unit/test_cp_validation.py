@@ -33,6 +33,15 @@ MOE = ["model.num_experts=4", "topology.dp=2", "topology.ep=2"]
      "model.capacity_factor=1.0 needs topology.cp=1"),
     ([*MOE, "topology.cp=2", "schedule.moe_overlap=true"], 4,
      "schedule.moe_overlap needs topology.cp=1"),
+    # Ulysses: tiny-llama's 8 query / 4 kv heads split over tp x cp
+    (["topology.cp=4", "topology.tp=2", "topology.cp_kind=ulysses"], 8,
+     "topology.cp_kind=\"ulysses\": key/value heads=4 is not divisible by topology.tp*cp = 2*4"),
+    (["topology.cp=2", "topology.cp_kind=ulysses", "model.n_heads=9", "model.n_kv_heads=3",
+      "model.d_model=72"], 2,
+     "topology.cp_kind=\"ulysses\": model.n_heads=9 is not divisible by topology.tp*cp = 1*2"),
+    (["topology.cp=2", "topology.cp_kind=hybrid"], 2,
+     "topology.cp_kind=\"hybrid\" (Ulysses inside groups, ring across) is not available"),
+    (["topology.cp=2", "topology.cp_kind=zigzag"], 2, "topology.cp_kind"),
 ])
 def test_cp_errors(overrides, world, message):
     with pytest.raises(ConfigError) as e:
