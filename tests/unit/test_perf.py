@@ -5,6 +5,7 @@ choices and rejection reasons, cluster files, and the pieces (FLOPs, placement, 
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -359,7 +360,7 @@ def test_plan_search_lists_what_fits_a_memory_per_rank(capsys, tmp_path):
             "--memory-per-rank", str(limit), *[x for s in LONG for x in ("--set", s)]]
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
-    fits = [i for i, x in enumerate(out) if x[:5].strip().rstrip(".").isdigit()]
+    fits = [i for i, x in enumerate(out) if re.match(r"\s+\d+\. ", x)]  # "  1. dp=..."
     assert fits and "does not fit in memory" in "\n".join(out)
     for i in fits:
         assert " cp=1 " not in out[i] or " zero=3 " in out[i], out[i]
