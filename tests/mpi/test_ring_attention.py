@@ -33,6 +33,12 @@ def ring(request):
     return kind(comm.Group(comm.world().mpi.Dup(), "cp"))
 
 
+def heads(ring, groups: int) -> int:
+    """Query heads: 4, or more where Ulysses needs the kv heads (H / groups) to divide by cp
+    (a layout it refuses otherwise)."""
+    return 4 * max(1, groups * ring.cp_size // 4)
+
+
 def mine(t, ring, T):
     return t.detach()[:, :, torch.from_numpy(context_positions(T, ring.cp_size, ring.cp_rank))]
 
@@ -40,7 +46,7 @@ def mine(t, ring, T):
 @pytest.mark.parametrize("groups", [1, 2])
 def test_ring_equals_causal_attention(ring, groups):
     g = torch.Generator().manual_seed(7)
-    B, H, T, hd = 2, 4, 4 * ring.cp_size, 6
+    B, H, T, hd = 2, heads(ring, groups), 4 * ring.cp_size, 6
     q, dout = (torch.randn(B, H, T, hd, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(B, H // groups, T, hd, generator=g, dtype=torch.float64)
             for _ in range(2))
@@ -111,7 +117,7 @@ def test_ring_with_documents_equals_each_document_alone(ring, groups):
     document, wherever on the ring those keys live (documents cut across chunks, one that
     starts inside a chunk, a row that is one document); gradients too."""
     g = torch.Generator().manual_seed(11)
-    B, H, T, hd = 3, 4, 4 * ring.cp_size, 6
+    B, H, T, hd = 3, heads(ring, groups), 4 * ring.cp_size, 6
     q, dout = (torch.randn(B, H, T, hd, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(B, H // groups, T, hd, generator=g, dtype=torch.float64)
             for _ in range(2))
