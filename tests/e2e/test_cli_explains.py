@@ -56,8 +56,8 @@ def test_the_readme_plan_commands_run_as_written():
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny LlamaForCausalLM saved by transformers (model.safetensors + config.json)."""
-    transformers = pytest.importorskip("transformers")
     import torch
+    import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
