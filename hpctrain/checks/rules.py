@@ -168,7 +168,10 @@ def _check_ulysses(cfg: Config, need) -> None:
         return
     family = families.find(m)
     kv = family.kv_heads(m) if family is not None else m.n_heads
-    for name, heads in (("model.n_heads", m.n_heads), ("key/value heads", kv)):
+    named = {"model.n_heads": m.n_heads}
+    if kv != m.n_heads:  # without grouped-query attention the kv heads are the same verdict
+        named["key/value heads"] = kv
+    for name, heads in named.items():
         need(heads % (top.tp * top.cp) == 0,
              f"topology.cp_kind=\"ulysses\": {name}={heads} is not divisible by "
              f"topology.tp*cp = {top.tp}*{top.cp} (Ulysses gives each cp rank "
