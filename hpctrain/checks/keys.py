@@ -42,15 +42,31 @@ def key_problems(cfg: Config, sections: tuple[str, ...] | None = None) -> list[s
     """Every key of ``sections`` (default: all) whose value breaks its declared rule."""
     out = []
     for sec in dataclasses.fields(cfg):
-        if sections is not None and sec.name not in sections:
-            continue
-        body = getattr(cfg, sec.name)
-        for f in dataclasses.fields(body):
-            why = rule_problem(f"{sec.name}.{toml_key(f.name)}", getattr(body, f.name),
-                               f.metadata)
-            if why is not None:
-                out.append(why)
+        if sections is None or sec.name in sections:
+            out += _section_problems(sec.name, getattr(cfg, sec.name))
     return out
+
+
+_KNOWN: dict[str, tuple[str, ...]] = {}  # a section's repr -> its broken rules
+
+
+def _section_problems(name: str, body) -> tuple[str, ...]:
+    """The broken rules of one section. A search judges many configs whose sections repeat,
+    so the answer is kept, keyed by the section's repr: the values as the messages show
+    them (``0`` and ``0.0`` are equal but read differently)."""
+    key = f"{name}:{body!r}"
+    found = _KNOWN.get(key)
+    if found is None:
+        if len(_KNOWN) >= 4096:
+            _KNOWN.clear()
+        found = _KNOWN[key] = _problems_of(name, body)
+    return found
+
+
+def _problems_of(name: str, body) -> tuple[str, ...]:
+    return tuple(why for f in dataclasses.fields(body)
+                 if (why := rule_problem(f"{name}.{toml_key(f.name)}", getattr(body, f.name),
+                                         f.metadata)) is not None)
 
 
 def _allowed(meta) -> str:

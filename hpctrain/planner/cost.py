@@ -176,11 +176,12 @@ def _crossing_of(dims: tuple, rpn: int) -> tuple:
 
 
 # -- per-rank work -----------------------------------------------------------------------
-def layer_flops(cfg: Config, i: int, full: bool = False) -> float:
-    """Forward FLOPs per token of block ``i`` (``telemetry/flops.py``'s terms; ``full``: the
-    keys a causal mask hides are computed too, as attention without a fused kernel does)."""
+def layer_flops(cfg: Config, i: int, full: bool = False, terms=None) -> float:
+    """Forward FLOPs per token of block ``i`` (``telemetry/flops.py``'s terms, ``terms`` when
+    given; ``full``: the keys a causal mask hides are computed too, as attention without a
+    fused kernel does)."""
     m, T = cfg.model, cfg.train.seq_len
-    terms = family_of(m).flop_terms(m, T if full else (T + 1) / 2)
+    terms = terms or family_of(m).flop_terms(m, T if full else (T + 1) / 2)
     return terms.attention + (terms.moe_mlp if is_moe_layer(m, i) else terms.dense_mlp)
 
 
@@ -191,17 +192,18 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
     from ..parallel.pipeline import chunks_of_rank, layer_ranges, style_of
 
     m, t = cfg.model, cfg.topology
-    ranges = layer_ranges(cfg)
-    S = len(ranges)
-    out = []
+    ranges, T = layer_ranges(cfg), cfg.train.seq_len
+    S, terms = len(ranges), family_of(m).flop_terms(m, T if full else (T + 1) / 2)
+    kinds = {(len(ranges[s]), s == 0, s == S - 1): 0 for s in range(S)}  # few distinct ones
+    params_of, out = {k: stage_params(cfg, *k) for k in kinds}, []
     for r in range(t.pp):
         stages = chunks_of_rank(r, t.pp, S // t.pp, style_of(cfg.schedule.kind))
         layers = [i for s in stages for i in ranges[s]]
-        flops = sum(layer_flops(cfg, i, full) for i in layers)
+        flops = sum(layer_flops(cfg, i, full, terms) for i in layers)
         flops += 2 * m.d_model * m.vocab_size if S - 1 in stages else 0
         moe = sum(1 for i in layers if is_moe_layer(m, i))
         first, last = 0 in stages, S - 1 in stages
-        params = sum(stage_params(cfg, len(ranges[s]), s == 0, s == S - 1) for s in stages)
+        params = sum(params_of[len(ranges[s]), s == 0, s == S - 1] for s in stages)
         sizes = rank_sizes(cfg, stages, ranges)
         out.append({"flops": flops / t.tp, "layers": len(layers), "moe": moe,
                     "chunks": len(stages), "tensors": len(sizes), "sizes": sizes,

@@ -141,7 +141,9 @@ def estimate(cfg: Config) -> Estimate:
     ranges = partition(m.n_layers, top.pp * v)
     S = len(ranges)
     style = style_of(cfg.schedule.kind)
-    per_rank = [sum(stage_params(cfg, len(ranges[s]), s == 0, s == S - 1)
+    kinds = [(len(ranges[s]), s == 0, s == S - 1) for s in range(S)]  # few distinct ones
+    params = {k: stage_params(cfg, *k) for k in set(kinds)}
+    per_rank = [sum(params[kinds[s]]
                     for s in chunks_of_rank(r, top.pp, v, style)) for r in range(top.pp)]
     P = max(per_rank)
     d = shard_size(top)  # ZeRO shards over the replicas of a parameter, dp x cp (HSDP: fewer)
@@ -158,9 +160,9 @@ def estimate(cfg: Config) -> Estimate:
         e.grads = P * ss // d + min(P * ps, int(o.bucket_mb * 2**20)) * ss // ps
     states = 2 * ss + (4 if ps == 2 else 0)
     e.optimizer = P * states // (d if o.zero else 1)
-    B, M = cfg.train.micro_batch_size, microbatches(cfg)
+    B, M, held = cfg.train.micro_batch_size, microbatches(cfg), in_flight(cfg)
     blk = block_activation_bytes(cfg)
-    worst = 0
+    worst, ends_of = 0, {k[1:]: _ends_activation_bytes(cfg, *k[1:]) for k in params}
     for r in range(top.pp):  # the rank whose in-flight activations are largest
         mine = [s for s in range(r, S, top.pp)]
         layers = sum(len(ranges[s]) for s in mine)
@@ -168,8 +170,8 @@ def estimate(cfg: Config) -> Estimate:
             per_mb = layers * local_tokens(cfg) * m.d_model * ps + blk
         else:
             per_mb = layers * blk
-        ends = sum(_ends_activation_bytes(cfg, s == 0, s == S - 1) for s in mine)
-        flight = in_flight(cfg) if r == 0 else max(1, in_flight(cfg) - r)
+        ends = sum(ends_of[kinds[s][1:]] for s in mine)
+        flight = held if r == 0 else max(1, held - r)
         worst = max(worst, B * (per_mb + ends) * flight)
     e.activations = worst
     e.comm = comm_volume(cfg, P, ps, M)
