@@ -64,6 +64,18 @@ def test_defaults_break_no_declared_rule():
     assert key_problems(Config()) == []
 
 
+@pytest.mark.parametrize("value", [0, 0.0, -0.0, 0, -1e-9, 0.0])
+def test_a_section_seen_before_reads_as_given(value):
+    """key_problems keeps each section's answer (a search judges many configs): a value
+    equal to one seen before but written otherwise (0, 0.0, -0.0) is still shown as given,
+    and the answer is the one the rules give afresh."""
+    cfg = Config()
+    body = dataclasses.replace(cfg.model, norm_eps=value)
+    found = key_problems(dataclasses.replace(cfg, model=body))
+    assert found == [rule_problem("model.norm_eps", value, {"gt": 0})]
+    assert found == [f"model.norm_eps={value!r} must be > 0"]
+
+
 @pytest.mark.parametrize("value,rule,message", [
     ("x", {"choices": ("a", "b")}, "k.v='x'; valid: a, b"),
     (4, {"choices": (0, 1, 2, 3)}, "k.v=4 must be 0, 1, 2 or 3"),
