@@ -144,6 +144,30 @@ def crossing(tcfg, nodes: int, ranks_per_node: int,
     return out
 
 
+def cp_factors(tcfg, heads: int, kv_heads: int, node_ranks: int = 0) -> tuple[int, int]:
+    """Hybrid context parallelism: (u, r), ``cp = u * r``; cp rank ``i`` is Ulysses rank
+    ``i % u`` of Ulysses group ``i // u`` (u consecutive cp ranks, so a group of tp groups
+    is the next tier of ranks) and ring rank ``i // u`` of ring ``i % u``.
+    ``topology.cp_ulysses`` when set; else the largest divisor u of cp that each tp rank's
+    query and kv heads divide by and, with ``node_ranks`` (ranks per node; 0: unknown),
+    whose ``tp * u`` ranks fill nodes evenly."""
+    cp, tp = tcfg.cp, tcfg.tp
+    if tcfg.cp_ulysses:
+        return tcfg.cp_ulysses, cp // tcfg.cp_ulysses
+    fits = [u for u in range(cp, 1, -1) if cp % u == 0 and heads // tp % u == 0
+            and kv_heads // tp % u == 0 and (not node_ranks or node_ranks % (tp * u) == 0)]
+    u = fits[0] if fits else 1
+    return u, cp // u
+
+
+def context_groups(topo, u: int) -> tuple[comm.Group, comm.Group]:
+    """Hybrid context parallelism: ``cp_comm`` cut into (this rank's Ulysses group, its
+    ring) for ``u`` ranks per Ulysses group (:func:`cp_factors`); both report as axis
+    ``cp``. Collective over ``cp_comm``."""
+    r = topo.cp_comm.rank
+    return (comm.split(topo.cp_comm, r // u, r, "cp"), comm.split(topo.cp_comm, r % u, r, "cp"))
+
+
 def shard_groups(topo) -> dict[str, tuple[comm.Group, comm.Group]]:
     """HSDP (``topology.shard_within``): each replica group (``dpcp_comm``, ``edpcp_comm``)
     cut into *shard groups* (its ranks on this node, or in this rank's block of N consecutive
@@ -269,6 +293,10 @@ class Topology:
     @property
     def local_rank(self) -> int:
         return self.node_comm.rank
+
+    def node_ranks(self) -> int:
+        """Ranks per node, the fewest over the world. Collective over the world."""
+        return int(self.world.allreduce(float(self.node_comm.size), "min"))
 
     def describe(self) -> str:
         """One line naming this rank, its grid coordinates and its node."""

@@ -47,9 +47,12 @@ class TopologyConfig:
     ep: int = key(1, "expert-parallel ranks, must divide dp", ge=1)
     cp: int = key(1, "context-parallel ranks: each holds 2 of 2*cp sequence chunks (ring "
                      "attention)", ge=1)
-    cp_kind: str = key("ring", "context parallelism: ring attention, or ulysses (an all-to-all "
-                               "swaps sequence for heads); hybrid is refused",
+    cp_kind: str = key("ring", "context parallelism: ring attention, ulysses (an all-to-all "
+                               "swaps sequence for heads), or hybrid (ulysses inside groups of "
+                               "cp_ulysses ranks, the ring across them)",
                        choices=("ring", "ulysses", "hybrid"))
+    cp_ulysses: int = key(0, "hybrid: cp ranks per Ulysses group, a divisor of cp; 0: the "
+                             "largest the heads per tp rank allow within a node", ge=0)
     sequence_parallel: bool = key(False, "split the sequence over tp outside attention and the MLP")
     dp_reduction: str = key("flat", "the dp gradient reduction: one flat all-reduce, or "
                                     "hierarchical (within a node, across nodes, within)",
