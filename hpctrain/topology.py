@@ -144,26 +144,11 @@ def crossing(tcfg, nodes: int, ranks_per_node: int,
     return out
 
 
-def cp_factors(tcfg, heads: int, kv_heads: int, node_ranks: int = 0) -> tuple[int, int]:
-    """Hybrid context parallelism: (u, r), ``cp = u * r``; cp rank ``i`` is Ulysses rank
-    ``i % u`` of Ulysses group ``i // u`` (u consecutive cp ranks, so a group of tp groups
-    is the next tier of ranks) and ring rank ``i // u`` of ring ``i % u``.
-    ``topology.cp_ulysses`` when set; else the largest divisor u of cp that each tp rank's
-    query and kv heads divide by and, with ``node_ranks`` (ranks per node; 0: unknown),
-    whose ``tp * u`` ranks fill nodes evenly."""
-    cp, tp = tcfg.cp, tcfg.tp
-    if tcfg.cp_ulysses:
-        return tcfg.cp_ulysses, cp // tcfg.cp_ulysses
-    fits = [u for u in range(cp, 1, -1) if cp % u == 0 and heads // tp % u == 0
-            and kv_heads // tp % u == 0 and (not node_ranks or node_ranks % (tp * u) == 0)]
-    u = fits[0] if fits else 1
-    return u, cp // u
-
-
 def context_groups(topo, u: int) -> tuple[comm.Group, comm.Group]:
     """Hybrid context parallelism: ``cp_comm`` cut into (this rank's Ulysses group, its
-    ring) for ``u`` ranks per Ulysses group (:func:`cp_factors`); both report as axis
-    ``cp``. Collective over ``cp_comm``."""
+    ring) for ``u`` ranks per Ulysses group (``config.cp_factors``: cp rank ``i`` is rank
+    ``i % u`` of Ulysses group ``i // u`` and rank ``i // u`` of ring ``i % u``); both
+    report as axis ``cp``. Collective over ``cp_comm``."""
     r = topo.cp_comm.rank
     return (comm.split(topo.cp_comm, r // u, r, "cp"), comm.split(topo.cp_comm, r % u, r, "cp"))
 

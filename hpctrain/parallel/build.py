@@ -33,8 +33,9 @@ def context_of(cfg: Config, topo):
         from .ring_attention import RingContext
 
         return RingContext(topo.cp_comm)
+    from ..config import cp_factors
     from ..model.families import family_of
-    from ..topology import context_groups, cp_factors
+    from ..topology import context_groups
     from .hybrid import HybridContext
 
     m = cfg.model
