@@ -13,7 +13,9 @@ group's ``T/r`` tokens in global order, exactly the input ring attention over ``
 expects from ring rank ``j``; the ring (``ring_attention._RingAttention``, over the ranks
 at the same place of every group) runs with those heads, causal load balancing, document
 masks and grouped-query attention as it does alone, and the inverse all-to-all
-(``ulysses.to_sequence``) returns all heads of the rank's own tokens. Query and kv heads
+(``ulysses.to_sequence``) returns all heads of the rank's own tokens. With ``u = cp`` the
+hybrid runs Ulysses' attention (one fused attention, no ring), with ``u = 1`` the ring's
+(no all-to-all). Query and kv heads
 split over ``tp * u`` (``checks.rules`` refuses layouts where they do not divide). Every
 transfer is a ``comm.Group`` method (axis ``cp``).
 """
@@ -24,13 +26,14 @@ import torch
 
 from .. import comm
 from .ring_attention import RingContext, _RingAttention
-from .ulysses import gathered_positions, to_heads, to_sequence
+from .ulysses import UlyssesContext, gathered_positions, to_heads, to_sequence
 
 
-class HybridContext(RingContext):
+class HybridContext(UlyssesContext):
     """The ``context`` object the model's attention calls: the ring's positions of this
     rank's tokens over the whole ``cp_comm`` (``RingContext.segments``), attention as
-    Ulysses over ``ulysses`` and a ring over ``ring``."""
+    Ulysses over ``ulysses`` and a ring over ``ring``; with one ring (u = cp) exactly
+    Ulysses, with Ulysses groups of one (u = 1) exactly the ring."""
 
     def __init__(self, cp_comm: comm.Group, ulysses: comm.Group, ring: comm.Group):
         super().__init__(cp_comm)
@@ -45,6 +48,10 @@ class HybridContext(RingContext):
         of which this rank holds k, v (B, H/groups, T/cp, hd); with ``ids`` (B, T) only
         inside documents. Returns (B, H, T/cp, hd)."""
         u = self.ulysses.size
+        if self.ring.size == 1:  # the Ulysses group is all of cp_comm
+            return super().attention(q, k, v, groups, ids)
+        if u == 1:  # the ring is all of cp_comm
+            return RingContext.attention(self, q, k, v, groups, ids)
         pos = gathered_positions(q.shape[2], self.cp_size, q.device, self.ring.rank * u, u)
         inverse = torch.argsort(pos)  # the group's tokens in global order
         q, k, v = (to_heads(t, self.ulysses, inverse) for t in (q, k, v))

@@ -196,10 +196,6 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.to(q.dtype).contiguous()
         delta = (dout * out).sum(-1)  # (B, H, T/cp)
         c = q.shape[2] // 2
-        if group.size == 1:  # a ring of one (the hybrid with cp_ulysses = cp): no hop
-            allowed = _mask(ctx.ids, 0, 0, 1, c, slice(None), slice(None))
-            grads = _block_backward(q, k, v, dout, lse, delta, groups, True, allowed)
-            return (*(g.to(ctx.dtype) for g in grads), None, None, None)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v]).contiguous()
         sends, incoming = [], None  # incoming: (handle, buffer) of the next dk/dv sum

@@ -81,6 +81,16 @@ ATTENTION_SAVED = {"ring": lambda C, kv: 3 * C + kv, "ulysses": lambda C, kv: 6 
                    "hybrid": lambda C, kv: 4 * C + kv}
 
 
+def _attention_kind(cfg: Config) -> str:
+    """The attention a cp rank runs: the hybrid with one ring is Ulysses', with Ulysses
+    groups of one the ring's (``parallel/hybrid.py``)."""
+    top, m = cfg.topology, cfg.model
+    if top.cp_kind != "hybrid":
+        return top.cp_kind
+    u, r = cp_factors(top, m.n_heads, family_of(m).kv_heads(m))
+    return "ulysses" if r == 1 else "ring" if u == 1 else "hybrid"
+
+
 def block_activation_bytes(cfg: Config) -> int:
     """Bytes autograd saves per block per sequence (measured layout, see tests):
     two norms, q, k, v and the attention output (over tp; grouped-query: k and v after the
@@ -98,7 +108,7 @@ def block_activation_bytes(cfg: Config) -> int:
     family = family_of(m)
     hidden = family.mlp_saved
     kv = 2 * family.kv_heads(m) * m.head_dim
-    attn = 4 * C if cp <= 1 else ATTENTION_SAVED[cfg.topology.cp_kind](C, kv)
+    attn = 4 * C if cp <= 1 else ATTENTION_SAVED[_attention_kind(cfg)](C, kv)
     lse = m.n_heads // tp * ls
     if m.recompute == "selective" and cp <= 1:  # the core keeps its inputs q, k, v (kv
         attn, lse = 2 * C + kv, 0  # heads, before rotary and repeat); wo keeps its input

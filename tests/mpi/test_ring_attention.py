@@ -33,8 +33,8 @@ TOL = dict(rtol=1e-11, atol=1e-13)
 def ring(request):
     """Each test runs with the ring, with Ulysses (``parallel/ulysses.py``, the same
     token layout, an all-to-all of heads) and with the hybrid (``parallel/hybrid.py``:
-    Ulysses groups of 2 ranks, the ring across them; at 2 ranks one pair and rings of one):
-    all must equal one rank."""
+    Ulysses groups of 2 ranks, the ring across them; at 2 ranks one pair, which runs
+    Ulysses' attention): all must equal one rank."""
     cp = comm.Group(comm.world().mpi.Dup(), "cp")
     if request.param == "hybrid":
         u = 2 if cp.size % 2 == 0 else 1

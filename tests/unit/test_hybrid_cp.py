@@ -82,12 +82,15 @@ def test_search_picks_the_hybrid_when_cp_spans_nodes():
 
 def test_plan_memory_and_bytes_tell_the_kinds_apart():
     # tiny-llama: 8 query heads on 4 kv heads. Per token, the ring saves the layer input,
-    # q, k and v (kv heads) and one output; the hybrid a second output (the ring's, before
-    # the all-to-all back); Ulysses k and v repeated to the query heads.
+    # q, k and v (kv heads) and one output; the hybrid 2x2 a second output (the ring's,
+    # before the all-to-all back); Ulysses k and v repeated to the query heads too.
     def cfg(kind, *more):
         return load(LLAMA, ["topology.cp=4", f"topology.cp_kind={kind}", *more])
-    mem = {k: block_activation_bytes(cfg(k)) for k in ("ring", "ulysses", "hybrid")}
+    mem = {k: block_activation_bytes(cfg(k)) for k in ("ring", "ulysses")}
+    mem["hybrid"] = block_activation_bytes(cfg("hybrid", "topology.cp_ulysses=2"))
     assert mem["ring"] < mem["hybrid"] < mem["ulysses"], mem
+    # the hybrid with one ring (u = cp, the default here) runs Ulysses' attention
+    assert block_activation_bytes(cfg("hybrid")) == mem["ulysses"]
     m, T = cfg("ring").model, cfg("ring").train.seq_len // 4  # float64; T/cp tokens
     C, kv = m.d_model, 2 * 4 * m.head_dim
     assert mem["hybrid"] - mem["ring"] == T * C * 8
