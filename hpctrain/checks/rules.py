@@ -185,13 +185,14 @@ def _check_ulysses(cfg: Config, need) -> None:
     if kv != m.n_heads:  # without grouped-query attention the kv heads are the same verdict
         named["key/value heads"] = kv
     kind = top.cp_kind
-    fix = ("change topology.cp or use topology.cp_kind=\"ring\"" if kind == "ulysses" else
-           "choose a smaller topology.cp_ulysses, or 0 for the largest that divides")
+    why = ("(Ulysses gives each cp rank heads/(tp*cp) heads); change topology.cp or use "
+           "topology.cp_kind=\"ring\"" if kind == "ulysses" else
+           "(each rank of a Ulysses group holds heads/(tp*cp_ulysses) heads); choose a "
+           "smaller topology.cp_ulysses, or 0 for the largest that divides")
     for name, heads in named.items():
         need(heads % (top.tp * split) == 0,
              f"topology.cp_kind=\"{kind}\": {name}={heads} is not divisible by "
-             f"{what} = {top.tp}*{split} (Ulysses gives each rank of its group "
-             f"heads/({what.split('.')[1]}) heads); {fix}")
+             f"{what} = {top.tp}*{split} {why}")
 
 
 def _check_experts(cfg: Config, world_size: int, need) -> None:

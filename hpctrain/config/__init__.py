@@ -357,13 +357,15 @@ def shard_size(tcfg: TopologyConfig) -> int:
 def cp_factors(tcfg: TopologyConfig, heads: int, kv_heads: int,
                node_ranks: int = 0) -> tuple[int, int]:
     """Hybrid context parallelism: (u, r), ``cp = u * r`` (u ranks per Ulysses group, r per
-    ring; ``topology.context_groups``). ``topology.cp_ulysses`` when set; else the largest
-    divisor u of cp that each tp rank's query and kv heads divide by and, with
-    ``node_ranks`` (ranks per node; 0: unknown), whose ``tp * u`` ranks fill nodes evenly."""
-    cp, tp = tcfg.cp, tcfg.tp
-    if tcfg.cp_ulysses:
-        return tcfg.cp_ulysses, cp // tcfg.cp_ulysses
-    fits = [u for u in range(cp, 1, -1) if cp % u == 0 and heads // tp % u == 0
-            and kv_heads // tp % u == 0 and (not node_ranks or node_ranks % (tp * u) == 0)]
-    u = fits[0] if fits else 1
-    return u, cp // u
+    ring; ``topology.context_groups``). ``topology.cp_ulysses`` when set; else the first of
+    :func:`ulysses_degrees`."""
+    u = tcfg.cp_ulysses or ulysses_degrees(tcfg.cp, tcfg.tp, heads, kv_heads, node_ranks)[0]
+    return u, tcfg.cp // u
+
+
+def ulysses_degrees(cp: int, tp: int, heads: int, kv_heads: int, node_ranks: int = 0) -> list:
+    """The divisors u of cp, largest first and 1 last, that each tp rank's query and kv
+    heads divide by and, with ``node_ranks`` (ranks per node; 0: unknown), whose ``tp * u``
+    ranks fill nodes evenly."""
+    return [u for u in range(cp, 1, -1) if cp % u == 0 and heads // tp % u == 0
+            and kv_heads // tp % u == 0 and (not node_ranks or node_ranks % (tp * u) == 0)] + [1]
