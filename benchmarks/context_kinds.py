@@ -12,8 +12,8 @@ order rotated every repeat; step times are the medians over steps 2.. of all rep
 ``topology.cp_ulysses = 2``: Ulysses pairs with the ring across them (at cp = 2 a single
 pair, no ring: Ulysses through the hybrid's code). Peak memory is the meter's ``mem_peak``
 (parameters, gradients, optimizer state, saved activations), max over ranks, beside the
-plan's activations. ``python -m benchmarks.context_kinds [--ranks 2,4] [--repeats 3]``
-runs the sweep and prints the Markdown table with the machine load.
+plan's activations. ``python -m benchmarks.context_kinds [--size small] [--repeats 5]``
+runs the part and prints the Markdown table with the machine load.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hpctrain.launch import command, launch_env, with_checkout
-
-from .common import loadavg, median, pairs_of, result, row, same_losses
+from .common import median, pairs_of, result, row, same_losses
 from .context import run as train_kind
 
 KINDS = ("ring", "ulysses", "hybrid")
@@ -59,59 +57,53 @@ def run(world, size: str, repeats: int) -> dict:
         res["notes"].append(f"{kind}: step time / ring's {median(pairs):.2f} [{min(pairs):.2f}"
                             f"-{max(pairs):.2f}, {len(pairs)} repeats], peak "
                             f"{t['peak_bytes'] / 2**20:.1f} MiB per rank")
-    res["table"] = table
-    res["check"] = same_losses(losses, tol=1e-4)
-    res["notes"].append("hybrid: topology.cp_ulysses=2 (cp=2: one Ulysses pair, no ring); "
-                        "peak = parameters + gradients + optimizer state + saved "
-                        "activations (hpctrain.telemetry.Meter), max over ranks")
+    res.update(table=table, check=same_losses(losses, tol=1e-4))
+    res["notes"] += [NOTE]
     return res
 
 
+NOTE = ("hybrid: topology.cp_ulysses=2 (cp=2: one Ulysses pair, no ring); peak = parameters "
+        "+ gradients + optimizer state + saved activations (hpctrain.telemetry.Meter), max "
+        "over ranks")
+COLUMNS = ("cp", "kind", "step time (ms)", "vs ring [spread]", "peak / rank (KiB)",
+           "activations (KiB)", "plan (KiB)", "cp bytes / step (KiB)", "cp exposed (ms)")
+
+
+def _cells(r: dict) -> list[str]:
+    lo, hi = r["vs_ring_spread"]
+    return [str(r["cp"]), r["kind"], f"{1000 * r['step_s']:.0f}",
+            f"{r['vs_ring']:.2f} [{lo:.2f}-{hi:.2f}]",
+            *(f"{r[k] / 1024:.0f}" for k in ("peak_bytes", "act_bytes", "plan_act_bytes",
+                                            "cp_bytes")), f"{1000 * r['cp_exposed_s']:.0f}"]
+
+
 def markdown(tables: list[list[dict]]) -> list[str]:
-    kib = 1024.0
-    out = ["| cp | kind | step time (ms) | vs ring [spread] | peak / rank (KiB) | activations "
-           "(KiB) | plan (KiB) | cp bytes / step (KiB) | cp exposed (ms) |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for rows in tables:
-        for r in rows:
-            lo, hi = r["vs_ring_spread"]
-            out.append(f"| {r['cp']} | {r['kind']} | {1000 * r['step_s']:.0f} | "
-                       f"{r['vs_ring']:.2f} [{lo:.2f}-{hi:.2f}] | "
-                       f"{r['peak_bytes'] / kib:.0f} | {r['act_bytes'] / kib:.0f} | "
-                       f"{r['plan_act_bytes'] / kib:.0f} | {r['cp_bytes'] / kib:.0f} | "
-                       f"{1000 * r['cp_exposed_s']:.0f} |")
-    return out
+    """One row per (cp, kind)."""
+    return ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)] + [
+        "| " + " | ".join(_cells(r)) + " |" for rows in tables for r in rows]
 
 
 def main(argv=None) -> int:
-    """Run the sweep (one mpirun per cp size) and print the Markdown table."""
+    """Run the part through ``python -m benchmarks`` (cp = 2 and 4, one mpirun each) and
+    print its Markdown table with the machine load of each part."""
     import argparse
-    import os
-    import subprocess
+
+    from .driver import main as bench
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.context_kinds")
     p.add_argument("--size", default="small")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ranks", default="2,4")
+    p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    env = with_checkout({**os.environ, **launch_env()})
-    tables, before = [], loadavg()
     with tempfile.TemporaryDirectory() as out:
-        for n in (int(x) for x in args.ranks.split(",")):
-            code = ("import json; from hpctrain import comm; "
-                    "from benchmarks.context_kinds import run; "
-                    f"r = run(comm.world(), {args.size!r}, {args.repeats}); "
-                    f"comm.world().rank == 0 and json.dump(r, open('{out}/k{n}.json', 'w'))")
-            subprocess.run(command(n, sys.executable, "-m", "mpi4py", "-c", code), check=True,
-                           env=env)
-            res = json.loads(Path(f"{out}/k{n}.json").read_text())
-            if not res["check"]["ok"]:
-                print(f"cp={n}: the kinds' losses disagree: {res['check']}", file=sys.stderr)
-            print("\n".join(f"cp={n}: {note}" for note in res["notes"]))
-            tables.append(res["table"])
-    print("\n".join(markdown(tables)))
-    print(f"load average before {before}, after {loadavg()}")
-    return 0
+        status = bench(["--only", "context_kinds", "--size", args.size, "--repeats",
+                        str(args.repeats), "--out", out])
+        results = json.loads((Path(out) / "bench.json").read_text())["results"]
+    parts = [r for r in results if "table" in r]
+    print("\n".join(markdown([r["table"] for r in parts])))
+    for r in parts:
+        print(f"cp={r['ranks']}: load average before {r['load']['before']}, after "
+              f"{r['load']['after']}")
+    return status
 
 
 if __name__ == "__main__":

@@ -4,16 +4,16 @@ its all-to-alls over a Ulysses group plus rings over the groups, ``--search`` tr
 Ulysses degree the heads allow and picks the hybrid where the cp ranks span nodes, and the
 memory estimate tells the kinds apart (what each attention saves)."""
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_ulysses_plan import _cluster as ulysses_cluster
 
 from hpctrain.config import TopologyConfig, cp_factors, load
 from hpctrain.planner import search
-from hpctrain.planner.cluster import from_dict
+from hpctrain.planner.cluster import Link
 from hpctrain.planner.collectives import context_exposed, ring_exposed, ulysses_exposed
 from hpctrain.planner.cost import axis_links, predict
 from hpctrain.telemetry.memory import block_activation_bytes, comm_volume
@@ -46,11 +46,8 @@ def test_the_key_sets_the_ulysses_degree(u):
 
 
 def _cluster(**over):
-    raw = {"name": "test", "ranks_per_node": 2, "memory": 2 ** 40, "efficiency": 0.5,
-           "peak_flops": {"float32": 1e12, "float64": 5e11},
-           "link": {"intra": {"latency": 1e-6, "bandwidth": 1e10},
-                    "inter": {"latency": 1e-4, "bandwidth": 1e8}}}
-    return dataclasses.replace(from_dict(raw), **over)
+    """test_ulysses_plan's cluster with 2 ranks per node and a slower link between nodes."""
+    return ulysses_cluster(ranks_per_node=2, inter=Link(latency=1e-4, bandwidth=1e8), **over)
 
 
 def test_hybrid_price_is_the_all_to_alls_inside_plus_the_ring_across():
