@@ -1,7 +1,7 @@
 """Hybrid context parallelism (Megatron's a2a+p2p): ``cp = u * r`` ranks, Ulysses'
 all-to-all inside groups of ``u`` consecutive cp ranks, ring attention across the ``r``
 groups (``topology.cp_kind = "hybrid"``, ``topology.cp_ulysses = u``;
-``topology.cp_factors``, ``topology.context_groups``).
+``config.cp_factors``, ``topology.context_groups``).
 
 Every cp rank holds the ring's load-balanced chunks (rank ``i``: chunks ``i`` and
 ``2cp-1-i`` of ``2cp``), so sampler, rotary positions and checkpoints are those of the ring
@@ -15,9 +15,9 @@ at the same place of every group) runs with those heads, causal load balancing, 
 masks and grouped-query attention as it does alone, and the inverse all-to-all
 (``ulysses.to_sequence``) returns all heads of the rank's own tokens. With ``u = cp`` the
 hybrid runs Ulysses' attention (one fused attention, no ring), with ``u = 1`` the ring's
-(no all-to-all). Query and kv heads
-split over ``tp * u`` (``checks.rules`` refuses layouts where they do not divide). Every
-transfer is a ``comm.Group`` method (axis ``cp``).
+(no all-to-all). Query and kv heads split over ``tp * u`` (``checks.rules`` refuses
+layouts where they do not divide). Every transfer is a ``comm.Group`` method (axis
+``cp``).
 """
 
 from __future__ import annotations
