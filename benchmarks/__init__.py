@@ -38,5 +38,6 @@ BENCHES = {
     "cluster": (1,),  # 2 simulated nodes: placement, hierarchical dp, overlap, scaling
     "nodes": (1,),  # 2 simulated nodes: hpctrain vs naive, DDP, FSDP2 and the bound
     "data": (1, 2, 4),  # prepare vs the tokenizers library; data share of a step; RSS vs corpus
+    "context_kinds": (2, 4),  # ring vs Ulysses vs hybrid: step time, peak memory
 }
 SIZES = ("tiny", "small")

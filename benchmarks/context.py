@@ -1,7 +1,7 @@
 """Activation memory per rank at a fixed sequence length under context parallelism.
 
 ``python -m benchmarks.context [--size small] [--ranks 1,2,4] [--seq-len 256] [--kinds
-ring,ulysses] [--kv-heads 2]`` launches one mpirun per cp size and kind (``topology.cp =
+ring,ulysses,hybrid] [--kv-heads 2]`` launches one mpirun per cp size and kind (``topology.cp =
 ranks``, ``topology.cp_kind``, the llama form: rotary, 4 query heads on ``--kv-heads`` kv
 heads) and prints a Markdown table: the measured saved activations per rank
 (``mem_activations`` of :class:`hpctrain.telemetry.Meter`, max over ranks, the maximum over
@@ -26,9 +26,10 @@ from .common import median, scratch_dir, train_config
 
 
 def run(world, size: str, seq_len: int, steps: int = 3, kind: str = "ring",
-        kv_heads: int = 2) -> dict:
+        kv_heads: int = 2, overrides: tuple = ()) -> dict:
     """Train ``size`` at ``topology.cp = world.size`` with ``topology.cp_kind = kind`` (one
-    microbatch per step); rank 0 returns the row. Collective."""
+    microbatch per step; ``overrides``: more ``--set`` values); rank 0 returns the row.
+    Collective."""
     from hpctrain.telemetry.memory import estimate
     from hpctrain.train import train
 
@@ -36,7 +37,7 @@ def run(world, size: str, seq_len: int, steps: int = 3, kind: str = "ring",
     cfg = train_config(size, 'model.arch="llama"', f"model.n_kv_heads={kv_heads}",
                        f"topology.cp={cp}", f"topology.cp_kind={kind}", f"train.seq_len={seq_len}",
                        f"train.steps={steps}", "train.global_batch_size=4",
-                       "train.micro_batch_size=4")
+                       "train.micro_batch_size=4", *overrides)
     with scratch_dir(world) as scratch:
         res = train(cfg, scratch, world)
         lines = []
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--kinds", default="ring", help="cp kinds for cp > 1: ring,ulysses")
+    p.add_argument("--kinds", default="ring", help="cp kinds for cp > 1: ring,ulysses,hybrid")
     p.add_argument("--kv-heads", type=int, default=2)
     args = p.parse_args(argv)
     env = with_checkout({**os.environ, **launch_env()})

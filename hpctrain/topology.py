@@ -144,6 +144,15 @@ def crossing(tcfg, nodes: int, ranks_per_node: int,
     return out
 
 
+def context_groups(topo, u: int) -> tuple[comm.Group, comm.Group]:
+    """Hybrid context parallelism: ``cp_comm`` cut into (this rank's Ulysses group, its
+    ring) for ``u`` ranks per Ulysses group (``config.cp_factors``: cp rank ``i`` is rank
+    ``i % u`` of Ulysses group ``i // u`` and rank ``i // u`` of ring ``i % u``); both
+    report as axis ``cp``. Collective over ``cp_comm``."""
+    r = topo.cp_comm.rank
+    return (comm.split(topo.cp_comm, r // u, r, "cp"), comm.split(topo.cp_comm, r % u, r, "cp"))
+
+
 def shard_groups(topo) -> dict[str, tuple[comm.Group, comm.Group]]:
     """HSDP (``topology.shard_within``): each replica group (``dpcp_comm``, ``edpcp_comm``)
     cut into *shard groups* (its ranks on this node, or in this rank's block of N consecutive
@@ -269,6 +278,10 @@ class Topology:
     @property
     def local_rank(self) -> int:
         return self.node_comm.rank
+
+    def node_ranks(self) -> int:
+        """Ranks per node, the fewest over the world. Collective over the world."""
+        return int(self.world.allreduce(float(self.node_comm.size), "min"))
 
     def describe(self) -> str:
         """One line naming this rank, its grid coordinates and its node."""

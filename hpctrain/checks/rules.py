@@ -139,6 +139,9 @@ def _check_context(cfg: Config, world_size: int, need) -> None:
     """Context parallelism: the sequence in 2*cp chunks (rank i holds chunks i and
     2cp-1-i), attention as a ring over ``cp_comm`` (``parallel/ring_attention.py``)."""
     top, m, t = cfg.topology, cfg.model, cfg.train
+    need(top.cp_ulysses <= top.cp, f"topology.cp_ulysses={top.cp_ulysses} exceeds "
+         f"topology.cp={top.cp} (the hybrid's Ulysses groups are cp ranks); set it to a "
+         "divisor of cp, or 0")
     if top.cp <= 1:
         return
     need(t.seq_len % (2 * top.cp) == 0,
@@ -159,23 +162,37 @@ def _check_context(cfg: Config, world_size: int, need) -> None:
 
 
 def _check_ulysses(cfg: Config, need) -> None:
-    """``topology.cp_kind``: Ulysses splits each tp rank's query and kv heads over cp."""
+    """``topology.cp_kind``: Ulysses splits each tp rank's query and kv heads over cp; the
+    hybrid over ``cp_ulysses`` (a divisor of cp; 0: a degree the heads allow)."""
     top, m = cfg.topology, cfg.model
-    need(top.cp_kind != "hybrid",
-         "topology.cp_kind=\"hybrid\" (Ulysses inside groups, ring across) is not "
-         "available; set topology.cp_kind=\"ring\" or \"ulysses\"")
-    if top.cp_kind != "ulysses":
+    u = top.cp_ulysses
+    if top.cp > 1 and u:
+        need(top.cp_kind == "hybrid",
+             f"topology.cp_ulysses={u} applies to topology.cp_kind=\"hybrid\" only (it is "
+             f"\"{top.cp_kind}\"); set topology.cp_kind=\"hybrid\" or topology.cp_ulysses=0")
+        need(top.cp % u == 0,
+             f"topology.cp_ulysses={u} does not divide topology.cp={top.cp} (the hybrid "
+             "cuts cp into groups of cp_ulysses ranks); choose a divisor of cp or 0")
+    if top.cp_kind == "ulysses":
+        split, what = top.cp, "topology.tp*cp"
+    elif top.cp_kind == "hybrid" and u and top.cp % u == 0:
+        split, what = u, "topology.tp*cp_ulysses"
+    else:
         return
     family = families.find(m)
     kv = family.kv_heads(m) if family is not None else m.n_heads
     named = {"model.n_heads": m.n_heads}
     if kv != m.n_heads:  # without grouped-query attention the kv heads are the same verdict
         named["key/value heads"] = kv
+    kind = top.cp_kind
+    why = ("(Ulysses gives each cp rank heads/(tp*cp) heads); change topology.cp or use "
+           "topology.cp_kind=\"ring\"" if kind == "ulysses" else
+           "(each rank of a Ulysses group holds heads/(tp*cp_ulysses) heads); choose a "
+           "smaller topology.cp_ulysses, or 0 for the largest that divides")
     for name, heads in named.items():
-        need(heads % (top.tp * top.cp) == 0,
-             f"topology.cp_kind=\"ulysses\": {name}={heads} is not divisible by "
-             f"topology.tp*cp = {top.tp}*{top.cp} (Ulysses gives each cp rank "
-             f"heads/(tp*cp) heads); change topology.cp or use topology.cp_kind=\"ring\"")
+        need(heads % (top.tp * split) == 0,
+             f"topology.cp_kind=\"{kind}\": {name}={heads} is not divisible by "
+             f"{what} = {top.tp}*{split} {why}")
 
 
 def _check_experts(cfg: Config, world_size: int, need) -> None:

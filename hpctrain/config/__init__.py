@@ -47,9 +47,12 @@ class TopologyConfig:
     ep: int = key(1, "expert-parallel ranks, must divide dp", ge=1)
     cp: int = key(1, "context-parallel ranks: each holds 2 of 2*cp sequence chunks (ring "
                      "attention)", ge=1)
-    cp_kind: str = key("ring", "context parallelism: ring attention, or ulysses (an all-to-all "
-                               "swaps sequence for heads); hybrid is refused",
+    cp_kind: str = key("ring", "context parallelism: ring attention, ulysses (an all-to-all "
+                               "swaps sequence for heads), or hybrid (ulysses inside groups of "
+                               "cp_ulysses ranks, the ring across them)",
                        choices=("ring", "ulysses", "hybrid"))
+    cp_ulysses: int = key(0, "hybrid: cp ranks per Ulysses group, a divisor of cp; 0: the "
+                             "largest the heads per tp rank allow within a node", ge=0)
     sequence_parallel: bool = key(False, "split the sequence over tp outside attention and the MLP")
     dp_reduction: str = key("flat", "the dp gradient reduction: one flat all-reduce, or "
                                     "hierarchical (within a node, across nodes, within)",
@@ -349,3 +352,20 @@ def shard_size(tcfg: TopologyConfig) -> int:
     of a parameter, dp x cp (``"node"``: known under MPI or from a cluster description)."""
     w = tcfg.shard_within
     return int(w) if w.isdigit() and int(w) >= 1 else tcfg.dp * tcfg.cp
+
+
+def cp_factors(tcfg: TopologyConfig, heads: int, kv_heads: int,
+               node_ranks: int = 0) -> tuple[int, int]:
+    """Hybrid context parallelism: (u, r), ``cp = u * r`` (u ranks per Ulysses group, r per
+    ring; ``topology.context_groups``). ``topology.cp_ulysses`` when set; else the first of
+    :func:`ulysses_degrees`."""
+    u = tcfg.cp_ulysses or ulysses_degrees(tcfg.cp, tcfg.tp, heads, kv_heads, node_ranks)[0]
+    return u, tcfg.cp // u
+
+
+def ulysses_degrees(cp: int, tp: int, heads: int, kv_heads: int, node_ranks: int = 0) -> list:
+    """The divisors u of cp, largest first and 1 last, that each tp rank's query and kv
+    heads divide by and, with ``node_ranks`` (ranks per node; 0: unknown), whose ``tp * u``
+    ranks fill nodes evenly."""
+    return [u for u in range(cp, 1, -1) if cp % u == 0 and heads // tp % u == 0
+            and kv_heads // tp % u == 0 and (not node_ranks or node_ranks % (tp * u) == 0)] + [1]

@@ -7,6 +7,8 @@
   balancing, log-sum-exp merge, key/value gradients returned around the ring).
 - ``ulysses.py``: context parallelism as Ulysses (``topology.cp_kind``), an all-to-all of
   heads over ``cp_comm`` around plain attention, on the ring's token layout.
+- ``hybrid.py``: the hybrid (``cp_kind = "hybrid"``): Ulysses inside groups of
+  ``topology.cp_ulysses`` cp ranks, ring attention across them.
 - ``pipeline.py``: which layers live on which (virtual) stage.
 - ``moe_exchange.py``: expert parallelism, the token all-to-all over ``ep_comm``.
 - ``grad_sync/``: gradients summed over ``dpcp_comm`` / ``edpcp_comm`` (dp, and cp when > 1)

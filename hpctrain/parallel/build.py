@@ -19,6 +19,31 @@ def tp_ops(cfg: Config, topo):
     return TensorParallelOps(topo.tp_comm, cfg.topology.sequence_parallel)
 
 
+def context_of(cfg: Config, topo):
+    """The context-parallel attention the model calls (None when cp == 1): ring, Ulysses
+    or hybrid (``topology.cp_kind``). Collective over the world for hybrid."""
+    kind = cfg.topology.cp_kind
+    if topo.cp_size == 1:
+        return None
+    if kind == "ulysses":
+        from .ulysses import UlyssesContext
+
+        return UlyssesContext(topo.cp_comm)
+    if kind == "ring":
+        from .ring_attention import RingContext
+
+        return RingContext(topo.cp_comm)
+    from ..config import cp_factors
+    from ..model.families import family_of
+    from ..topology import context_groups
+    from .hybrid import HybridContext
+
+    m = cfg.model
+    node = topo.node_ranks() if not cfg.topology.cp_ulysses else 0
+    u, _ = cp_factors(cfg.topology, m.n_heads, family_of(m).kv_heads(m), node)
+    return HybridContext(topo.cp_comm, *context_groups(topo, u))
+
+
 def build_model(cfg: Config, topo) -> list[DecoderStage]:
     """This rank's model chunks (one per virtual stage it holds), initialised identically
     to the same parameters of a one-rank model."""
@@ -26,15 +51,7 @@ def build_model(cfg: Config, topo) -> list[DecoderStage]:
     S = topo.pp_size * v
     ranges = layer_ranges(cfg)  # balanced, or at schedule.boundaries
     ops = tp_ops(cfg, topo)
-    context = None
-    if topo.cp_size > 1 and cfg.topology.cp_kind == "ulysses":
-        from .ulysses import UlyssesContext
-
-        context = UlyssesContext(topo.cp_comm)
-    elif topo.cp_size > 1:
-        from .ring_attention import RingContext
-
-        context = RingContext(topo.cp_comm)
+    context = context_of(cfg, topo)
     ffn_factory = None
     if cfg.model.num_experts:
         from .moe_exchange import ffn_factory as make

@@ -52,10 +52,13 @@ class UlyssesContext(RingContext):
         return to_sequence(y, self.group, order)
 
 
-def gathered_positions(T_local: int, cp: int, device=None) -> torch.Tensor:
-    """Global position of each of the ``cp * T_local`` tokens gathered in rank order."""
+def gathered_positions(T_local: int, cp: int, device=None, first: int = 0,
+                       count: int = 0) -> torch.Tensor:
+    """Global position of each token of cp ranks ``first .. first+count-1`` (0: all cp
+    ranks), ``T_local`` each, gathered in rank order."""
+    ranks = range(first, first + (count or cp))
     return torch.cat([torch.arange(a, a + n, device=device)
-                      for r in range(cp) for a, n in segments(T_local, cp, r)])
+                      for r in ranks for a, n in segments(T_local, cp, r)])
 
 
 def to_heads(t: torch.Tensor, group: comm.Group, inverse: torch.Tensor) -> torch.Tensor:
@@ -70,7 +73,8 @@ def to_heads(t: torch.Tensor, group: comm.Group, inverse: torch.Tensor) -> torch
 
 
 def to_sequence(t: torch.Tensor, group: comm.Group, order: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`to_heads`: (B, h/cp, T, hd) -> (B, h, T/cp, hd)."""
+    """The inverse of :func:`to_heads`: (B, h/cp, T, hd) -> (B, h, T/cp, hd) (``order``:
+    argsort of ``inverse``; the gathered positions themselves when they are all of 0..T-1)."""
     B, hc, T, hd = t.shape
     cp = group.size
     send = t[:, :, order].reshape(B, hc, cp, T // cp, hd).permute(2, 0, 1, 3, 4)

@@ -15,7 +15,8 @@ all-reduces and is 0 in the published descriptions. Calls counted per layer and 
 - **ep**, per MoE layer: forward the routing counts (gathered over dp, exchanged over ep)
   and the dispatch and combine all-to-alls of ``top_k`` activations; backward the two
   all-to-alls;
-- **cp**: :func:`ring_exposed`; **ZeRO-3**: :func:`zero3_exposed`.
+- **cp**: :func:`context_exposed` (the ring, Ulysses, the hybrid); **ZeRO-3**:
+  :func:`zero3_exposed`.
 
 And what the gradient hooks and the dp reduction see: a rank's parameter tensors in the
 model's order (:func:`rank_sizes`, from the modules built on the meta device) and the
@@ -27,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 
-from ..config import Config, shard_size
+from ..config import Config, cp_factors, shard_size
 from ..model.moe import is_moe_layer
 from ..parallel.grad_sync.layout import cut
 from ..telemetry.memory import DTYPE_BYTES
@@ -80,42 +81,68 @@ def tp_ep_costs(cfg: Config, cluster: Cluster, links: dict, w: dict) -> dict:
     return {"tp": tp, "ep_f": ep_f, "ep_b": ep_b}
 
 
-def ring_exposed(cfg: Config, cluster: Cluster, link: Link,
-                 rate: float) -> tuple[float, float]:
+def ring_exposed(cfg: Config, cluster: Cluster, link: Link, rate: float, u: int = 1,
+                 r: int = 0) -> tuple[float, float]:
     """Context parallelism: (forward s, backward s) per layer and microbatch of the ring
-    attention's K/V transfer *not* hidden behind the attention compute it overlaps with.
-    A hop (one call: ``call_overhead_s`` + the link's time) moves one stacked K/V block,
-    ``2 B (T/cp) kv_heads/tp hd`` elements (float32 for 16-bit models, as
-    ``parallel/ring_attention.py`` computes); a ring step computes the scores of ``(T/cp)^2 / 2``
-    query-key pairs (the causal load balancing gives every step the same work). Forward:
-    cp-1 hops, each behind one step. Backward: cp-1 steps each pass the K/V block and a K/V
-    gradient block (2 hops) behind the step's backward (2x its forward); the last gradient
-    hop to the block's owner is exposed."""
+    attention's K/V transfer *not* hidden behind the attention compute it overlaps with,
+    for a ring of ``r`` ranks (0: cp) over ``h/u`` heads of ``T/r`` tokens each (the
+    hybrid's rings: ``u`` ranks per Ulysses group). A hop (one call: ``call_overhead_s`` +
+    the link's time) moves one stacked K/V block, ``2 B (T/r) kv_heads/(tp u) hd`` elements
+    (float32 for 16-bit models, as ``parallel/ring_attention.py`` computes); a ring step
+    computes the scores of ``(T/r)^2 / 2`` query-key pairs (the causal load balancing gives
+    every step the same work). Forward: r-1 hops, each behind one step. Backward: r-1
+    steps each pass the K/V block and a K/V gradient block (2 hops) behind the step's
+    backward (2x its forward); the last gradient hop to the block's owner is exposed."""
     m, t, tr = cfg.model, cfg.topology, cfg.train
-    cp = t.cp
-    if cp <= 1:
+    r = r or t.cp
+    if r <= 1:
         return 0.0, 0.0
     ps = DTYPE_BYTES[m.dtype]
-    local = tr.seq_len // cp
+    local = tr.seq_len // r
     hop = cluster.call_overhead_s + link.p2p(
-        2 * tr.micro_batch_size * local * m.kv_heads * m.head_dim // t.tp
+        2 * tr.micro_batch_size * local * m.kv_heads * m.head_dim // (t.tp * u)
         * (4 if ps == 2 else ps))
-    step = 2 * 2 * m.n_heads * m.head_dim / t.tp * local * local / 2 \
+    step = 2 * 2 * m.n_heads * m.head_dim / (t.tp * u) * local * local / 2 \
         * tr.micro_batch_size / rate
-    return (cp - 1) * max(0.0, hop - step), (cp - 1) * max(0.0, 2 * hop - 2 * step) + hop
+    return (r - 1) * max(0.0, hop - step), (r - 1) * max(0.0, 2 * hop - 2 * step) + hop
 
 
-def ulysses_exposed(cfg: Config, cluster: Cluster, link: Link) -> float:
+def ulysses_exposed(cfg: Config, cluster: Cluster, link: Link, u: int = 0) -> float:
     """Ulysses (``parallel/ulysses.py``): seconds per layer and pass (forward and backward
-    alike) of its all-to-alls over cp, none hidden: q, k, v to heads and the output back
-    (the backward: the same four with gradients), each ``(cp-1)/cp`` of a ``B (T/cp)
-    heads/tp hd`` tensor (kv heads for k and v) over the link, plus one call each."""
+    alike) of its all-to-alls over ``u`` ranks (0: cp), none hidden: q, k, v to heads and
+    the output back (the backward: the same four with gradients), each ``(u-1)/u`` of a
+    ``B (T/cp) heads/tp hd`` tensor (kv heads for k and v) over the link, plus one call
+    each."""
     m, t, tr = cfg.model, cfg.topology, cfg.train
-    if t.cp <= 1:
+    u = u or t.cp
+    if u <= 1:
         return 0.0
     elems = tr.micro_batch_size * tr.seq_len // t.cp * m.head_dim // t.tp
     n = (2 * m.n_heads + 2 * m.kv_heads) * elems * DTYPE_BYTES[m.dtype]
-    return 4 * cluster.call_overhead_s + scatter(n, t.cp, link)
+    return 4 * cluster.call_overhead_s + scatter(n, u, link)
+
+
+def context_exposed(cfg: Config, cluster: Cluster, links: dict, rate: float,
+                    share: float) -> tuple[float, float]:
+    """(forward s, backward s) per layer and microbatch of context parallelism
+    (``topology.cp_kind``): the ring (:func:`ring_exposed` plus ``ring_overhead_s``, the
+    ring's own work beyond its FLOPs, once forward and twice backward), Ulysses
+    (:func:`ulysses_exposed`), or the hybrid: Ulysses over ``u`` ranks then rings of
+    ``cp/u`` (``config.cp_factors`` with the cluster's ranks per node), the all-to-alls on
+    the node's link when ``tp*u`` ranks fill nodes evenly (ranks packed by node), the
+    rings on the cp link."""
+    t = cfg.topology
+    if t.cp <= 1:
+        return 0.0, 0.0
+    u, r = {"ring": (1, t.cp), "ulysses": (t.cp, 1)}.get(t.cp_kind) or cp_factors(
+        t, cfg.model.n_heads, cfg.model.kv_heads, cluster.ranks_per_node)
+    packed = t.cp_kind == "hybrid" and cfg.experimental.placement == "auto"
+    inner = (cluster.intra if packed and cluster.ranks_per_node % (t.tp * u) == 0
+             else links["cp"])
+    a2a = ulysses_exposed(cfg, cluster, inner, u)
+    ring_f, ring_b = ring_exposed(cfg, cluster, links["cp"], rate, u, r)
+    own = cluster.ring_overhead_s / share if r > 1 else 0.0
+    return a2a + ring_f + own, a2a + ring_b + 2 * own
 
 
 def zero3_exposed(cfg: Config, cluster: Cluster, w: dict, link: Link, fwd: float,

@@ -23,7 +23,9 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
   the attention compute they overlap with (``collectives.ring_exposed``), plus
   ``ring_overhead_s`` per layer and pass (the ring attention's own work beyond its FLOPs);
   with ``cp_kind = "ulysses"`` instead four all-to-alls per layer and pass, none hidden
-  (``collectives.ulysses_exposed``);
+  (``collectives.ulysses_exposed``); ``"hybrid"``: the all-to-alls over a Ulysses group
+  (on the node's link) and rings of ``cp/u`` ranks over ``h/u`` heads
+  (``collectives.context_exposed``);
 - **zero3** (``optim.zero = 3``): the per-unit parameter all-gathers (forward and again
   backward) and gradient reduce-scatters over dp x cp, exposed beyond the pass's compute
   (``collectives.zero3_exposed``); in the passes, hence in the pipeline;
@@ -71,11 +73,10 @@ from .cluster import Cluster, Link
 from .collectives import (
     allreduce,
     buckets,
+    context_exposed,
     rank_sizes,
-    ring_exposed,
     scatter,
     tp_ep_costs,
-    ulysses_exposed,
     zero3_exposed,
 )
 
@@ -220,8 +221,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
     share = cluster.compute_share if t.pp * t.dp * t.cp * t.tp > 1 else 1.0  # 1 rank: alone
     rate = cluster.peak(m.dtype) * cluster.efficiency * share
     tokens = tr.micro_batch_size * tr.seq_len // t.cp  # context parallelism: T/cp each
-    ring_f, ring_b = ring_exposed(cfg, cluster, links["cp"], rate)
-    ulysses = ulysses_exposed(cfg, cluster, links["cp"])
+    ctx_f, ctx_b = context_exposed(cfg, cluster, links, rate, share)  # per layer
     split = (cluster.split_b + cluster.split_w - 1
              if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0)
     # gradient hooks (parallel/grad_sync/buffers.py) move every parameter's gradient per microbatch
@@ -235,13 +235,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
         redo = 1 if m.recompute == "full" else 0
         c = tp_ep_costs(cfg, cluster, links, w)
         tp = c["tp"]
-        cp_f, cp_b = ring_f * w["layers"], (ring_b + redo * ring_f) * w["layers"]
-        if t.cp > 1 and t.cp_kind == "ulysses":  # all-to-alls, plain attention
-            cp_f = cp_b = ulysses * w["layers"]
-            cp_b += redo * cp_f
-        elif t.cp > 1:  # the ring attention's own work beyond its FLOPs: 1 fwd, 2 bwd
-            ring = cluster.ring_overhead_s * w["layers"] / share
-            cp_f, cp_b = cp_f + ring, cp_b + (2 + redo) * ring
+        cp_f, cp_b = ctx_f * w["layers"], (ctx_b + redo * ctx_f) * w["layers"]
         z_f, z_b = zero3_exposed(cfg, cluster, w, links.get("zero3", links["dp"]), f + over,
                                  2 * (f + over))
         back = (2 * (1 + split) + redo) * (f + over)  # split: B + W = split_b + split_w

@@ -2,8 +2,9 @@
 
 For a model, sequence length and global batch (the config) on ``nodes x ranks_per_node``
 ranks, every combination of tp (a power of two dividing the heads), cp (context
-parallelism: a power of two with ``seq_len % (2 cp) == 0``, at most ``max_cp``; ring or
-Ulysses), pp, dp
+parallelism: a power of two with ``seq_len % (2 cp) == 0``, at most ``max_cp``; ring,
+Ulysses, or the hybrid with the largest Ulysses degree below cp that the heads allow
+inside a node), pp, dp
 (the rest; ``cp x tp x pp x ep`` must divide the world, ep is the config's), microbatch
 size, schedule (1f1b, gpipe, zb-h1, zbv, interleaved with 2 or 4 virtual stages), ZeRO
 stage (0, 1, 2, 3) and recompute (none; full; selective, its attention core replayed and
@@ -27,7 +28,7 @@ import itertools
 import shlex
 from dataclasses import dataclass
 
-from ..config import RECOMPUTE, Config, ConfigError
+from ..config import RECOMPUTE, Config, ConfigError, ulysses_degrees
 from ..telemetry.memory import estimate, fmt_bytes
 from .cluster import Cluster
 from .cost import Prediction, predict
@@ -52,6 +53,7 @@ class Candidate:
         out += [f"topology.ep={t.ep}"] if t.ep > 1 else []
         out += [f"topology.cp={t.cp}"] if t.cp > 1 else []
         out += [f'topology.cp_kind="{t.cp_kind}"'] if t.cp > 1 and t.cp_kind != "ring" else []
+        out += [f"topology.cp_ulysses={t.cp_ulysses}"] if t.cp_ulysses else []
         out += [f'topology.shard_within="{t.shard_within}"'] if t.shard_within else []
         out += [f"train.micro_batch_size={tr.micro_batch_size}",
                 f"schedule.kind={s.kind}" if t.pp > 1 else "schedule.kind=1f1b"]
@@ -66,6 +68,7 @@ class Candidate:
                                                 if s.kind == "interleaved" else "")
         shard = f" shard={t.shard_within}" if t.shard_within else ""
         cp = f"cp={t.cp}" + (f" {t.cp_kind}" if t.cp > 1 and t.cp_kind != "ring" else "")
+        cp += f" {t.cp_ulysses}x{t.cp // t.cp_ulysses}" if t.cp_ulysses else ""
         return (f"dp={t.dp} tp={t.tp} pp={t.pp} ep={t.ep} {cp} {sched} "
                 f"mbs={self.cfg.train.micro_batch_size} zero={self.cfg.optim.zero}{shard} "
                 f"recompute={SHOWN.get(self.cfg.model.recompute, 'selective')}")
@@ -73,7 +76,7 @@ class Candidate:
 SHOWN = {"none": "off", "full": "on"}  # model.recompute in a candidate's label
 
 
-CP_KINDS = ("ring", "ulysses")
+CP_KINDS = ("ring", "ulysses", "hybrid")
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,9 +84,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0,
-            cp_kinds: tuple = CP_KINDS):
+            cp_kinds: tuple = CP_KINDS, node_ranks: int = 0):
     """Every (tp, cp, cp kind, pp, dp, mbs, schedule, virtual, zero, recompute) for
-    ``world`` ranks (cp > 1: each of ``cp_kinds``)."""
+    ``world`` ranks (cp > 1: each of ``cp_kinds``; ``node_ranks``: ranks per node, for the
+    hybrid's Ulysses degree)."""
     m, T, ep = cfg.model, cfg.train.seq_len, cfg.topology.ep
     tps = [d for d in _divisors(world) if m.n_heads % d == 0 and d & (d - 1) == 0
            and (not max_tp or d <= max_tp)]
@@ -92,8 +96,8 @@ def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0,
     for tp, cp in itertools.product(tps, cps):
         if world % (tp * cp * ep):
             continue
-        kinds = cp_kinds if cp > 1 else (cfg.topology.cp_kind,)
-        for pp, ck in itertools.product(_divisors(world // (tp * cp * ep)), kinds):
+        for pp, ck in itertools.product(_divisors(world // (tp * cp * ep)),
+                                        _cp_choices(cfg, cp, tp, cp_kinds, node_ranks)):
             dp = world // (tp * cp * pp)
             for mbs in (1, 2, 4, 8):
                 for (kind, v), zero, rc in itertools.product(
@@ -101,10 +105,24 @@ def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0,
                     yield _with(cfg, (dp, tp, pp, cp, ck), mbs, kind, v, zero, rc)
 
 
+def _cp_choices(cfg: Config, cp: int, tp: int, cp_kinds: tuple,
+                node_ranks: int) -> list[tuple[str, int]]:
+    """(cp_kind, cp_ulysses) for a cp size: each of ``cp_kinds``; the hybrid with the
+    largest Ulysses degree u < cp the heads allow inside a node (``config.ulysses_degrees``;
+    none when that is 1: u = 1 and u = cp are the ring and Ulysses)."""
+    if cp == 1:
+        return [(cfg.topology.cp_kind, 0)]
+    m = cfg.model
+    out = [(k, 0) for k in cp_kinds if k != "hybrid"]
+    u = [d for d in ulysses_degrees(cp, tp, m.n_heads, m.kv_heads, node_ranks) if d < cp][0]
+    return out + ([("hybrid", u)] if "hybrid" in cp_kinds and u > 1 else [])
+
+
 def _with(cfg: Config, layout, mbs, kind, v, zero, rc) -> Config:
     r = dataclasses.replace
-    dp, tp, pp, cp, cp_kind = layout
+    dp, tp, pp, cp, (cp_kind, u) = layout
     return r(cfg, topology=r(cfg.topology, dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=cp_kind,
+                             cp_ulysses=u,
                              sequence_parallel=cfg.topology.sequence_parallel and tp > 1),
              train=r(cfg.train, micro_batch_size=mbs),
              schedule=r(cfg.schedule, kind=kind, virtual_stages=v, boundaries=""),
@@ -159,7 +177,7 @@ def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
     kinds of context parallelism tried for cp > 1."""
     world = nodes * cluster.ranks_per_node
     seen, out, too_big = set(), [], set()
-    for layout in layouts(cfg, world, max_tp, max_cp, cp_kinds):
+    for layout in layouts(cfg, world, max_tp, max_cp, cp_kinds, cluster.ranks_per_node):
         for c in (layout, *hsdp_variant(layout, cluster)):
             key = (c.topology, c.train.micro_batch_size, c.schedule.kind,
                    c.schedule.virtual_stages, c.optim.zero)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import Config, microbatches, shard_size
+from ..config import Config, cp_factors, microbatches, shard_size
 from ..model.families import family_of
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -76,22 +76,39 @@ def local_tokens(cfg: Config) -> int:
     return cfg.train.seq_len // max(1, cfg.topology.cp)
 
 
+# cp > 1: attention elements saved per token (C channels, kv: k and v with kv heads)
+ATTENTION_SAVED = {"ring": lambda C, kv: 3 * C + kv, "ulysses": lambda C, kv: 6 * C,
+                   "hybrid": lambda C, kv: 4 * C + kv}
+
+
+def _attention_kind(cfg: Config) -> str:
+    """The attention a cp rank runs: the hybrid with one ring is Ulysses', with Ulysses
+    groups of one the ring's (``parallel/hybrid.py``)."""
+    top, m = cfg.topology, cfg.model
+    if top.cp_kind != "hybrid":
+        return top.cp_kind
+    u, r = cp_factors(top, m.n_heads, family_of(m).kv_heads(m))
+    return "ulysses" if r == 1 else "ring" if u == 1 else "hybrid"
+
+
 def block_activation_bytes(cfg: Config) -> int:
     """Bytes autograd saves per block per sequence (measured layout, see tests):
     two norms, q, k, v and the attention output (over tp; grouped-query: k and v after the
     repeat, as many heads as q), the attention log-sum-exp (per head, float32 for 16-bit),
     the MLP's hidden-sized tensors (over tp; the family's ``mlp_saved``: GELU's input and
     output; SwiGLU's gate, silu(gate), up and their product). With cp > 1, per
-    ``seq_len / cp`` tokens, and ring attention saves q, k and v (kv heads), its output and
-    the output reshaped for ``wo``. Selective recompute (cp = 1): q, k and v (kv heads) and
-    the output for ``wo``, no log-sum-exp."""
+    ``seq_len / cp`` tokens, and the attention saves (``ATTENTION_SAVED``, per kind) the
+    layer's input, q, k and v (ring and hybrid: kv heads; Ulysses: repeated to the query
+    heads for its fused attention), its output and the output reshaped for ``wo`` (one
+    tensor for the ring, whose output is laid out as ``wo`` reads it). Selective recompute
+    (cp = 1): q, k and v (kv heads) and the output for ``wo``, no log-sum-exp."""
     m, tp, cp = cfg.model, cfg.topology.tp, cfg.topology.cp
     T, C, F, ps = local_tokens(cfg), m.d_model, m.ffn_dim, DTYPE_BYTES[m.dtype]
     ls = 4 if ps == 2 else ps
     family = family_of(m)
     hidden = family.mlp_saved
     kv = 2 * family.kv_heads(m) * m.head_dim
-    attn = 4 * C if cp <= 1 else 3 * C + kv
+    attn = 4 * C if cp <= 1 else ATTENTION_SAVED[_attention_kind(cfg)](C, kv)
     lse = m.n_heads // tp * ls
     if m.recompute == "selective" and cp <= 1:  # the core keeps its inputs q, k, v (kv
         attn, lse = 2 * C + kv, 0  # heads, before rotary and repeat); wo keeps its input
@@ -209,13 +226,14 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
             (rs + gathers) * P * ps * frac + 2 * P * ps / s * (d - s) / d)
     act = t.micro_batch_size * local_tokens(cfg) * m.d_model * ps  # one (B, T/cp, C)
     layers_here = -(-m.n_layers // top.pp)
-    if top.cp > 1:  # the ring: k and v blocks forward (cp-1 hops), again backward with
-        kv = 2 * t.micro_batch_size * local_tokens(cfg) * family_of(m).kv_heads(m) \
-            * m.head_dim * ps // top.tp  # their gradients (cp hops), per layer and microbatch
-        out["cp"] = int(layers_here * M * kv * (2 * (top.cp - 1) + top.cp))
-        if top.cp_kind == "ulysses":  # q, k, v and the output, forward and backward
-            qo = kv // family_of(m).kv_heads(m) * m.n_heads
-            out["cp"] = int(layers_here * M * 2 * (qo + kv) * (top.cp - 1) / top.cp)
+    if top.cp > 1:  # the ring of r ranks: k and v blocks forward (r-1 hops), again
+        heads = family_of(m).kv_heads(m)  # backward with their gradients (r hops); Ulysses
+        kv = 2 * t.micro_batch_size * local_tokens(cfg) * heads * m.head_dim * ps // top.tp
+        qo = kv // heads * m.n_heads  # over u ranks: q, k, v and the output, both passes
+        u, r = {"ring": (1, top.cp), "ulysses": (top.cp, 1)}.get(top.cp_kind) or \
+            cp_factors(top, m.n_heads, heads)
+        out["cp"] = int(layers_here * M * ((r > 1) * kv * (3 * r - 2)
+                                           + 2 * (qo + kv) * (u - 1) / u))
     if top.tp > 1:  # 2 all-reduces forward + 2 backward per block, per microbatch
         out["tp"] = int(4 * layers_here * M * act * 2 * (top.tp - 1) / top.tp)
     if top.pp > 1:  # one activation forward and one gradient backward per microbatch

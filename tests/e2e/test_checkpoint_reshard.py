@@ -105,10 +105,16 @@ def test_cp4_to_one_rank_and_one_rank_to_cp2(tmp_path, session_dir):
     # microbatch (the same gradients; 16x fewer ring transfers).
     whole = ("train.micro_batch_size=16",)
     ref = baseline(session_dir, *COMMON)
-    _, b = reshard(tmp_path, ref, ("topology.cp=4",), layout(), save_extra=whole)
+    a, b = reshard(tmp_path, ref, ("topology.cp=4",), layout(), save_extra=whole)
     assert_tail_equal(b, ref, 3, "cp=4 -> 1 rank")
     _, c = reshard(tmp_path / "back", ref, layout(), ("topology.cp=2",), load_extra=whole)
     assert_tail_equal(c, ref, 3, "1 rank -> cp=2")
+    # The ring cp=4's checkpoint continues as the hybrid: 2 Ulysses groups of 2 cp ranks,
+    # the ring across them (the same token layout, the same file).
+    h = train_cli(tmp_path / "hybrid", 4, "train.steps=6", "topology.cp=4", *whole,
+                  "topology.cp_kind=hybrid", "topology.cp_ulysses=2",
+                  f"checkpoint.resume={ckpt(a, 3)}")
+    assert_tail_equal(h, ref, 3, "ring cp=4 -> hybrid cp=4 (2x2)")
 
 
 def test_one_rank_to_ulysses_cp4(tmp_path, session_dir):

@@ -3,7 +3,8 @@ attention over ``cp_comm`` with causal load balancing trains the same model as o
 alone and composed with tp + sequence parallelism, pp x dp with ZeRO-3 and experts (ep). Each layout
 shares a baseline other tests already run (the llama and gpt presets, the MoE reference of
 ``test_moe_equivalence.py``); cp=4 runs in ``test_checkpoint_reshard.py`` (cp=4 -> 1 rank,
-1 rank -> Ulysses cp=4). ``topology.cp_kind=ulysses`` runs composed with tp + sequence
+1 rank -> Ulysses cp=4, ring cp=4 -> hybrid cp=4). ``topology.cp_kind=ulysses`` runs
+composed with tp + sequence parallelism, ``hybrid`` at cp=4 (2 x 2) with tp + sequence
 parallelism.
 """
 
@@ -26,6 +27,10 @@ LAYOUTS = [
     # Ulysses: the all-to-all of heads over cp (8 query / 4 kv heads split over tp x cp)
     ("ulysses-cp2xtp2-sp", 4, TINY, ["topology.cp=2", "topology.cp_kind=ulysses",
                                      "topology.tp=2", SP, WHOLE], []),
+    # hybrid: Ulysses groups of 2 cp ranks (4 query / 2 kv heads of a tp rank split over
+    # them), the ring across the 2 groups, with tp + sequence parallelism
+    ("hybrid-cp4x2-tp2-sp", 8, TINY, ["topology.cp=4", "topology.cp_kind=hybrid",
+                                      "topology.cp_ulysses=2", "topology.tp=2", SP, WHOLE], []),
     # ... with ZeRO-3: parameters sharded over the dp x cp replicas
     ("cp2xpp2xdp2-zero3", 8, TINY, ["topology.cp=2", "topology.pp=2", "topology.dp=2", HALF,
                                     "optim.zero=3"], []),

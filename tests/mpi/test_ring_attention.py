@@ -4,9 +4,11 @@ keys and values (this rank's positions) must equal causal attention over the who
 in float64, with grouped-query heads; and the llama attention layer with a ring context
 (rotary at global positions) must equal the same layer on one rank. With document ids
 (``data.document_mask``) the ring equals causal attention of each document alone, and the
-layer (rotary at document positions) equals one rank's. Every test runs for Ulysses too."""
+layer (rotary at document positions) equals one rank's. Every test runs for Ulysses and
+the hybrid too."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,26 +19,35 @@ from hpctrain.config import ModelConfig
 from hpctrain.data.dataset import context_positions
 from hpctrain.model.layers import Attention, Rotary
 from hpctrain.model.stage import LocalOps, init_parameters
+from hpctrain.parallel.hybrid import HybridContext
 from hpctrain.parallel.ring_attention import RingContext, segments
 from hpctrain.parallel.ulysses import UlyssesContext
+from hpctrain.topology import context_groups
 
 pytestmark = pytest.mark.mpi
 
 TOL = dict(rtol=1e-11, atol=1e-13)
 
 
-@pytest.fixture(scope="module", params=["ring", "ulysses"])
+@pytest.fixture(scope="module", params=["ring", "ulysses", "hybrid"])
 def ring(request):
-    """Each test runs with the ring and with Ulysses (``parallel/ulysses.py``, the same
-    token layout, an all-to-all of heads): both must equal one rank."""
-    kind = RingContext if request.param == "ring" else UlyssesContext
-    return kind(comm.Group(comm.world().mpi.Dup(), "cp"))
+    """Each test runs with the ring, with Ulysses (``parallel/ulysses.py``, the same
+    token layout, an all-to-all of heads) and with the hybrid (``parallel/hybrid.py``:
+    Ulysses groups of 2 ranks, the ring across them; at 2 ranks one pair, which runs
+    Ulysses' attention): all must equal one rank."""
+    cp = comm.Group(comm.world().mpi.Dup(), "cp")
+    if request.param == "hybrid":
+        u = 2 if cp.size % 2 == 0 else 1
+        topo = SimpleNamespace(cp_comm=cp)
+        return HybridContext(cp, *context_groups(topo, u))
+    return (RingContext if request.param == "ring" else UlyssesContext)(cp)
 
 
 def heads(ring, groups: int) -> int:
-    """Query heads: 4, or more where Ulysses needs the kv heads (H / groups) to divide by cp
-    (a layout it refuses otherwise)."""
-    return 4 * max(1, groups * ring.cp_size // 4)
+    """Query heads: 4, or more where Ulysses needs the kv heads (H / groups) to divide by
+    its group's size (a layout it refuses otherwise)."""
+    split = ring.ulysses.size if isinstance(ring, HybridContext) else ring.cp_size
+    return 4 * max(1, groups * split // 4)
 
 
 def mine(t, ring, T):

@@ -7,7 +7,7 @@ import torch
 
 from hpctrain import comm
 from hpctrain.config import TopologyConfig
-from hpctrain.topology import Topology, rank_to_coords
+from hpctrain.topology import Topology, context_groups, rank_to_coords
 
 pytestmark = pytest.mark.mpi
 
@@ -74,3 +74,20 @@ def test_naive_placement_permutes_grid():
     # Ranks 0 and 1 of the world are no longer one tp group.
     tp_coords = world.allgather_obj(topo.coords.tp)
     assert tp_coords[0] == tp_coords[1]
+
+
+def test_hybrid_context_groups():
+    """``topology.context_groups``: cp_comm cut into Ulysses groups of u consecutive cp
+    ranks and rings of the ranks at the same place of each group, at every layout and u."""
+    world = comm.world()
+    for cfg in (c for c in layouts(world.size) if c.cp > 1 and c.ep == 1):
+        topo = Topology(cfg, world)
+        for u in (d for d in (1, 2, 4) if cfg.cp % d == 0):
+            ulysses, ring = context_groups(topo, u)
+            assert (ulysses.size, ring.size) == (u, cfg.cp // u)
+            assert (ulysses.rank, ring.rank) == (topo.cp_rank % u, topo.cp_rank // u)
+            first = topo.cp_rank // u * u
+            assert ulysses.allgather_obj(topo.cp_rank) == list(range(first, first + u))
+            assert ring.allgather_obj(topo.cp_rank) == list(range(topo.cp_rank % u, cfg.cp, u))
+            assert ring.allgather_obj(topo.coords.tp) == [topo.coords.tp] * ring.size
+        assert 1 <= topo.node_ranks() <= world.size

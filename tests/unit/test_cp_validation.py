@@ -39,8 +39,16 @@ MOE = ["model.num_experts=4", "topology.dp=2", "topology.ep=2"]
     (["topology.cp=2", "topology.cp_kind=ulysses", "model.n_heads=9", "model.n_kv_heads=3",
       "model.d_model=72"], 2,
      "topology.cp_kind=\"ulysses\": model.n_heads=9 is not divisible by topology.tp*cp = 1*2"),
-    (["topology.cp=2", "topology.cp_kind=hybrid"], 2,
-     "topology.cp_kind=\"hybrid\" (Ulysses inside groups, ring across) is not available"),
+    # hybrid: tiny-llama's heads split over tp x cp_ulysses; cp_ulysses divides cp
+    (["topology.cp=4", "topology.tp=2", "topology.cp_kind=hybrid", "topology.cp_ulysses=4"],
+     8, "topology.cp_kind=\"hybrid\": key/value heads=4 is not divisible by "
+        "topology.tp*cp_ulysses = 2*4"),
+    (["topology.cp=4", "topology.cp_kind=hybrid", "topology.cp_ulysses=3"], 4,
+     "topology.cp_ulysses=3 does not divide topology.cp=4"),
+    (["topology.cp=2", "topology.cp_ulysses=2"], 2,
+     "topology.cp_ulysses=2 applies to topology.cp_kind=\"hybrid\" only"),
+    (["topology.cp_kind=hybrid", "topology.cp_ulysses=2"], 1,
+     "topology.cp_ulysses=2 exceeds topology.cp=1"),
     (["topology.cp=2", "topology.cp_kind=zigzag"], 2, "topology.cp_kind"),
 ])
 def test_cp_errors(overrides, world, message):
@@ -54,6 +62,8 @@ def test_cp_errors(overrides, world, message):
     (["topology.cp=2", "topology.tp=2", "topology.sequence_parallel=true"], 4),
     (["topology.cp=2", "topology.pp=2", "topology.dp=2"], 8),
     ([*MOE, "topology.cp=2"], 4),
+    (["topology.cp=4", "topology.cp_kind=hybrid"], 4),
+    (["topology.cp=4", "topology.tp=2", "topology.cp_kind=hybrid", "topology.cp_ulysses=2"], 8),
 ])
 def test_cp_layouts_accepted(overrides, world):
     validate(load(TINY, overrides), world)
