@@ -6,8 +6,8 @@ exchanges (``pipeline.moe_executor``). Per MoE layer of the chunk, forward ``F3`
   ``D3`` post the dispatch ``Ialltoallv`` (ep_comm)   ``E3`` wait for it, run the experts
   ``C3`` post the combine ``Ialltoallv``              ``G3`` wait, run on to the next dispatch
 
-and backward ``B3`` (the last layer first, unless the schedule splits B/W: then the backward
-exchanges stay blocking inside autograd)
+and backward ``B3`` (the last layer first, unless that backward is split into B/W, i.e. has a
+``W``: then its exchanges stay blocking inside autograd)
 
   ``CB3`` post the combine's gradient to the experts  ``XB3`` wait, backward of the experts
   ``DB3`` post the dispatch's gradient home           ``YB3`` wait, backward to the next cut
@@ -34,7 +34,7 @@ import functools
 
 from ..model.moe import is_moe_layer
 from ..parallel.pipeline import layer_ranges, partition
-from .actions import COMPUTE, Action, Schedule
+from .actions import COMPUTE, Action, Schedule, deferred
 from .simulate import ScheduleError, simulate
 
 SEGMENTS = ("D", "E", "C", "G")  # per MoE layer, after F
@@ -50,9 +50,11 @@ def moe_layers_per_stage(model_cfg, stages: int, ranges=None) -> list[int]:
     return [sum(is_moe_layer(model_cfg, i) for i in r) for r in ranges]
 
 
-def _segmented(a: Action, n: int, split: bool) -> list[Action]:
-    """``a`` followed by its exchange segments (a split backward ``B``/``W`` has none)."""
-    kinds = SEGMENTS if a.kind == "F" else BACK_SEGMENTS if a.kind == "B" and not split else ()
+def _segmented(a: Action, n: int, split: set) -> list[Action]:
+    """``a`` followed by its exchange segments (a split backward ``B``/``W``, one whose
+    (microbatch, chunk) is in ``split``, has none)."""
+    whole = (a.microbatch, a.c) not in split
+    kinds = SEGMENTS if a.kind == "F" else BACK_SEGMENTS if a.kind == "B" and whole else ()
     return [a] + [Action(k, a.microbatch, a.chunk) for _ in range(n) for k in kinds]
 
 
@@ -76,7 +78,7 @@ def _expand_rank(actions, moe_of, pairs) -> list[Action]:
     except a compute at an index in ``pairs``, which ping-pongs with the next compute (of
     another microbatch); an unsegmented one lets the other go first (``W0 F1`` ->
     ``F1 D1 W0 E1 ...``). Sends of the first wait for the end of the pair."""
-    split = any(a.kind == "W" for a in actions)
+    split = deferred(actions)
     acts, out, i = list(actions), [], 0
 
     def full(a):

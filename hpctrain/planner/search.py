@@ -5,7 +5,7 @@ ranks, every combination of tp (a power of two dividing the heads), cp (context
 parallelism: a power of two with ``seq_len % (2 cp) == 0``, at most ``max_cp``; ring or
 Ulysses), pp, dp
 (the rest; ``cp x tp x pp x ep`` must divide the world, ep is the config's), microbatch
-size, schedule (1f1b, gpipe, zb-h1, zbv, interleaved with 2 or 4 virtual stages), ZeRO
+size, schedule (1f1b, gpipe, zb-h1, zbv, dualpipev, interleaved with 2 or 4 virtual stages), ZeRO
 stage (0, 1, 2, 3) and recompute (none; full; selective, its attention core replayed and
 priced in FLOPs, tried where the layout without recompute does not fit: elsewhere it is
 only slower) is either
@@ -33,8 +33,8 @@ from .cluster import Cluster
 from .cost import Prediction, predict
 from .hsdp import on_cluster
 
-SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zbv", 1), ("interleaved", 2),
-             ("interleaved", 4))
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zbv", 1), ("dualpipev", 1),
+             ("interleaved", 2), ("interleaved", 4))
 ZEROS = (0, 1, 2, 3)
 
 
