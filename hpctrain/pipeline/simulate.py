@@ -17,10 +17,11 @@ received tensor has arrived (the send time plus ``latency``). Errors raise
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .actions import COMPUTE, Action, Schedule, deferred
+from .actions import COMPUTE, Action, Schedule, deferred, fb_pairs
 
 DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # unsplit B costs B + W
 
@@ -241,3 +242,41 @@ def _waits_for(sched, pairs, posted, r, i) -> str:
     need = _needs(sched, r, a)
     src, j = pairs[(r, posted[(r, need, a.microbatch, a.c)])]
     return f"{sched.ranks[src][j]} (#{j}) of rank {src}"
+
+
+def paired(sched: Schedule) -> Schedule:
+    """``sched`` with each overlapped F&B pair (``actions.fb_pairs``) run as one unit: the
+    forward's sends move after the pair's backward, as when the two chunks overlap (both
+    outputs leave at the end of the pair). Price it with :func:`pair_costs`."""
+    ranks = []
+    for acts in sched.ranks:
+        pairs = {acts[i]: acts[j] for i, j in fb_pairs(acts)}
+        held, out = {}, []
+        for a in acts:
+            f = Action("F", a.microbatch, a.chunk)
+            if a.kind == "SF" and f in pairs:
+                held[pairs[f]] = a
+                continue
+            out.append(a)
+            if a in held:
+                out.append(held.pop(a))
+        ranks.append(tuple(out))
+    return dataclasses.replace(sched, ranks=tuple(ranks))
+
+
+def pair_costs(sched: Schedule, F: float, B: float, W: float, FB: float):
+    """Costs per chunk for :func:`simulate` of a :func:`paired` schedule (DualPipe's
+    notation): ``F`` a forward, ``B`` a whole backward, ``W`` its weight part (a split ``B``
+    costs B - W), ``FB`` an overlapped F&B pair (its F 0, its B all of FB)."""
+    in_pair = [{x for i, j in fb_pairs(acts) for x in (acts[i], acts[j])}
+               for acts in sched.ranks]
+    split = [deferred(acts) for acts in sched.ranks]
+
+    def cost(rank: int, a: Action) -> float:
+        if a in in_pair[rank]:
+            return 0.0 if a.kind == "F" else FB
+        if a.kind == "B":
+            return B - W if (a.microbatch, a.c) in split[rank] else B
+        return {"F": F, "W": W}.get(a.kind, 0.0)
+
+    return cost
