@@ -153,6 +153,8 @@ def _forward(st, a: Action) -> None:
 
 
 def _backward(st, a: Action) -> None:
+    if st.splits(a):  # B of a split backward: its exchanges run inside autograd
+        return st.plain["B"](st, a)
     key = (a.microbatch, a.c)
     grad = None if st.is_last(a) else st.take("RB", a)
     gen = backward_steps(st.moe_cuts[key], st.outputs[key], grad, exchange_of(st.chunks))

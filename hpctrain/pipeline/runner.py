@@ -92,6 +92,7 @@ class StepState:
         self.sends: list = []
         self.local: dict = {}  # (tag, mb) -> tensor a rank sends itself (zbv), until taken
         self.handlers = HANDLERS  # action kind -> handler (MoE overlap adds its own)
+        self.plain = HANDLERS  # the runner's own (a split B under MoE overlap runs its "B")
         self.loss_sum = 0.0
         self.waited = 0.0
         self.peak_inflight = 0
