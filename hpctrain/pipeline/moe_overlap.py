@@ -16,12 +16,13 @@ and backward ``B3`` (the last layer first, unless that backward is split into B/
 lets each pair of adjacent computes of different microbatches *ping-pong*: run one until it
 posts an exchange, then the other until it posts one, and so on, so every exchange travels
 while the other microbatch computes (1F1B steady state: ``B0 CB0 F1 D1 XB0 DB0 E1 C1 YB0
-G1``; GPipe: two forwards). A pair is kept only if the simulator (matching, order, deadlock)
-still accepts the whole schedule: pairing delays the first one's sends, which another stage
-may be waiting for. Ranks of one ep_comm share a pp rank and so one list (the expansion is
-deterministic); :func:`check_ep_order` checks that lists given to the ranks of one ep_comm
-post their collectives in the same order, and the runner applies it to the real lists once
-per schedule (``moe_executor.check_ep_comm``, an all-gather over ep_comm).
+G1``; GPipe: two forwards; ``dualpipev``: its F&B pairs first). A pair is kept only if the
+simulator (matching, order, deadlock) still accepts the whole schedule: pairing delays the
+first one's sends, which another stage may be waiting for. Ranks of one ep_comm share a pp
+rank and so one list (the expansion is deterministic); :func:`check_ep_order` checks that
+lists given to the ranks of one ep_comm post their collectives in the same order, and the
+runner applies it to the real lists once per schedule (``moe_executor.check_ep_comm``, an
+all-gather over ep_comm).
 
 Evidence: each action is a ``timers.action`` span in the trace (``D3``/``E3``...), and
 ``metrics.jsonl`` has ``moe_a2a_s``/``moe_a2a_exposed_s``/``moe_a2a_hidden_s`` per step.
@@ -34,7 +35,7 @@ import functools
 
 from ..model.moe import is_moe_layer
 from ..parallel.pipeline import layer_ranges, partition
-from .actions import COMPUTE, Action, Schedule, deferred
+from .actions import COMPUTE, Action, Schedule, deferred, fb_pairs
 from .simulate import ScheduleError, simulate
 
 SEGMENTS = ("D", "E", "C", "G")  # per MoE layer, after F
@@ -127,9 +128,7 @@ def expand(sched: Schedule, moe_per_stage: list[int]) -> Schedule:
     best = build_with(pairs)
     simulate(best)  # the eager expansion must run
     for r, acts in enumerate(sched.ranks):
-        for i, a in enumerate(acts):
-            if a.kind not in COMPUTE:
-                continue
+        for i in _candidates(sched, acts):
             pairs[r].add(i)
             try:
                 trial = build_with(pairs)
@@ -138,6 +137,17 @@ def expand(sched: Schedule, moe_per_stage: list[int]) -> Schedule:
             except ScheduleError:
                 pairs[r].discard(i)
     return best
+
+
+def _candidates(sched: Schedule, acts) -> list[int]:
+    """The computes of one rank to try pairing with the next, in turn: dualpipev's F&B pairs
+    first (``actions.fb_pairs``), then every other compute that leaves them whole."""
+    designed = fb_pairs(acts) if sched.kind == "dualpipev" else []
+    taken = {k for pair in designed for k in pair}
+    computes = [i for i, a in enumerate(acts) if a.kind in COMPUTE]
+    rest = [i for i, j in zip(computes, computes[1:] + [None])
+            if i not in taken and j not in taken]
+    return [i for i, _ in designed] + rest
 
 
 def check_ep_order(lists: dict) -> None:
