@@ -217,7 +217,7 @@ def _dualpipev(pp: int, m: int, rank: int) -> list[Action]:
     times B1 then the pair F1 B0; r+1 pairs B1 B0, whose second half split; pp-r-1 pairs of
     a W then a split B0; the r+1 remaining W. Each W is the oldest split B's (a queue).
     Whole backwards leave no W; split ones fill the cool-down. Peak 2pp+1 chunk-microbatches
-    on rank 0 (pp+1 microbatches of whole-stage activations, once per chunk: 2x parameters)."""
+    on every rank (the DualPipe table's PP+1 for its PP = 2pp stages)."""
     out: list[Action] = []
     count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
     queue: list[Action] = []  # split B's waiting for their W, oldest first
