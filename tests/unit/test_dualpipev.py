@@ -17,9 +17,12 @@ from hpctrain.pipeline.actions import Action, build, deferred, fb_pairs
 from hpctrain.pipeline.moe_overlap import BACK_SEGMENTS, SEGMENTS, expand, moe_layers_per_stage
 from hpctrain.pipeline.runner import run_step
 from hpctrain.pipeline.simulate import pair_costs, paired, simulate
+from hpctrain.planner import cluster, search
+from hpctrain.planner.cost import predict
 from hpctrain.telemetry import memory
 
 TINY = "share/configs/tiny.toml"
+KIND = 'schedule.kind="dualpipev"'
 SIZES = st.integers(1, 6).flatmap(lambda pp: st.tuples(st.just(pp),
                                                        st.integers(2 * pp, 3 * pp + 4)))
 
@@ -87,6 +90,21 @@ def test_memory_columns_of_the_dualpipe_table():
         a, b = memory.estimate(dpv), memory.estimate(zbv)
         assert a.params == b.params  # the same V placement
         assert a.activations == pytest.approx(b.activations * 5 / 4, rel=1e-6)
+
+
+def test_plan_search_offers_and_prices_dualpipev_for_experts():
+    """``--search`` tries dualpipev where its pairs have all-to-alls to hide (MoE models)
+    and prices it; fewer microbatches than 2pp are refused with the builder's message."""
+    moe = load(TINY, ["model.num_experts=4", "model.moe_every=2", "train.global_batch_size=8"])
+    kinds = {c.schedule.kind for c in search.layouts(moe, 4) if c.topology.pp > 1}
+    assert "dualpipev" in kinds
+    assert "dualpipev" not in {c.schedule.kind for c in search.layouts(load(TINY, []), 4)}
+    layout = ["model.num_experts=4", "model.moe_every=2", "train.global_batch_size=8",
+              "topology.pp=2", "topology.dp=2", "topology.ep=2"]
+    on = cluster.load(cluster.shipped()[0])
+    p = predict(load(TINY, [*layout, KIND]), on)
+    assert p.step_s > 0 and p.step_s == pytest.approx(sum(p.parts.values()))
+    assert 0 < p.bubble < predict(load(TINY, layout), on).bubble  # 1f1b's
 
 
 def test_too_few_microbatches_are_refused_with_the_fix():
