@@ -1,7 +1,8 @@
 """Pipeline training throughput at pp=2 and pp=4: ``hpctrain train`` with
 ``schedule.kind=1f1b`` against ``torch.distributed.pipelining.Schedule1F1B`` (gloo), same
 split of layers (``parallel.pipeline.partition``), init, data and microbatches; same losses
-required. At pp=4 also hpctrain's zb-h1 and zbv against its 1f1b in the same rounds, beside
+required. At pp=4 also hpctrain's zb-h1, zbv and dualpipev against its 1f1b (and dualpipev
+against zbv) in the same rounds, beside
 the cost of their split backward (B and W of one stage against one backward, rank 0 alone).
 At both sizes the measured 1f1b bubble against the simulator's (``pp_bubble`` /
 ``pp_bubble_sim`` of metrics.jsonl)."""
@@ -37,6 +38,7 @@ from .common import (
 )
 
 RANKS = (2, 4)
+ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # at pp=4, beside 1f1b
 
 
 class _Logits(torch.nn.Module):
@@ -232,8 +234,9 @@ def explain(ratios: list[dict], samples: dict, bubble: dict, split: dict | None,
 
 
 def bench_config(size: str, pp: int, kind: str = "1f1b", *more: str):
-    """pp=2: the size preset as it is; pp=4: 8 layers (two per rank for zbv's V) and
-    micro_batch_size halved (twice the microbatches: zbv's steady state needs 2pp-1)."""
+    """pp=2: the size preset as it is; pp=4: 8 layers (two per rank for the V of zbv and
+    dualpipev) and micro_batch_size halved (twice the microbatches, 8: zbv's steady state
+    needs 2pp-1, dualpipev 2pp)."""
     extra = [] if pp == 2 else ["model.n_layers=8", "train.micro_batch_size=" + (
         "1" if size == "tiny" else "2")]
     return train_config(size, f"topology.pp={pp}", f'schedule.kind="{kind}"', *extra, *more)
@@ -244,10 +247,13 @@ def _ratios(samples: dict) -> list[dict]:
     out = [paired("throughput hpctrain 1f1b / torch Schedule1F1B", theirs, ours, ">= 1.15"),
            paired("step spinning MPI_Wait / yielding wait",
                   samples["hpctrain 1f1b, spinning MPI_Wait"], ours, ">= 1.0")]
-    for kind in ("zb-h1", "zbv"):
+    for kind in ZERO_BUBBLE:
         if f"hpctrain {kind}" in samples:
             out.append(paired(f"step 1f1b / {kind}", ours, samples[f"hpctrain {kind}"],
                               ">= 1.0"))
+    if "hpctrain dualpipev" in samples:
+        out.append(paired("step zbv / dualpipev", samples["hpctrain zbv"],
+                          samples["hpctrain dualpipev"], ">= 1.0"))
     return out
 
 
@@ -281,7 +287,7 @@ def run(world, size: str, repeats: int) -> dict:
              "torch Schedule1F1B": side("torch", lambda: torch_pipeline(cfg, world)),
              "hpctrain 1f1b, spinning MPI_Wait": side("spin", lambda: hpctrain_run(spin, world))}
     if pp >= 4:  # the zero-bubble schedules against hpctrain's own 1F1B, same run
-        for kind in ("zb-h1", "zbv"):
+        for kind in ZERO_BUBBLE:
             c = bench_config(size, pp, kind)
             sides[f"hpctrain {kind}"] = side(kind, lambda c=c: hpctrain_run(c, world))
     load0 = loadavg()

@@ -261,7 +261,7 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
     need(s.kind == "interleaved" or s.virtual_stages <= 1,
          f"schedule.virtual_stages={s.virtual_stages} is used only by "
          f"schedule.kind='interleaved', not {s.kind!r}: set it to 1 or use interleaved")
-    v = s.virtual_stages if s.kind == "interleaved" else 2 if s.kind == "zbv" else 1
+    v = s.virtual_stages if s.kind == "interleaved" else 2 if s.kind in ("zbv", "dualpipev") else 1
     need(not (s.moe_overlap and m.recompute == "full"), "schedule.moe_overlap cannot be "
          "combined with model.recompute='full' (the forward is cut into segments at the "
          "expert all-to-alls); 'selective' can")

@@ -2,7 +2,7 @@
 
 Stage ``s`` of ``S = pp * v`` virtual stages is held by pp rank ``s % pp`` (the interleaved
 placement, style ``"loop"``: rank r holds chunks r, r+pp, r+2pp, ...), or, for the V-shaped
-zero-bubble schedule (``zbv``, style ``"v"``, two chunks per rank), rank r holds stages r and
+schedules (``zbv``, ``dualpipev``; style ``"v"``, two chunks per rank), rank r holds stages r and
 2pp-1-r, so the model goes down the ranks and back up (rank pp-1 holds the two middle
 stages, rank 0 the first and the last). The first virtual stage owns the embedding, the
 last the final norm, head and loss.
@@ -32,15 +32,19 @@ def partition(n_layers: int, stages: int, boundaries: list[int] | None = None) -
     return out
 
 
+V_KINDS = ("zbv", "dualpipev")  # schedule kinds with the V placement (two chunks per rank)
+
+
 def virtual_of(kind: str, virtual_stages: int) -> int:
     """Chunks per pp rank of a schedule kind: ``virtual_stages`` for interleaved, 2 for the
-    V-shaped zbv, else 1."""
-    return virtual_stages if kind == "interleaved" else 2 if kind == "zbv" else 1
+    V-shaped zbv and dualpipev, else 1."""
+    return virtual_stages if kind == "interleaved" else 2 if kind in V_KINDS else 1
 
 
 def style_of(kind: str) -> str:
-    """How a schedule kind places virtual stages on pp ranks: ``"v"`` (zbv) or ``"loop"``."""
-    return "v" if kind == "zbv" else "loop"
+    """How a schedule kind places virtual stages on pp ranks: ``"v"`` (zbv, dualpipev) or
+    ``"loop"``."""
+    return "v" if kind in V_KINDS else "loop"
 
 
 def chunks_of_rank(pp_rank: int, pp: int, virtual: int, style: str = "loop") -> list[int]:

@@ -1,8 +1,10 @@
 """Stage 2's order of work: pipeline schedules as data, checked and executed.
 
 - ``actions.py``: :class:`Action` (``F3``, ``B3``, ``W3``, ``SF3``...) and the schedule
-  builders (gpipe, 1f1b, interleaved, zb-h1, zbv; each also forward-only), pure functions.
-- ``simulate.py``: all ranks' lists in one process: matching, order, deadlock, bubble.
+  builders (gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev; each also forward-only), pure
+  functions.
+- ``simulate.py``: all ranks' lists in one process: matching, order, deadlock, bubble
+  (dualpipev's F&B pairs as one unit: ``paired``, ``pair_costs``).
 - ``runner.py``: one rank's list executed with nonblocking p2p over ``pp_comm``; a receive
   is waited for by polling, then sleeping (``experimental.p2p_wait``). Training steps
   (``run_step``) and evaluation (``run_forward``, the forward-only schedule) alike; a

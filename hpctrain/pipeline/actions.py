@@ -7,8 +7,10 @@ schedule has no ``W``), ``W3`` weight gradient, ``SF3``/``RF3`` send/receive an 
 ``SB3``/``RB3`` send/receive a gradient; ``F3v1`` is microbatch 3 on the rank's chunk 1.
 
 Virtual stage ``s`` of ``S = pp * v`` lives on pp rank ``s % pp`` as chunk ``s // pp``, except
-in the V-shaped ``zbv`` (``parallel.pipeline.chunks_of_rank``: rank r holds stages r and
-2pp-1-r).
+in the V-shaped ``zbv`` and ``dualpipev`` (``parallel.pipeline.chunks_of_rank``: rank r holds
+stages r and 2pp-1-r). A schedule may split some backwards and not others (``dualpipev``): a
+``B`` is split exactly when the rank also has a ``W`` of the same microbatch and chunk
+(:func:`deferred`).
 Receives (``R*``) *post* a nonblocking receive; the compute action that needs the data waits
 for it. Sends (``S*``) post a nonblocking send right after the compute that produced the data.
 Every schedule here is built in two steps: the order of compute actions per rank
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 from ..parallel.pipeline import chunks_of_rank, rank_of_stage, style_of, virtual_stages
 
-KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 COMPUTE = ("F", "B", "W")
 
 
@@ -206,6 +208,79 @@ def _zbv(pp: int, m: int, rank: int) -> list[Action]:
     return [a for a in out if a.microbatch < m]
 
 
+def _dualpipev(pp: int, m: int, rank: int) -> list[Action]:
+    """DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab): the V of zbv (chunk 0 is
+    stage r, chunk 1 stage 2pp-1-r), m >= 2pp. Phases: 2(pp-r-1) chunk-0 forwards; r+1
+    pairs F0 F1; pp-r-1 triples B1 W F1 (split); the steady state, m-2pp+r+1 times the two
+    overlapped F&B pairs (F0 with B1, F1 with B0: the forward of one microbatch next to the
+    whole backward of another, the unit ``schedule.moe_overlap`` runs ping-pong); pp-r-1
+    times B1 then the pair F1 B0; r+1 pairs B1 B0, whose second half split; pp-r-1 pairs of
+    a W then a split B0; the r+1 remaining W. Each W is the oldest split B's (a queue).
+    Whole backwards leave no W; split ones fill the cool-down. Peak 2pp+1 chunk-microbatches
+    on every rank (the DualPipe table's PP+1 for its PP = 2pp stages)."""
+    out: list[Action] = []
+    count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+    queue: list[Action] = []  # split B's waiting for their W, oldest first
+
+    def add(kind: str, chunk: int, split: bool = False) -> None:
+        out.append(Action(kind, count[(kind, chunk)], chunk))
+        count[(kind, chunk)] += 1
+        if split:
+            queue.append(Action("W", out[-1].microbatch, chunk))
+
+    def weight() -> None:
+        out.append(queue.pop(0))
+
+    for _ in range(2 * (pp - rank - 1)):
+        add("F", 0)
+    for _ in range(rank + 1):
+        add("F", 0)
+        add("F", 1)
+    for _ in range(pp - rank - 1):
+        add("B", 1, split=True)
+        weight()
+        add("F", 1)
+    for _ in range(m - 2 * pp + rank + 1):
+        for fc, bc in ((0, 1), (1, 0)):
+            add("F", fc)
+            add("B", bc)
+    for _ in range(pp - rank - 1):
+        add("B", 1)
+        add("F", 1)
+        add("B", 0)
+    split, half = False, (rank + 1) // 2
+    for i in range(rank + 1):
+        split = split or (i == half and rank % 2 == 1)
+        add("B", 1, split)
+        split = split or (i == half and rank % 2 == 0)
+        add("B", 0, split)
+    for _ in range(pp - rank - 1):
+        weight()
+        add("B", 0, split=True)
+    while queue:
+        weight()
+    return out
+
+
+def deferred(actions) -> set[tuple[int, int]]:
+    """(microbatch, chunk index) of the split backwards in one rank's list: those with a
+    ``W`` (their ``B`` leaves the weight gradients to it); the others' ``B`` is whole."""
+    return {(a.microbatch, a.c) for a in actions if a.kind == "W"}
+
+
+def fb_pairs(actions) -> list[tuple[int, int]]:
+    """Indices (i, j) of the overlapped F&B pairs in one rank's list: a forward whose next
+    compute is a whole backward (no ``W``) of another microbatch. ``schedule.moe_overlap``
+    runs each such pair ping-pong; the simulator can price a pair as one unit."""
+    split, pairs = deferred(actions), []
+    comp = [(i, a) for i, a in enumerate(actions) if a.kind in COMPUTE]
+    for (i, a), (j, b) in zip(comp, comp[1:]):
+        if (a.kind == "F" and b.kind == "B" and a.microbatch != b.microbatch
+                and (b.microbatch, b.c) not in split):
+            pairs.append((i, j))
+    return pairs
+
+
 def check_fits(kind: str, pp: int, microbatches: int, virtual: int = 1) -> None:
     """Raise ValueError with the arithmetic when the microbatch count cannot run ``kind``."""
     if kind not in KINDS:
@@ -213,10 +288,16 @@ def check_fits(kind: str, pp: int, microbatches: int, virtual: int = 1) -> None:
     if pp < 1 or microbatches < 1 or virtual < 1:
         raise ValueError(f"pp={pp}, microbatches={microbatches}, virtual_stages={virtual} "
                          "must all be >= 1")
-    if kind == "zbv" and virtual != 2:
-        raise ValueError(f"schedule.kind='zbv' holds two stages per rank in a V; "
+    if kind in ("zbv", "dualpipev") and virtual != 2:
+        raise ValueError(f"schedule.kind={kind!r} holds two stages per rank in a V; "
                          f"virtual_stages={virtual} must be 2")
-    if kind not in ("interleaved", "zbv") and virtual != 1:
+    if kind == "dualpipev" and microbatches < 2 * pp:
+        raise ValueError(
+            f"schedule 'dualpipev' needs at least 2*pp = {2 * pp} microbatches per step (its "
+            f"warm-up fills both chunks of the V), but there are {microbatches}; raise "
+            "train.global_batch_size (microbatches = global_batch_size / (dp * "
+            "micro_batch_size)), lower train.micro_batch_size, or use schedule.kind='zbv'")
+    if kind not in ("interleaved", "zbv", "dualpipev") and virtual != 1:
         raise ValueError(f"schedule.kind={kind!r} holds one stage per rank; "
                          f"virtual_stages={virtual} needs schedule.kind='interleaved'")
     if kind == "interleaved" and virtual > 1 and microbatches % pp:
@@ -235,6 +316,8 @@ def compute_order(kind: str, pp: int, microbatches: int, virtual: int = 1) -> li
         return [_zb_h1(pp, m, r) for r in range(pp)]
     if kind == "zbv":
         return [_zbv(pp, m, r) for r in range(pp)]
+    if kind == "dualpipev":
+        return [_dualpipev(pp, m, r) for r in range(pp)]
     if kind == "interleaved" and virtual > 1:
         return [_interleaved(pp, m, r, virtual) for r in range(pp)]
     build = _gpipe if kind == "gpipe" else _one_f_one_b
@@ -273,14 +356,14 @@ def with_comm(orders: list[list[Action]], pp: int, virtual: int,
 def build(kind: str, pp: int, microbatches: int, virtual: int | None = None,
           forward_only: bool = False) -> Schedule:
     """The schedule ``kind`` for ``pp`` ranks, ``microbatches`` per step and ``virtual``
-    chunks per rank (interleaved: any, zbv: 2, the default; others 1). Pure; raises
+    chunks per rank (interleaved: any, zbv and dualpipev: 2, the default; others 1). Pure; raises
     ValueError when it does not fit.
 
     ``forward_only``: each rank's forwards in the kind's order, without ``B``/``W`` (an
     evaluation pass: same placement, same links and tags). Dropping actions from a sound
     order only removes waits, so the forward-only order cannot deadlock either."""
     if virtual is None:
-        virtual = 2 if kind == "zbv" else 1
+        virtual = 2 if kind in ("zbv", "dualpipev") else 1
     orders = compute_order(kind, pp, microbatches, virtual)
     if forward_only:
         orders = [[a for a in o if a.kind == "F"] for o in orders]

@@ -4,7 +4,8 @@ Forward ``F``: :func:`stage_steps` runs the model's own stepped forward (``Decod
 ``model/steps.py``) to its first exchange request; ``D``/``C`` post the request nonblocking
 (``ExpertExchange.post``), ``E``/``G`` wait for it and run on to the next.
 
-When the backward is segmented too (training, no ``W`` in the schedule), the forward graph is
+When the backward is segmented too (training, a microbatch with no ``W`` on this chunk: every
+one of a schedule without ``W``, the whole backwards of ``dualpipev``), the forward graph is
 cut at every MoE layer: the layer input ``xs`` and the residual ``h`` become leaves, and so do
 the rows each exchange delivers (``got``: dispatched tokens on the experts' rank, ``comb``:
 their outputs back home); a forward-only pass (evaluation) cuts nothing. Backward ``B`` then
@@ -24,7 +25,7 @@ import torch
 from ..model import RunBlock, RunExperts
 from ..model.steps import answer
 from ..parallel.moe_exchange import exchange_of
-from .actions import Action, parse
+from .actions import Action, deferred, parse
 from .moe_overlap import check_ep_order
 
 
@@ -89,10 +90,10 @@ def backward_steps(cuts: list, out: torch.Tensor, grad, exchange):
 
 
 # -- handlers -----------------------------------------------------------------------------
-def _segmented_backward(st) -> bool:
-    """Whether the forward records its cuts for a segmented backward (training without a
-    B/W split; a forward-only pass keeps nothing)."""
-    return st.training and not st.split
+def _segmented_backward(st, a: Action) -> bool:
+    """Whether ``a``'s forward records its cuts for a segmented backward (training, and its
+    backward not split into B/W; a forward-only pass keeps nothing)."""
+    return st.training and not st.splits(a)
 
 
 def _states(st) -> dict:
@@ -144,7 +145,7 @@ def _forward(st, a: Action) -> None:
         if st.training:
             st.inputs[key] = x.requires_grad_(True)
     _states(st)
-    cuts = st.moe_cuts.setdefault(key, []) if _segmented_backward(st) else None
+    cuts = st.moe_cuts.setdefault(key, []) if _segmented_backward(st, a) else None
     gen = stage_steps(st.chunks[a.c], x, y if st.is_last(a) else None, cuts,
                       exchange_of(st.chunks), *doc)
     st.moe_steps[(*key, False)] = {"gen": gen}
@@ -152,6 +153,8 @@ def _forward(st, a: Action) -> None:
 
 
 def _backward(st, a: Action) -> None:
+    if st.splits(a):  # B of a split backward: its exchanges run inside autograd
+        return st.plain["B"](st, a)
     key = (a.microbatch, a.c)
     grad = None if st.is_last(a) else st.take("RB", a)
     gen = backward_steps(st.moe_cuts[key], st.outputs[key], grad, exchange_of(st.chunks))
@@ -169,7 +172,7 @@ def _post(st, a: Action) -> None:
     if kind != _EXPECT[a.kind]:
         raise RuntimeError(f"action {a}: the microbatch asks for a {kind}, not "
                            f"a {_EXPECT[a.kind]}")
-    state["pending"] = layer.exchange.post(rows, send_rows, recv_rows, leaf=not st.split)
+    state["pending"] = layer.exchange.post(rows, send_rows, recv_rows, leaf=not st.splits(a))
     state["sent"] = (rows, send_rows, recv_rows)
 
 
@@ -184,7 +187,7 @@ def _resume(st, a: Action) -> None:
         st.waited += time.perf_counter() - t0
     got = finish()
     rows, send_rows, recv_rows = state.pop("sent")
-    if not backward and _segmented_backward(st):  # remember the cut for the backward
+    if not backward and _segmented_backward(st, a):  # remember the cut for the backward
         cut = st.moe_cuts[(a.microbatch, a.c)][-1]
         if a.kind == "E":
             cut.update(rows=rows, got=got, dispatch_rows=(send_rows, recv_rows))
@@ -199,6 +202,7 @@ BACKWARD_HANDLERS = {"B": _backward, "CB": _post, "DB": _post, "XB": _resume, "Y
 
 def handlers_for(sched) -> dict:
     """The handlers an expanded schedule needs: forward segments always; backward segments
-    unless the schedule splits B/W (then the backward exchanges stay inside autograd)."""
-    split = any(a.kind == "W" for acts in sched.ranks for a in acts)
-    return HANDLERS if split else {**HANDLERS, **BACKWARD_HANDLERS}
+    when some backward is whole (a split one keeps its exchanges inside autograd)."""
+    whole = any(a.kind == "B" and (a.microbatch, a.c) not in deferred(acts)
+                for acts in sched.ranks for a in acts)
+    return {**HANDLERS, **BACKWARD_HANDLERS} if whole else HANDLERS

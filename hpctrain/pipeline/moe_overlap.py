@@ -6,8 +6,8 @@ exchanges (``pipeline.moe_executor``). Per MoE layer of the chunk, forward ``F3`
   ``D3`` post the dispatch ``Ialltoallv`` (ep_comm)   ``E3`` wait for it, run the experts
   ``C3`` post the combine ``Ialltoallv``              ``G3`` wait, run on to the next dispatch
 
-and backward ``B3`` (the last layer first, unless the schedule splits B/W: then the backward
-exchanges stay blocking inside autograd)
+and backward ``B3`` (the last layer first, unless that backward is split into B/W, i.e. has a
+``W``: then its exchanges stay blocking inside autograd)
 
   ``CB3`` post the combine's gradient to the experts  ``XB3`` wait, backward of the experts
   ``DB3`` post the dispatch's gradient home           ``YB3`` wait, backward to the next cut
@@ -16,12 +16,13 @@ exchanges stay blocking inside autograd)
 lets each pair of adjacent computes of different microbatches *ping-pong*: run one until it
 posts an exchange, then the other until it posts one, and so on, so every exchange travels
 while the other microbatch computes (1F1B steady state: ``B0 CB0 F1 D1 XB0 DB0 E1 C1 YB0
-G1``; GPipe: two forwards). A pair is kept only if the simulator (matching, order, deadlock)
-still accepts the whole schedule: pairing delays the first one's sends, which another stage
-may be waiting for. Ranks of one ep_comm share a pp rank and so one list (the expansion is
-deterministic); :func:`check_ep_order` checks that lists given to the ranks of one ep_comm
-post their collectives in the same order, and the runner applies it to the real lists once
-per schedule (``moe_executor.check_ep_comm``, an all-gather over ep_comm).
+G1``; GPipe: two forwards; ``dualpipev``: its F&B pairs first). A pair is kept only if the
+simulator (matching, order, deadlock) still accepts the whole schedule: pairing delays the
+first one's sends, which another stage may be waiting for. Ranks of one ep_comm share a pp
+rank and so one list (the expansion is deterministic); :func:`check_ep_order` checks that
+lists given to the ranks of one ep_comm post their collectives in the same order, and the
+runner applies it to the real lists once per schedule (``moe_executor.check_ep_comm``, an
+all-gather over ep_comm).
 
 Evidence: each action is a ``timers.action`` span in the trace (``D3``/``E3``...), and
 ``metrics.jsonl`` has ``moe_a2a_s``/``moe_a2a_exposed_s``/``moe_a2a_hidden_s`` per step.
@@ -34,7 +35,7 @@ import functools
 
 from ..model.moe import is_moe_layer
 from ..parallel.pipeline import layer_ranges, partition
-from .actions import COMPUTE, Action, Schedule
+from .actions import COMPUTE, Action, Schedule, deferred, fb_pairs
 from .simulate import ScheduleError, simulate
 
 SEGMENTS = ("D", "E", "C", "G")  # per MoE layer, after F
@@ -50,9 +51,11 @@ def moe_layers_per_stage(model_cfg, stages: int, ranges=None) -> list[int]:
     return [sum(is_moe_layer(model_cfg, i) for i in r) for r in ranges]
 
 
-def _segmented(a: Action, n: int, split: bool) -> list[Action]:
-    """``a`` followed by its exchange segments (a split backward ``B``/``W`` has none)."""
-    kinds = SEGMENTS if a.kind == "F" else BACK_SEGMENTS if a.kind == "B" and not split else ()
+def _segmented(a: Action, n: int, split: set) -> list[Action]:
+    """``a`` followed by its exchange segments (a split backward ``B``/``W``, one whose
+    (microbatch, chunk) is in ``split``, has none)."""
+    whole = (a.microbatch, a.c) not in split
+    kinds = SEGMENTS if a.kind == "F" else BACK_SEGMENTS if a.kind == "B" and whole else ()
     return [a] + [Action(k, a.microbatch, a.chunk) for _ in range(n) for k in kinds]
 
 
@@ -76,7 +79,7 @@ def _expand_rank(actions, moe_of, pairs) -> list[Action]:
     except a compute at an index in ``pairs``, which ping-pongs with the next compute (of
     another microbatch); an unsegmented one lets the other go first (``W0 F1`` ->
     ``F1 D1 W0 E1 ...``). Sends of the first wait for the end of the pair."""
-    split = any(a.kind == "W" for a in actions)
+    split = deferred(actions)
     acts, out, i = list(actions), [], 0
 
     def full(a):
@@ -125,9 +128,7 @@ def expand(sched: Schedule, moe_per_stage: list[int]) -> Schedule:
     best = build_with(pairs)
     simulate(best)  # the eager expansion must run
     for r, acts in enumerate(sched.ranks):
-        for i, a in enumerate(acts):
-            if a.kind not in COMPUTE:
-                continue
+        for i in _candidates(sched, acts):
             pairs[r].add(i)
             try:
                 trial = build_with(pairs)
@@ -136,6 +137,17 @@ def expand(sched: Schedule, moe_per_stage: list[int]) -> Schedule:
             except ScheduleError:
                 pairs[r].discard(i)
     return best
+
+
+def _candidates(sched: Schedule, acts) -> list[int]:
+    """The computes of one rank to try pairing with the next, in turn: dualpipev's F&B pairs
+    first (``actions.fb_pairs``), then every other compute that leaves them whole."""
+    designed = fb_pairs(acts) if sched.kind == "dualpipev" else []
+    taken = {k for pair in designed for k in pair}
+    computes = [i for i, a in enumerate(acts) if a.kind in COMPUTE]
+    rest = [i for i, j in zip(computes, computes[1:] + [None])
+            if i not in taken and j not in taken]
+    return [i for i, _ in designed] + rest
 
 
 def check_ep_order(lists: dict) -> None:

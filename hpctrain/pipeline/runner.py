@@ -12,8 +12,10 @@ Stage inputs are received buffers turned into autograd leaves (``requires_grad``
 stage's graph ends at its boundary; a microbatch's tensors are dropped after its last backward
 action, so only in-flight microbatches hold activations.
 
-Zero-bubble schedules split the backward (:func:`input_grad`): ``B`` is one ordinary backward
-from the stage output while a ``weight_grad.Pending`` collects the weight matmuls (each computes
+Zero-bubble schedules split the backward (:func:`input_grad`; ``dualpipev`` only the
+microbatches its cool-down gives a ``W``, the others run one whole backward in ``B``): ``B`` is
+one ordinary backward from the stage output while a ``weight_grad.Pending`` collects the weight
+matmuls (armed per action, ``weight_grad.armed``, for the split microbatches only; each computes
 only its input gradient and keeps its input and output gradient), so the small parameters
 (norm weights, the embedding, the MoE router) get their gradient in ``B``; ``W`` is
 ``Pending.apply``: the kept matmuls' weight gradients, accumulated through autograd at the
@@ -42,7 +44,7 @@ from ..model import weight_grad
 from ..model.stage import DTYPES
 from ..parallel.pipeline import activation_shape, virtual_stages
 from . import moe_executor, moe_overlap
-from .actions import Action, Schedule, build
+from .actions import Action, Schedule, build, deferred
 from .simulate import simulate
 
 
@@ -76,7 +78,8 @@ class StepState:
         self.sharded = sharded  # zero 3: grad_sync.zero3.ShardedParams (around backwards)
         self.loss_scale, self.sched = loss_scale, sched
         self.rank = topo.pp_rank
-        self.split = any(a.kind == "W" for a in sched.ranks[self.rank])
+        self.deferred = deferred(sched.ranks[self.rank])  # (mb, chunk) whose B is split
+        self.split = bool(self.deferred)
         self.training = not sched.forward_only  # False: no graph, nothing kept for a backward
         self.boundary = activation_shape(cfg, topo)  # (B, T/cp[/tp], C)
         self.dtype = DTYPES[cfg.model.dtype]
@@ -89,6 +92,7 @@ class StepState:
         self.sends: list = []
         self.local: dict = {}  # (tag, mb) -> tensor a rank sends itself (zbv), until taken
         self.handlers = HANDLERS  # action kind -> handler (MoE overlap adds its own)
+        self.plain = HANDLERS  # the runner's own (a split B under MoE overlap runs its "B")
         self.loss_sum = 0.0
         self.waited = 0.0
         self.peak_inflight = 0
@@ -98,6 +102,11 @@ class StepState:
 
     def stage(self, a: Action) -> int:
         return self.sched.stage(self.rank, a)
+
+    def splits(self, a: Action) -> bool:
+        """Whether ``a``'s microbatch splits its backward on this chunk (it has a ``W``):
+        its weight matmuls defer to ``W`` from the forward on."""
+        return (a.microbatch, a.c) in self.deferred
 
     def is_last(self, a: Action) -> bool:
         return self.stage(a) == self.sched.stages - 1
@@ -140,19 +149,19 @@ def _forward(st: StepState, a: Action) -> None:
 
 
 def _backward(st: StepState, a: Action) -> None:
-    """Input gradient; with a split schedule the weight gradient waits for ``W``."""
-    key = (a.microbatch, a.c)
+    """Input gradient; for a split backward the weight gradient waits for ``W``."""
+    key, split = (a.microbatch, a.c), st.splits(a)
     grad = None if st.is_last(a) else st.take("RB", a)
     out, x = st.outputs[key], st.inputs.get(key)
     chunk = st.chunks[a.c]
     # ZeRO-3: the chunk's gathered units are freed after (B: by the output hooks too)
-    with (st.sharded.backward_pass(chunk, st.split) if st.sharded else
+    with (st.sharded.backward_pass(chunk, split) if st.sharded else
           contextlib.nullcontext()):
-        if st.split:  # B: all but the weight matmuls (input_grad); W follows later
+        if split:  # B: all but the weight matmuls (input_grad); W follows later
             gx, st.grad_out[key] = input_grad(out, grad, x)
         else:
             torch.autograd.backward(out, grad)
-    if st.split:
+    if split:
         if gx is not None:
             st.grad_in[key] = gx
         return
@@ -213,7 +222,7 @@ def execute(st: StepState, timers=None) -> dict[str, float]:
         if handler is None:
             raise ValueError(f"rank {st.rank}: no handler for action {a} (kind {a.kind!r})")
         t0, w0 = time.perf_counter(), st.waited
-        with span(str(a)):
+        with span(str(a)), weight_grad.armed(st.splits(a)):  # matmuls defer to W or not
             handler(st, a)
         if a.kind in COMPUTE_KINDS:
             busy[a.kind] += time.perf_counter() - t0 - (st.waited - w0)
@@ -250,8 +259,7 @@ def run_step(chunks, microbatches, topo, cfg, loss_scale: float,
     ``sharded``, the ``ShardedParams`` that frees what each backward leaves gathered)."""
     st = _state(chunks, microbatches, topo, cfg, loss_scale,
                 schedule_for(cfg, len(microbatches)), sharded)
-    with weight_grad.armed(st.split):  # the model's weight matmuls can defer to W
-        timing = execute(st, timers)
+    timing = execute(st, timers)
     return st.loss_sum, timing
 
 

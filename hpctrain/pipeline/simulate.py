@@ -4,7 +4,8 @@
   * every receive is met by a send on the same link (peer, tag) in posting order, with the
     same microbatch, and every send by a receive;
   * each (microbatch, chunk) runs F once, then B once, then W once if the rank splits its
-    backward (a forward-only schedule: F once, no B or W); a send comes after the compute
+    backward (every backward for zb-h1 and zbv, those with a W for dualpipev; a
+    forward-only schedule: F once, no B or W); a send comes after the compute
     that produced its tensor and a compute that needs a received tensor comes after the
     receive was posted;
   * nothing deadlocks (a compute waits only for a send some rank can still reach);
@@ -16,10 +17,11 @@ received tensor has arrived (the send time plus ``latency``). Errors raise
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .actions import COMPUTE, Action, Schedule
+from .actions import COMPUTE, Action, Schedule, deferred, fb_pairs
 
 DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # unsplit B costs B + W
 
@@ -129,7 +131,7 @@ def match(sched: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
 def _check_order(sched: Schedule) -> None:
     """F before B before W per (microbatch, chunk); transfers after/before their compute."""
     for r, actions in enumerate(sched.ranks):
-        split = any(a.kind == "W" for a in actions)
+        split = any(a.kind == "W" for a in actions) and sched.kind != "dualpipev"
         seen: dict[tuple[str, int, int], int] = {}
         for i, a in enumerate(actions):
             key = (a.kind, a.microbatch, a.c)
@@ -159,13 +161,13 @@ def _check_order(sched: Schedule) -> None:
 def _peak_inflight(actions) -> int:
     """Most chunk-microbatches between their F and their last backward action (forward-only:
     an activation lives from its F to its send, 1)."""
-    kinds = {a.kind for a in actions}
-    last = "W" if "W" in kinds else "B" if "B" in kinds else "F"
+    kinds, split = {a.kind for a in actions}, deferred(actions)
     live, peak = 0, 0
     for a in actions:
         if a.kind == "F":
             live += 1
             peak = max(peak, live)
+        last = "W" if (a.microbatch, a.c) in split else "B" if "B" in kinds else "F"
         if a.kind == last:
             live -= 1
     return peak
@@ -176,9 +178,10 @@ def _cost_fn(costs, sched: Schedule):
         return costs
     table = dict(DEFAULT_COSTS, **(costs or {}))
 
+    split = [deferred(actions) for actions in sched.ranks]
+
     def cost(rank: int, a: Action) -> float:
-        split = sched.virtual >= 1 and any(x.kind == "W" for x in sched.ranks[rank])
-        if a.kind == "B" and not split:
+        if a.kind == "B" and (a.microbatch, a.c) not in split[rank]:
             return (table["B"] + table["W"]) / sched.virtual
         return table.get(a.kind, 0.0) / sched.virtual
 
@@ -187,7 +190,7 @@ def _cost_fn(costs, sched: Schedule):
 
 def simulate(sched: Schedule, costs=None, latency: float = 0.0) -> SimResult:
     """Check ``sched`` and time it. ``costs``: {"F","B","W": cost of a whole stage's pass}
-    (divided by the chunks per rank; an unsplit B costs B + W), or ``callable(rank, action)``
+    (divided by the chunks per rank; a B without its W costs B + W), or ``callable(rank, action)``
     returning the cost of that action. Transfers cost nothing but ``latency``."""
     _check_order(sched)
     pairs = match(sched)
@@ -239,3 +242,41 @@ def _waits_for(sched, pairs, posted, r, i) -> str:
     need = _needs(sched, r, a)
     src, j = pairs[(r, posted[(r, need, a.microbatch, a.c)])]
     return f"{sched.ranks[src][j]} (#{j}) of rank {src}"
+
+
+def paired(sched: Schedule) -> Schedule:
+    """``sched`` with each overlapped F&B pair (``actions.fb_pairs``) run as one unit: the
+    forward's sends move after the pair's backward, as when the two chunks overlap (both
+    outputs leave at the end of the pair). Price it with :func:`pair_costs`."""
+    ranks = []
+    for acts in sched.ranks:
+        pairs = {acts[i]: acts[j] for i, j in fb_pairs(acts)}
+        held, out = {}, []
+        for a in acts:
+            f = Action("F", a.microbatch, a.chunk)
+            if a.kind == "SF" and f in pairs:
+                held[pairs[f]] = a
+                continue
+            out.append(a)
+            if a in held:
+                out.append(held.pop(a))
+        ranks.append(tuple(out))
+    return dataclasses.replace(sched, ranks=tuple(ranks))
+
+
+def pair_costs(sched: Schedule, F: float, B: float, W: float, FB: float):
+    """Costs per chunk for :func:`simulate` of a :func:`paired` schedule (DualPipe's
+    notation): ``F`` a forward, ``B`` a whole backward, ``W`` its weight part (a split ``B``
+    costs B - W), ``FB`` an overlapped F&B pair (its F 0, its B all of FB)."""
+    in_pair = [{x for i, j in fb_pairs(acts) for x in (acts[i], acts[j])}
+               for acts in sched.ranks]
+    split = [deferred(acts) for acts in sched.ranks]
+
+    def cost(rank: int, a: Action) -> float:
+        if a in in_pair[rank]:
+            return 0.0 if a.kind == "F" else FB
+        if a.kind == "B":
+            return B - W if (a.microbatch, a.c) in split[rank] else B
+        return {"F": F, "W": W}.get(a.kind, 0.0)
+
+    return cost

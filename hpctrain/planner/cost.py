@@ -29,8 +29,8 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 - **zero3** (``optim.zero = 3``): the per-unit parameter all-gathers (forward and again
   backward) and gradient reduce-scatters over dp x cp, exposed beyond the pass's compute
   (``collectives.zero3_exposed``); in the passes, hence in the pipeline;
-- **split backward** (zb-h1, zbv): B + W cost ``split_b + split_w`` backwards (the
-  description's; hpctrain's B is all but the weight matmuls, W those matmuls).
+- **split backward** (zb-h1, zbv; dualpipev's cool-down): B + W cost ``split_b + split_w``
+  backwards (the description's; hpctrain's B is all but the weight matmuls, W those matmuls).
 
 The pipeline's makespan comes from ``pipeline/simulate.py`` fed with these per-rank costs
 (bubble included), or the closed form ``(m + (p-1)/v)(F+B)`` above ``SIMULATED_MAX``
@@ -266,7 +266,7 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True,
     """(makespan s, bubble fraction) of one step's pipeline with per-rank pass costs: the
     simulator's, or (``simulated=False``, or too many microbatches) the closed form."""
     from ..parallel.pipeline import virtual_stages
-    from ..pipeline.actions import build
+    from ..pipeline.actions import build, deferred
     from ..pipeline.simulate import simulate
 
     t, s = cfg.topology, cfg.schedule
@@ -276,18 +276,18 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True,
     if t.pp == 1:
         return M * busiest, 0.0
     if M * v > SIMULATED_MAX or not simulated:
-        fill = ((t.pp - 1) * busiest / v / (3 if s.kind == "zb-h1" else 1) if s.kind != "zbv"
-                else (t.pp - 1) * busiest / 6)  # zbv: only the fill, F/2 per stage
+        # zbv: only the fill, F/2 per stage; dualpipev: (pp-1)(F&B+B-3W) per chunk
+        fill = (t.pp - 1) * busiest / {"zb-h1": 3, "zbv": 6, "dualpipev": 3}.get(s.kind, v)
         span = M * busiest + fill + 2 * (t.pp - 1) * p2p
         return span, fill / span
     sched = build(s.kind, t.pp, M, v)
-    split = s.kind in ("zb-h1", "zbv")
+    split = [deferred(acts) for acts in sched.ranks]  # the B's with a W
 
     def cost(rank, a):
         f, b, _ = costs[rank]
         if a.kind == "F":
             return f / v
-        if a.kind in ("B", "W") and split:  # the measured shares of the split backward
+        if a.kind in ("B", "W") and (a.microbatch, a.c) in split[rank]:  # measured shares
             return b * shares[a.kind == "W"] / sum(shares) / v
         return b / v if a.kind == "B" else 0.0
 

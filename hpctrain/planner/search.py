@@ -6,7 +6,8 @@ parallelism: a power of two with ``seq_len % (2 cp) == 0``, at most ``max_cp``; 
 Ulysses, or the hybrid with the largest Ulysses degree below cp that the heads allow
 inside a node), pp, dp
 (the rest; ``cp x tp x pp x ep`` must divide the world, ep is the config's), microbatch
-size, schedule (1f1b, gpipe, zb-h1, zbv, interleaved with 2 or 4 virtual stages), ZeRO
+size, schedule (1f1b, gpipe, zb-h1, zbv, dualpipev for MoE models, interleaved with 2 or 4
+virtual stages), ZeRO
 stage (0, 1, 2, 3) and recompute (none; full; selective, its attention core replayed and
 priced in FLOPs, tried where the layout without recompute does not fit: elsewhere it is
 only slower) is either
@@ -34,8 +35,8 @@ from .cluster import Cluster
 from .cost import Prediction, predict
 from .hsdp import on_cluster
 
-SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zbv", 1), ("interleaved", 2),
-             ("interleaved", 4))
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zbv", 1), ("dualpipev", 1),
+             ("interleaved", 2), ("interleaved", 4))
 ZEROS = (0, 1, 2, 3)
 
 
@@ -89,6 +90,8 @@ def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0,
     ``world`` ranks (cp > 1: each of ``cp_kinds``; ``node_ranks``: ranks per node, for the
     hybrid's Ulysses degree)."""
     m, T, ep = cfg.model, cfg.train.seq_len, cfg.topology.ep
+    # dualpipev's F&B pairs hide expert all-to-alls; a dense model gets zbv's bubble from it
+    schedules = [s for s in SCHEDULES if m.num_experts or s[0] != "dualpipev"]
     tps = [d for d in _divisors(world) if m.n_heads % d == 0 and d & (d - 1) == 0
            and (not max_tp or d <= max_tp)]
     cps = [d for d in _divisors(world) if d & (d - 1) == 0 and T % (2 * d) == 0
@@ -101,7 +104,7 @@ def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0,
             dp = world // (tp * cp * pp)
             for mbs in (1, 2, 4, 8):
                 for (kind, v), zero, rc in itertools.product(
-                        SCHEDULES if pp > 1 else SCHEDULES[:1], ZEROS, RECOMPUTE):
+                        schedules if pp > 1 else schedules[:1], ZEROS, RECOMPUTE):
                     yield _with(cfg, (dp, tp, pp, cp, ck), mbs, kind, v, zero, rc)
 
 

@@ -14,7 +14,8 @@
 - zero 3: parameters divided by dp too, plus what is gathered at once (:func:`gathered`: the
   running unit and the prefetched one: two blocks, or a block and the embedding or head);
 - activations: what autograd saves per microbatch, times the microbatches in flight on the
-  first stage (pp=1: 1; 1f1b/zb-h1/zbv/interleaved: min(pp, microbatches); gpipe: all).
+  first stage (pp=1: 1; 1f1b/zb-h1/zbv/interleaved: min(pp, microbatches); gpipe: all;
+  dualpipev: pp + 1/2 on every rank, i.e. 2pp+1 microbatches of one of its two chunks).
   Full recompute keeps each block's input plus one block's activations during its backward;
   selective recompute keeps the attention core's inputs (q, k, v with kv heads), not its
   log-sum-exp nor the rotated and repeated keys (:func:`block_activation_bytes`).
@@ -126,9 +127,12 @@ def _ends_activation_bytes(cfg: Config, first: bool, last: bool) -> int:
     return out
 
 
-def in_flight(cfg: Config) -> int:
-    """Microbatches whose activations the first stage holds at once."""
+def in_flight(cfg: Config) -> float:
+    """Microbatches whose activations the first stage holds at once (dualpipev: every
+    rank, counted in whole-rank microbatches: 2pp+1 of one chunk's)."""
     pp, M = cfg.topology.pp, microbatches(cfg)
+    if cfg.schedule.kind == "dualpipev":
+        return pp + 0.5
     if pp == 1:
         return 1
     return M if cfg.schedule.kind == "gpipe" else min(pp, M)
@@ -181,15 +185,15 @@ def estimate(cfg: Config) -> Estimate:
     blk = block_activation_bytes(cfg)
     worst, ends_of = 0, {k[1:]: _ends_activation_bytes(cfg, *k[1:]) for k in params}
     for r in range(top.pp):  # the rank whose in-flight activations are largest
-        mine = [s for s in range(r, S, top.pp)]
+        mine = chunks_of_rank(r, top.pp, v, style)
         layers = sum(len(ranges[s]) for s in mine)
         if m.recompute == "full":  # block inputs, plus one block live again in its backward
             per_mb = layers * local_tokens(cfg) * m.d_model * ps + blk
         else:
             per_mb = layers * blk
         ends = sum(ends_of[kinds[s][1:]] for s in mine)
-        flight = held if r == 0 else max(1, held - r)
-        worst = max(worst, B * (per_mb + ends) * flight)
+        flight = held if r == 0 or cfg.schedule.kind == "dualpipev" else max(1, held - r)
+        worst = max(worst, int(B * (per_mb + ends) * flight))
     e.activations = worst
     e.comm = comm_volume(cfg, P, ps, M)
     return e

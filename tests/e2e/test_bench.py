@@ -57,8 +57,8 @@ def test_comparison_shape_and_same_result(bench, name):
     assert sorted(r["ranks"] for r in results) == sorted(ranks)
     for r in results:
         # pp=4 runs the zero-bubble schedules beside 1F1B
-        more = ["hpctrain zb-h1", "hpctrain zbv"] if name == "pipeline" and r["ranks"] >= 4 \
-            else []
+        zero_bubble = ["hpctrain zb-h1", "hpctrain zbv", "hpctrain dualpipev"]
+        more = zero_bubble if name == "pipeline" and r["ranks"] >= 4 else []
         assert [row["variant"] for row in r["rows"]] == list(variants) + more
         for row in r["rows"]:
             assert row["median"] > 0 and len(row["samples"]) >= 1

@@ -30,11 +30,12 @@ def layouts():
     """(kind, pp, virtual, microbatches) for every kind, several pp and virtual sizes."""
     out = []
     for kind in KINDS:
-        virtuals = (2, 3) if kind == "interleaved" else (2,) if kind == "zbv" else (1,)
+        virtuals = ((2, 3) if kind == "interleaved" else (2,) if kind in ("zbv", "dualpipev")
+                    else (1,))
         for pp in (1, 2, 3, 4):
             for v in virtuals:
                 for m in (1, 2, 4, 8, 12):
-                    if kind == "interleaved" and m % pp:
+                    if kind == "interleaved" and m % pp or kind == "dualpipev" and m < 2 * pp:
                         continue
                     out.append((kind, pp, v, m))
     return out

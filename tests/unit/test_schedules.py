@@ -10,7 +10,8 @@ from hpctrain.pipeline.simulate import ScheduleError, simulate
 
 CASES = [(k, pp, v, m)
          for k in KINDS for pp in (2, 4) for v in (1, 2) for m in (pp, 2 * pp, 2 * pp + 1)
-         if (v == 2) == (k == "zbv") or (k == "interleaved" and v == 1)]
+         if ((v == 2) == (k in ("zbv", "dualpipev")) or (k == "interleaved" and v == 1))
+         and (k != "dualpipev" or m >= 2 * pp)]  # dualpipev: test_dualpipev.py
 CASES += [("zbv", pp, 2, m) for pp in (1, 3) for m in (1, 2, 5)]
 
 

@@ -96,12 +96,13 @@ LAYOUTS = [  # (pp, overrides, ranks)
     (3, ['schedule.kind="zb-h1"'], (0, 1, 2)),
     (2, ['schedule.kind="interleaved"', "schedule.virtual_stages=2"], (0, 1)),
     (2, ['schedule.kind="zbv"'], (0, 1)),
+    (2, ['schedule.kind="dualpipev"'], (0, 1)),  # whole and split backwards in one step
 ]
 
 
 @pytest.mark.parametrize("pp,overrides,ranks", LAYOUTS,
                          ids=["1f1b-pp2", "1f1b-pp3", "gpipe-pp3", "zb-h1-pp3",
-                              "interleaved-pp2", "zbv-pp2"])
+                              "interleaved-pp2", "zbv-pp2", "dualpipev-pp2"])
 def test_each_unit_is_gathered_once_per_forward_and_backward(monkeypatch, pp, overrides,
                                                              ranks):
     """First, middle and last stages: per microbatch each unit once in F, once in B (the
