@@ -245,6 +245,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or 'srun --mpi=pmix' (default: this machine's launcher)")
     g.add_argument("--probe-timeout", type=float, default=30.0,
                    help="--relaunch: seconds a host may take to run `true` (default 30)")
+    g.add_argument("--grace", type=float, default=30.0,
+                   help="--relaunch: seconds the launcher may take to end once it reported a "
+                        "dead rank, then its process group is ended (default 30)")
     g.add_argument("--cluster", default="",
                    help="--relaunch: the cluster description the re-plan ranks layouts on "
                         "(default: hpctrain plan --emit-overrides's)")

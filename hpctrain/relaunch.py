@@ -38,6 +38,9 @@ from pathlib import Path
 
 EXIT_REQUEUE = 75  # hpctrain.slurm.EXIT_REQUEUE (not imported: that module is not stdlib-only)
 EXIT_BAD_INPUT = 2
+# A launcher's words for a rank or node that died: the step is over, whatever hangs after it.
+DIED = re.compile(r"lost communication with a remote daemon|noticed that process rank|"
+                  r"unexpectedly disconnected|^srun: error: \S+: tasks? |BAD TERMINATION")
 STEP = re.compile(r"\[hpctrain\] step (\d+)/\d+ \|")
 RESUMED = re.compile(r"\[hpctrain\] resumed from \S+ at step (\d+)")
 # How launchers name the node of a rank that died: Open MPI, srun, Hydra.
@@ -172,6 +175,7 @@ class Attempt:
     resumed: int | None = None  # the step resumed from (None: a fresh start)
     last_step: int = 0  # the last step reported done
     first_step_at: float | None = None  # monotonic time of the first step done
+    died_at: float | None = None  # monotonic time the launcher first reported a dead rank
     tail: list[str] = field(default_factory=list)
 
 
@@ -181,6 +185,8 @@ def _copy(stream, out, attempt: Attempt, on_step) -> None:
         out.write(line)
         out.flush()
         attempt.tail = (attempt.tail + [line])[-200:]
+        if attempt.died_at is None and DIED.search(line):
+            attempt.died_at = time.monotonic()
         if m := RESUMED.search(line):
             attempt.resumed = int(m.group(1))
         elif m := STEP.search(line):
@@ -190,12 +196,32 @@ def _copy(stream, out, attempt: Attempt, on_step) -> None:
                 on_step(attempt)
 
 
-def run_step(argv: list[str], on_step=lambda a: None) -> Attempt:
+def _end(proc, attempt: Attempt, grace: float) -> None:
+    """Wait for the launcher; ``grace`` s after it reported a dead rank, end its process
+    group (a launcher may hang while it tears down a job with a lost node)."""
+    while proc.poll() is None:
+        time.sleep(0.2)
+        if attempt.died_at is not None and time.monotonic() - attempt.died_at > grace:
+            log(f"the launcher still runs {grace:g} s after it reported a dead rank: ended")
+            for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 30.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            break
+
+
+def run_step(argv: list[str], on_step=lambda a: None, grace: float = 30.0) -> Attempt:
     """Run one step to its end, forwarding SIGUSR1/SIGTERM to the launcher (which hands them
     to every rank: preemption checkpoints and exits 75 as without this helper)."""
     attempt = Attempt()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            bufsize=1)
+                            bufsize=1, start_new_session=True)
     forward = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum))
                for s in (signal.SIGUSR1, signal.SIGTERM)}
     readers = [threading.Thread(target=_copy, args=(stream, out, attempt, on_step))
@@ -203,11 +229,8 @@ def run_step(argv: list[str], on_step=lambda a: None) -> Attempt:
     try:
         for r in readers:
             r.start()
-        while proc.poll() is None:
-            try:
-                proc.wait()
-            except InterruptedError:
-                pass
+        _end(proc, attempt, grace)
+        proc.wait()
         for r in readers:
             r.join()
     finally:
@@ -232,6 +255,7 @@ class Plan:
     relaunches: int
     probe_timeout: float = 30.0
     cluster: str = ""
+    grace: float = 30.0  # seconds a launcher may take to end after a rank died
     world: int = 0  # the configured layout's ranks (those of the first start)
     dropped: list[str] = field(default_factory=list)
     layout: list[str] = field(default_factory=list)  # --set words of a re-planned layout
@@ -276,7 +300,7 @@ def loop(plan: Plan) -> int:
             if t0 is not None:
                 log(f"relaunch {n}: first step done {a.first_step_at - t0:.2f} s after the "
                     f"failure was detected (resumed at step {a.resumed})")
-        a = run_step(plan.argv(attempt_no > 0), first_step)
+        a = run_step(plan.argv(attempt_no > 0), first_step, plan.grace)
         if failed_at is not None:
             plan.record({"relaunch": attempt_no, "resumed_step": a.resumed,
                          "steps_lost": lost_from - (a.resumed or 0),
@@ -335,4 +359,5 @@ def run(a, command: list[str]) -> int:
         if k not in RUN_DEFAULTS or k not in os.environ:
             os.environ[k] = v
     used = hosts[:len(hosts) - a.spare]
-    return loop(Plan(launcher, hosts, used, command, a.relaunch, a.probe_timeout, a.cluster))
+    return loop(Plan(launcher, hosts, used, command, a.relaunch, a.probe_timeout, a.cluster,
+                     a.grace))

@@ -82,7 +82,7 @@ def fake(monkeypatch, attempts, alive, layouts=(("--set", "topology.dp=4"),)):
     calls = {"argv": [], "probed": [], "replanned": []}
     attempts, layouts = list(attempts), list(layouts)
 
-    def run_step(argv, on_step=None):
+    def run_step(argv, on_step=None, grace=30.0):
         calls["argv"].append(argv)
         return attempts.pop(0)
 
