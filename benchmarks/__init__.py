@@ -38,5 +38,6 @@ BENCHES = {
     "cluster": (1,),  # 2 simulated nodes: placement, hierarchical dp, overlap, scaling
     "nodes": (1,),  # 2 simulated nodes: hpctrain vs naive, DDP, FSDP2 and the bound
     "data": (1, 2, 4),  # prepare vs the tokenizers library; data share of a step; RSS vs corpus
+    "relaunch": (1,),  # time to recover and steps lost: requeue vs relaunch (--size small)
 }
 SIZES = ("tiny", "small")
