@@ -134,7 +134,9 @@ class LocalTier:
         if self.every:
             ok, _ = comm.thread_multiple()
             if ok:
-                self.flight = InFlight(LocalWriter(self, world.dup("local-writer")), world)
+                self.flight = InFlight(LocalWriter(self, world.dup("local-writer")), world,
+                                       "the local checkpoint tier's write",
+                                       "the generation before it stays in use")
             else:
                 self.sync_writer = LocalWriter(self, world)
 
@@ -148,6 +150,8 @@ class LocalTier:
             return restore(self, named_params, optimizer)
         t0 = time.perf_counter()
         resumed = self.saver.restore(how, named_params, optimizer)
+        if self.every:  # generations past the start belong to another line of training
+            drop_newer(self.folder, int(resumed["step"]) if resumed else 0)
         self.recovery = {"tier": "hdf5" if resumed else "none",
                          "step": int(resumed["step"]) if resumed else 0,
                          "recovery_s": time.perf_counter() - t0,
