@@ -118,27 +118,30 @@ class LocalTier:
         self.every, self.keep, self.saver, self.topo = cfg.local_every, cfg.local_keep, saver, topo
         self.host, self.dims, self.world_rank = topo.hostname, tuple(topo.dims), topo.world.rank
         self.folder = run_dir(node_dir(cfg.local_dir, topo.hostname), saver.dir)
-        world = topo.world
-        lead = int(topo.node_comm.allreduce(float(world.rank), "min"))
-        rows = world.allgather_obj((lead, topo.node_comm.rank, topo.node_comm.size))
-        self.partner_of = partner_map(rows) if self.every else None
-        if self.partner_of is not None and self.partner_of[0] is None:
-            self.partner_of = None
-            if world.rank == 0 and info is not None and self.every:
-                info("checkpoint.local_every: every rank is on one node: no partner copies")
         self.info, self.warn = info or (lambda _m: None), warn or (lambda _m: None)
         self.recovery: dict | None = None  # how the run started (recover.py), summary.json
         self.flight: InFlight | None = None
         self.sync_writer: LocalWriter | None = None
+        self.partner_of: list | None = None
         self.metrics: dict = {}
         if self.every:
-            ok, _ = comm.thread_multiple()
-            if ok:
-                self.flight = InFlight(LocalWriter(self, world.dup("local-writer")), world,
-                                       "the local checkpoint tier's write",
-                                       "the generation before it stays in use")
-            else:
-                self.sync_writer = LocalWriter(self, world)
+            self._start(topo.world, topo.node_comm)
+
+    def _start(self, world, node) -> None:
+        """Partners (one allgather of every rank's node) and the writer. Collective."""
+        lead = int(node.allreduce(float(world.rank), "min"))
+        self.partner_of = partner_map(world.allgather_obj((lead, node.rank, node.size)))
+        if self.partner_of[0] is None:
+            self.partner_of = None
+            if world.rank == 0:
+                self.info("checkpoint.local_every: every rank is on one node: no partner copies")
+        ok, _ = comm.thread_multiple()
+        if ok:
+            self.flight = InFlight(LocalWriter(self, world.dup("local-writer")), world,
+                                   "the local checkpoint tier's write",
+                                   "the generation before it stays in use")
+        else:
+            self.sync_writer = LocalWriter(self, world)
 
     def restore(self, how: str, named_params, optimizer) -> dict | None:
         """``checkpoint.resume``: with the local tier on and "auto", the freshest complete
