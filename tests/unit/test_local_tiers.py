@@ -4,6 +4,7 @@ than the HDF5 file), a shard killed while written or with other bytes is never u
 shards' pieces assemble into global datasets that the writers' runs tile."""
 
 import numpy as np
+import pytest
 import torch
 from fakes import OneRank
 from hypothesis import given, settings
@@ -158,3 +159,32 @@ def test_writers_pieces_of_two_shards_assemble_into_the_global_dataset(tmp_path)
     np.testing.assert_array_equal(out.reshape(4, 6), full)
     segs = cv.segments(buf, piece.runs())
     assert cv.join_segments(segs, full.nbytes)[1] == ""  # the runs tile the dataset
+
+
+def test_an_unwritable_or_empty_local_dir_is_refused_before_any_collective(tmp_path,
+                                                                          monkeypatch):
+    import os
+    import socket
+
+    from hpctrain.checks import inputs
+    from hpctrain.config import InputError, load
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(inputs.os, "access",
+                        lambda p, mode: False if str(p) == str(ro) else real(p, mode))
+    ok = load("share/configs/tiny.toml", ["checkpoint.local_every=2",
+                                          f'checkpoint.local_dir="{tmp_path}/w/{{node}}"'])
+    inputs.check_inputs(ok, str(tmp_path / "run"))
+    bad = load("share/configs/tiny.toml", ["checkpoint.local_every=2",
+                                           f'checkpoint.local_dir="{ro}/{{node}}"'])
+    with pytest.raises(InputError, match=f"{ro}/{socket.gethostname()} on this node.*not "
+                                         "writable.*checkpoint.local_every=0"):
+        inputs.check_inputs(bad, str(tmp_path / "run"))
+    empty = load("share/configs/tiny.toml", ["checkpoint.local_every=2",
+                                             'checkpoint.local_dir=""'])
+    with pytest.raises(InputError, match="checkpoint.local_dir is empty"):
+        inputs.check_inputs(empty, str(tmp_path / "run"))
+    off = load("share/configs/tiny.toml", ['checkpoint.local_dir=""'])  # the tier off
+    inputs.check_inputs(off, str(tmp_path / "run"))
