@@ -1,8 +1,8 @@
-"""The relaunch loop of ``hpctrain launch --relaunch`` (hpctrain/relaunch.py) without MPI: host
-lists, what launchers say about a dead node, the launcher lines, the loop's decisions with the
-step, the probe and the re-plan replaced; and ``hpctrain plan --emit-overrides``. The real
-thing (a node lost on the simulated cluster, a killed SLURM step) is tests/e2e/test_relaunch_cluster.py
-and tests/e2e/test_slurm.py."""
+"""The relaunch loop of ``hpctrain launch --relaunch`` (hpctrain/relaunch.py) without MPI:
+host lists, what launchers say about a dead node, the launcher lines, the loop's decisions
+with the step, the probe and the re-plan replaced; and ``hpctrain plan --emit-overrides``.
+The real thing (a node lost on the simulated cluster, a killed SLURM step) is
+tests/e2e/test_relaunch_cluster.py and tests/e2e/test_slurm.py."""
 
 from __future__ import annotations
 
