@@ -16,10 +16,10 @@ it fits) and, with --nodes, which axes cross the inter-node link.
   --cluster NAME|PATH   step time, its parts, tokens/s and MFU on that cluster
   --search              the fastest layouts on --nodes nodes of --cluster, and
                         why the others were rejected
-  --emit-overrides      only the best layout for --world-size ranks (same model,
-                        sequence and global batch), one `--set KEY=VALUE` a line,
-                        for a script that relaunches on the ranks left; exit 2
-                        when none fits
+  --emit-overrides      only the best layout for --world-size ranks (same
+                        model, sequence and global batch), one `--set K=V` a
+                        line, for a script that relaunches on the ranks left;
+                        exit 2 when none fits
   --calibrate OUT.toml  measure this machine (under mpirun) and write a cluster
                         description
   --published           published runs against the model
