@@ -231,26 +231,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bind each rank to a core, or not (default: the launcher's own)")
     p.add_argument("--no-oversubscribe", action="store_true",
                    help="refuse more ranks than cores (by default they are allowed)")
-    g = p.add_argument_group("relaunch inside the allocation (hpctrain/relaunch.py)")
-    g.add_argument("--relaunch", type=int, default=None, metavar="N",
-                   help="run `... -m hpctrain train ...` on --hosts; after a failure probe "
-                        "the hosts, re-plan for the ranks left, resume, up to N times; then "
-                        "exit 75 (default: no relaunch)")
-    g.add_argument("--hosts", default="", metavar="NAME:SLOTS,...",
-                   help="--relaunch: the hosts (default: the SLURM job's nodes)")
-    g.add_argument("--spare", type=int, default=0,
-                   help="--relaunch: the last SPARE hosts stand by for dropped ones (default 0)")
-    g.add_argument("--program", default="", metavar="CMD",
-                   help="--relaunch: the launcher command, e.g. 'scripts/cluster.sh mpirun X' "
-                        "or 'srun --mpi=pmix' (default: this machine's launcher)")
-    g.add_argument("--probe-timeout", type=float, default=30.0,
-                   help="--relaunch: seconds a host may take to run `true` (default 30)")
-    g.add_argument("--grace", type=float, default=30.0,
-                   help="--relaunch: seconds the launcher may take to end once it reported a "
-                        "dead rank, then its process group is ended (default 30)")
-    g.add_argument("--cluster", default="",
-                   help="--relaunch: the cluster description the re-plan ranks layouts on "
-                        "(default: hpctrain plan --emit-overrides's)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the command every rank runs, after --")
 
@@ -269,10 +249,6 @@ def run(a: argparse.Namespace) -> int:
         print(launcher.describe())
         return 0
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
-    if getattr(a, "relaunch", None) is not None and cmd:
-        from .relaunch import run as relaunch
-
-        return relaunch(a, cmd)
     if a.n is None or not cmd:
         print("hpctrain launch: give -n N -- COMMAND..., --exports or --describe", file=sys.stderr)
         return 2
