@@ -133,6 +133,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
                     json.loads(ckpt_attrs["lineage"]))
     if tel.watchdog:  # a background write that hangs is reported, although steps go on
         tel.watchdog.watch(saver.background_write)
+        tel.watchdog.watch(tier.background_write)
     guard = NumericGuard(cfg.telemetry, functools.partial(tier.roll_back, params, optimizer))
     evaluator = (Evaluator(cfg, topo, chunks, device, log.info) if t.eval_every else None)
     stops = StopRules.from_config(t, topo.world, job.end_time)

@@ -201,6 +201,10 @@ class LocalTier:
         if self.flight is not None and self.flight.busy:
             self._finished(self.flight.poll(block=True))
 
+    def background_write(self) -> tuple[float, str] | None:
+        """(start, what) while this rank writes a generation (for ``Watchdog.watch``)."""
+        return self.flight.running() if self.flight is not None else None
+
     def _finished(self, metrics: dict | None) -> None:
         if metrics:
             metrics["local_step"] = metrics.pop("ckpt_async_step")
