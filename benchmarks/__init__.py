@@ -39,5 +39,6 @@ BENCHES = {
     "nodes": (1,),  # 2 simulated nodes: hpctrain vs naive, DDP, FSDP2 and the bound
     "data": (1, 2, 4),  # prepare vs the tokenizers library; data share of a step; RSS vs corpus
     "context_kinds": (2, 4),  # ring vs Ulysses vs hybrid: step time, peak memory
+    "relaunch": (1,),  # time to recover and steps lost: requeue vs relaunch (--size small)
 }
 SIZES = ("tiny", "small")

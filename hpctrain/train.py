@@ -23,6 +23,7 @@ import torch
 
 from . import comm, slurm
 from .checkpoint import Checkpointer, lineage
+from .checkpoint.local import LocalTier
 from .checks.validate import validate
 from .comm import gpu
 from .config import Config, dumps_toml
@@ -65,6 +66,7 @@ class Trainer:
     global_tokens: int
     meter: Meter  # measured bytes: metrics mem_*
     saver: Checkpointer
+    tier: LocalTier  # checkpoint.local_every: node-local and partner copies
     start: int  # steps already done (resumed), else 0
     ckpt_attrs: dict  # what every checkpoint of this run records
     tel: Telemetry  # timers, MFU, stragglers, trace, watchdog
@@ -123,32 +125,36 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)
     saver = Checkpointer(cfg.checkpoint, topo, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
                          warn=log.warn, info=log.info)
-    start, ckpt_attrs = restore(cfg, topo, log, saver, params, optimizer, data_lineage,
+    tier = LocalTier(cfg.checkpoint, topo, saver, log.info, log.warn)
+    start, ckpt_attrs = restore(cfg, topo, log, tier, params, optimizer, data_lineage,
                                 run_dir)
     tc = cfg.telemetry  # MFU's denominator: a nominal peak (checked by hpctrain train)
     tel = Telemetry(cfg, topo, run_dir, log, mfu_peak(tc.peak_flops, tc.cluster, cfg.model.dtype),
                     json.loads(ckpt_attrs["lineage"]))
     if tel.watchdog:  # a background write that hangs is reported, although steps go on
         tel.watchdog.watch(saver.background_write)
-    guard = NumericGuard(cfg.telemetry, functools.partial(saver.roll_back, params, optimizer))
+        tel.watchdog.watch(tier.background_write)
+    guard = NumericGuard(cfg.telemetry, functools.partial(tier.roll_back, params, optimizer))
     evaluator = (Evaluator(cfg, topo, chunks, device, log.info) if t.eval_every else None)
     stops = StopRules.from_config(t, topo.world, job.end_time)
     faults = Faults(cfg.experimental.faults, topo.world.rank)
     return Trainer(cfg, topo, log, job, chunks, params, grads, optimizer, sampler,
-                   ReadAhead(sampler, d.prefetch), global_tokens, meter, saver, start,
+                   ReadAhead(sampler, d.prefetch), global_tokens, meter, saver, tier, start,
                    ckpt_attrs, tel, guard, evaluator, stops, faults)
 
 
-def restore(cfg: Config, topo, log, saver, params, optimizer, data_lineage: dict,
+def restore(cfg: Config, topo, log, tier, params, optimizer, data_lineage: dict,
             run_dir: Path) -> tuple[int, dict]:
     """5 (restore). Continue from a checkpoint if asked (a damaged one falls back to the one
-    before); the data stream follows the step. Records the run's lineage, then sets aside
+    before; with the local tier, from the freshest complete tier); the data stream follows
+    the step. Records the run's lineage, then sets aside
     the checkpoints and metrics records of an abandoned trajectory. A checkpoint this
     run cannot continue (another model's shapes, a missing tensor; another data content hash,
     data seed, global batch size or seq_len unless ``data.allow_changed``) raises a LineageError
     alike on every rank, before any step. Returns (steps already done, the attributes every
     checkpoint of this run records). Collective."""
-    resumed = saver.restore(cfg.checkpoint.resume, params, optimizer)
+    saver = tier.saver
+    resumed = tier.restore(cfg.checkpoint.resume, params, optimizer)
     start = 0
     if resumed is not None:
         start = int(resumed["step"])
@@ -225,6 +231,11 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     #    written in the background; a failure there is raised here, on every rank, one step
     #    later. A stop and the last step wait until the file is committed.
     tr.saver.poll()
+    tr.tier.poll()  # the local generation in flight
+    if tr.tier.due(done):
+        with timers("checkpoint"):
+            tr.tier.save(done, tr.params, tr.optimizer,
+                         {**tr.ckpt_attrs, **tr.sampler.position(done)})
     if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
             done == t.steps and cfg.checkpoint.save_final):
         with timers("checkpoint"):
@@ -233,11 +244,13 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     if stop or done == t.steps:
         with timers("checkpoint"):
             tr.saver.wait()
+            tr.tier.wait()
 
     tr.tel.end_step({**record, "step_time_s": time.perf_counter() - t0,
                      **step_metrics(tr.chunks, tr.topo),
                      **pipeline_metrics(tr.topo, cfg, tr.pipeline_timing),
-                     **tr.saver.take_metrics(), **tr.meter.take(), **tr.optimizer.metrics()})
+                     **tr.saver.take_metrics(), **tr.tier.take_metrics(), **tr.meter.take(),
+                     **tr.optimizer.metrics()})
     if stop:
         tr.log.info(f"stopping at step {done}: {stop}; checkpoint {tr.last_saved}")
     return stop
@@ -249,7 +262,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     t_run = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     tr = setup(cfg, Path(run_dir), world)
-    summary = RunSummary(tr.start, tr.global_tokens)
+    summary = RunSummary(tr.start, tr.global_tokens, tr.tier.recovery)
     stop = (f"finished: train.steps={cfg.train.steps} reached" if tr.start < cfg.train.steps
             else f"nothing to train: step {tr.start} of train.steps={cfg.train.steps} is done")
     for step in range(tr.start, cfg.train.steps):
@@ -262,6 +275,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
             stop = reason
             break
     tr.saver.wait()  # no save left in flight
+    tr.tier.wait()
     tr.batches.close()  # the read-ahead thread
     tr.grads.close()  # the overlap's progress thread
     tr.tel.close()

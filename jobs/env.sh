@@ -165,18 +165,38 @@ hpctrain_forward() {  # SIGNAL: pass it on to srun (trap handler)
   hpctrain_log "SIG$1: forwarded to the ranks"
   [ -n "${HPCTRAIN_SRUN_PID:-}" ] && kill -"$1" "$HPCTRAIN_SRUN_PID" 2>/dev/null || true
 }
-hpctrain_srun_forwarding() {
+hpctrain_run_forwarding() {  # COMMAND...: in the background, signals forwarded; HPCTRAIN_RC
   HPCTRAIN_SRUN_PID=
   trap 'hpctrain_forward USR1' USR1
   trap 'hpctrain_forward TERM' TERM
-  # srun itself in the background (not a subshell: that would die of the signal).
-  "${HPCTRAIN_SRUN[@]}" "$PYTHON" -m mpi4py -m hpctrain "$@" &
+  # the command itself in the background (not a subshell: that would die of the signal).
+  "$@" &
   HPCTRAIN_SRUN_PID=$!
   # wait returns early (status > 128) when a trapped signal arrives: wait again while srun
   # runs; bash keeps the exit status of a finished child, so the last wait reads it.
   while kill -0 "$HPCTRAIN_SRUN_PID" 2>/dev/null; do wait "$HPCTRAIN_SRUN_PID" || true; done
   wait "$HPCTRAIN_SRUN_PID" && HPCTRAIN_RC=0 || HPCTRAIN_RC=$?
   trap - USR1 TERM
+}
+hpctrain_srun_forwarding() {
+  hpctrain_run_forwarding "${HPCTRAIN_SRUN[@]}" "$PYTHON" -m mpi4py -m hpctrain "$@"
+}
+
+# hpctrain_srun_relaunching ARGS...: hpctrain_srun_forwarding through `hpctrain launch
+# --relaunch` (hpctrain/relaunch.py, docs/slurm.md): when the step fails, probe the job's
+# nodes with `srun -N1 true`, drop those that fail, use spare nodes, re-plan the layout for
+# the ranks left (`hpctrain plan --emit-overrides`), resume from the freshest checkpoint, up
+# to HPCTRAIN_RELAUNCHES times (default 2); then HPCTRAIN_RC=75 (requeue). Variables:
+#   HPCTRAIN_RELAUNCHES    relaunches inside the job before the requeue (default 2)
+#   HPCTRAIN_SPARE_NODES   nodes of the job held back to replace failed ones (default 0)
+#   HPCTRAIN_PROBE_TIMEOUT seconds a node may take to run `srun -N1 true` (default 30)
+#   HPCTRAIN_PLAN_CLUSTER  cluster description the re-plan ranks layouts on (plan --cluster)
+hpctrain_srun_relaunching() {
+  hpctrain_run_forwarding "$PYTHON" -m hpctrain launch \
+    --relaunch "${HPCTRAIN_RELAUNCHES:-2}" --spare "${HPCTRAIN_SPARE_NODES:-0}" \
+    --probe-timeout "${HPCTRAIN_PROBE_TIMEOUT:-30}" --program "${HPCTRAIN_SRUN[*]}" \
+    ${HPCTRAIN_PLAN_CLUSTER:+--cluster "$HPCTRAIN_PLAN_CLUSTER"} \
+    -- "$PYTHON" -m mpi4py -m hpctrain "$@"
 }
 
 # hpctrain_requeue_or_exit: turn the trainer's exit status into the job's fate.

@@ -189,3 +189,26 @@ def assert_same(run: Run, ref: Run, rel: float = 1e-9, what: str = "") -> None:
     for name, value in ref.params.items():
         e = rel_err(run.params[name], value)
         assert e <= rel, f"{what}: parameter {name} differs by {e:.3e}"
+
+
+def simulated_cluster(prefix: str, nodes: int, slots: int = 2):
+    """A ``scripts/cluster.sh`` cluster named ``prefix`` + this process id, for a module
+    fixture (``yield from``): its name, removed afterwards; skipped where namespaces cannot
+    be made (not root), failed where they should (root with iproute2)."""
+    import shutil
+
+    import pytest
+
+    script = str(ROOT / "scripts/cluster.sh")
+    check = subprocess.run([script, "check"], capture_output=True, text=True)
+    if check.returncode != 0:
+        if os.geteuid() == 0 and shutil.which("ip"):
+            pytest.fail(f"scripts/cluster.sh check failed as root: {check.stderr.strip()}")
+        pytest.skip(f"no simulated cluster here (needs root): {check.stderr.strip()}")
+    name = f"{prefix}{os.getpid() % 10**6}"
+    subprocess.run([script, "up", name, str(nodes), str(slots)], check=True,
+                   capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run([script, "down", name], check=True)

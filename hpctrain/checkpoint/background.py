@@ -31,8 +31,10 @@ class CheckpointFailed(RuntimeError):
 class InFlight:
     """The one background save (or none) and the agreement about its end."""
 
-    def __init__(self, writer, world):
+    def __init__(self, writer, world, what: str = "the background save",
+                 kept: str = "nothing was committed, `latest` names the previous checkpoint"):
         self.writer, self.world = writer, world  # writer on a duplicate; world: training's
+        self.what, self.kept = what, kept  # the failure's words
         self.thread: threading.Thread | None = None
         self.step, self.started = 0, 0.0
         self._outcome: tuple | None = None
@@ -84,8 +86,8 @@ class InFlight:
                 self.thread = None
                 r, why = failed[0]
                 raise CheckpointFailed(
-                    f"the background save of step {self.step} failed on rank {r} ({why}); "
-                    f"nothing was committed, `latest` names the previous checkpoint")
+                    f"{self.what} of step {self.step} failed on rank {r} ({why}); "
+                    f"{self.kept}")
             if all(s == "done" for s, _ in states):
                 self.thread.join()
                 self.thread = None

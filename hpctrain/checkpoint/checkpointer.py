@@ -174,6 +174,12 @@ class Checkpointer:
         return piece
 
     # -- save --------------------------------------------------------------------------
+    def pieces(self, named_params, optimizer) -> dict[str, Piece]:
+        """Every piece of this rank a checkpoint holds (the local tier's too), RNG last."""
+        pieces = {p.path: p for p in pieces_of(named_params, optimizer, self.topo)}
+        rng = self._rng_piece(self.topo.world.size, torch.get_rng_state())
+        return {**pieces, rng.path: rng}
+
     def save(self, step: int, named_params, optimizer, attrs: dict) -> Path:
         """Checkpoint ``step`` as ``DIR/step_N.h5`` (atomically, then ``latest``). With
         ``checkpoint.async`` only the snapshot happens here (after waiting for the save
@@ -181,10 +187,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self.background is not None:
             self.wait()
-        pieces = {p.path: p for p in pieces_of(named_params, optimizer, self.topo)}
-        rng = self._rng_piece(self.topo.world.size, torch.get_rng_state())
-        pieces[rng.path] = rng
-        meta = self._attrs(step, optimizer, attrs) if self.topo.world.rank == 0 else {}
+        pieces = self.pieces(named_params, optimizer)
+        meta = self.attributes(step, optimizer, attrs) if self.topo.world.rank == 0 else {}
         snap = snapshot(step, pieces, meta, copy=self.background is not None)
         if self.background is not None:
             self.background.start(snap)
@@ -233,7 +237,8 @@ class Checkpointer:
             self._env = {"versions": cv.versions(), "git_commit": cv.git_commit()}
         return self._env
 
-    def _attrs(self, step, optimizer, attrs) -> dict:
+    def attributes(self, step, optimizer, attrs) -> dict:
+        """The file attributes of a checkpoint of ``step`` (rank 0's are written)."""
         out = {"format": FORMAT, "step": step,
                "optim_step": int(getattr(optimizer, "step_count", step)),
                "data_next_step": step,
@@ -309,7 +314,8 @@ class Checkpointer:
         ranks but 0). Collective: a failure raises on every rank."""
         world, folder, said, failed = self.topo.world, aside_name(step), "", None
         if world.rank == 0:
-            src = Path(resumed["path"]) if resumed else None
+            src = resumed.get("continues", resumed["path"]) if resumed else None
+            src = Path(src) if src else None  # continues: the local tier's HDF5 ancestor
             own = src is not None and src.resolve().parent == self.dir.resolve()
             try:
                 moved, where = start(self.dir, src.name if own else None, folder)

@@ -28,6 +28,8 @@ def check_inputs(cfg: Config, run_dir: str) -> None:
     if resume in ("", "never"):
         errors += _fresh_start_problems(resume, Path(cfg.checkpoint.dir or
                                                      Path(run_dir) / "checkpoints"))
+    if cfg.checkpoint.local_every:
+        errors += local_dir_problems(cfg.checkpoint.local_dir)
     errors += data_problems(cfg)
     errors += init_from.problems(cfg)
     errors += tracking_problems(cfg)
@@ -145,3 +147,18 @@ def _dir_problems(what: str, path: str) -> list[str]:
     except OSError as e:  # e.g. a parent that cannot be searched
         return [f"{what}: {e.strerror or e}"]
     return []
+
+
+def local_dir_problems(template: str) -> list[str]:
+    """``checkpoint.local_dir`` on this node (``{node}``: its host name) is writable or can
+    be created."""
+    import socket
+
+    if not template.strip():
+        return ["checkpoint.local_dir is empty: the local tier (checkpoint.local_every) needs "
+                "a node-local directory, e.g. /dev/shm/NAME/{node}"]
+    where = template.replace("{node}", socket.gethostname())
+    bad = _dir_problems(f"checkpoint.local_dir={template!r} ({where} on this node)", where)
+    return [f"{b}; the local tier (checkpoint.local_every) needs a node-local directory this "
+            f"user can write on every node (e.g. /dev/shm/NAME/{{node}}), or set "
+            f"checkpoint.local_every=0" for b in bad]

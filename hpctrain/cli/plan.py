@@ -16,6 +16,10 @@ it fits) and, with --nodes, which axes cross the inter-node link.
   --cluster NAME|PATH   step time, its parts, tokens/s and MFU on that cluster
   --search              the fastest layouts on --nodes nodes of --cluster, and
                         why the others were rejected
+  --emit-overrides      only the best layout for --world-size ranks (same
+                        model, sequence and global batch), one `--set K=V` a
+                        line, for a script that relaunches on the ranks left;
+                        exit 2 when none fits
   --calibrate OUT.toml  measure this machine (under mpirun) and write a cluster
                         description
   --published           published runs against the model
@@ -60,6 +64,9 @@ def add_arguments(p) -> None:
     p.add_argument("--search", action="store_true",
                    help="rank every layout on --nodes nodes of --cluster by predicted step "
                         "time (with the reason each rejected one was rejected)")
+    p.add_argument("--emit-overrides", action="store_true",
+                   help="print only the best layout for --world-size ranks (on --nodes nodes, "
+                        f"default 1, of --cluster, default {EMIT_CLUSTER}) as --set lines")
     p.add_argument("--top", type=int, default=10, help="--search: layouts shown")
     p.add_argument("--calibrate", default="", metavar="OUT.toml",
                    help="measure this machine (run under mpirun) and write a description "
@@ -68,6 +75,30 @@ def add_arguments(p) -> None:
                    help="published runs (Megatron-LM, torchtitan) against the model")
     p.add_argument("--width", type=int, default=100,
                    help="wrap each rank's action list at this many columns; 0: no wrap")
+
+
+EMIT_CLUSTER = "cpu-epyc-7763"  # --emit-overrides without --cluster
+
+
+def emit_overrides(args) -> int:
+    """``--emit-overrides``: the best layout for ``--world-size`` ranks, one ``--set`` a line."""
+    from ..config import load
+    from ..planner import search
+    from ..telemetry.memory import parse_bytes
+
+    nodes = args.nodes or 1
+    world = args.world_size or nodes * args.ranks_per_node
+    rpn = args.ranks_per_node or world // nodes
+    if world < 1 or nodes * rpn != world:
+        raise ValueError(f"--emit-overrides: --world-size {args.world_size} is not --nodes "
+                         f"{nodes} x --ranks-per-node {rpn}; give --world-size N (and "
+                         "--nodes K when N ranks are on K nodes)")
+    cluster = dataclasses.replace(_cluster(args.cluster or EMIT_CLUSTER), ranks_per_node=rpn)
+    if args.memory_per_rank:
+        cluster = dataclasses.replace(cluster, memory=parse_bytes(args.memory_per_rank))
+    best = search.best_for(load(args.config, args.overrides), cluster, nodes)
+    print("\n".join(f"--set {x}" for x in best.full_sets))
+    return 0
 
 
 def _costs(text: str) -> dict[str, float]:
@@ -263,6 +294,8 @@ def special(args) -> int | None:
                 f.write(dumps(out))
             print(f"wrote {args.calibrate}:\n{dumps(out)}")
         return 0
+    if args.emit_overrides:
+        return emit_overrides(args)
     if not args.search:
         return None
     if not args.cluster or args.nodes < 1:

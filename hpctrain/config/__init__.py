@@ -194,6 +194,9 @@ class CheckpointConfig:
     async_: bool = key(False, "TOML key `async`: write in the background, the step only copies")
     collective_io: bool = key(False, "collective MPI-IO for datasets >= 64 KiB (ROMIO aggregators)")
     verify_write: bool = key(False, "read every byte back and compare checksums before commit")
+    local_every: int = key(0, "node-local + partner-node copy every N steps; 0: off", ge=0)
+    local_dir: str = key("/dev/shm/hpctrain/{node}", "node-local directory; {node}: host name")
+    local_keep: int = key(1, "complete local generations kept (+1 being written)", choices=(1, 2))
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,20 @@ class Candidate:
                 f"model.recompute={self.cfg.model.recompute}"]
         return out
 
+    @property
+    def full_sets(self) -> list[str]:
+        """Every key the search chooses, as ``--set`` arguments, defaults included: they
+        replace a layout given earlier on the same command line (``--emit-overrides``)."""
+        t, s = self.cfg.topology, self.cfg.schedule
+        return [f"topology.dp={t.dp}", f"topology.tp={t.tp}", f"topology.pp={t.pp}",
+                f"topology.ep={t.ep}", f"topology.cp={t.cp}", f'topology.cp_kind="{t.cp_kind}"',
+                f"topology.sequence_parallel={str(t.sequence_parallel).lower()}",
+                f'topology.shard_within="{t.shard_within}"',
+                f"train.micro_batch_size={self.cfg.train.micro_batch_size}",
+                f'schedule.kind="{s.kind}"', f"schedule.virtual_stages={s.virtual_stages}",
+                'schedule.boundaries=""', f"optim.zero={self.cfg.optim.zero}",
+                f'model.recompute="{self.cfg.model.recompute}"']
+
     def label(self) -> str:
         t, s = self.cfg.topology, self.cfg.schedule
         sched = "-" if t.pp == 1 else s.kind + (f" v={s.virtual_stages}"
@@ -196,6 +210,22 @@ def search(cfg: Config, cluster: Cluster, nodes: int, max_tp: int = 0,
         c.prediction = predict(c.cfg, cluster)
     fits[:refine] = sorted(fits[:refine], key=lambda c: c.prediction.step_s)
     return fits + [c for c in out if not c.prediction]
+
+
+def best_for(cfg: Config, cluster: Cluster, nodes: int) -> Candidate:
+    """The fastest layout of ``cfg``'s model, sequence and global batch on ``nodes`` nodes of
+    ``cluster``; ValueError naming the most common reasons when none fits."""
+    cands = search(cfg, cluster, nodes)
+    if cands and cands[0].prediction:
+        return cands[0]
+    world = nodes * cluster.ranks_per_node
+    groups: dict[str, int] = {}
+    for c in cands:
+        groups[_rule(c.reason)] = groups.get(_rule(c.reason), 0) + 1
+    why = "; ".join(f"{n} x {rule}" for rule, n in sorted(groups.items(), key=lambda kv: -kv[1]))
+    raise ValueError(f"no layout of {world} rank(s) fits this model with global batch "
+                     f"{cfg.train.global_batch_size}: {why or 'no candidate'}; give it more "
+                     "ranks, or change train.global_batch_size or the model")
 
 
 def slurm_line(c: Candidate, nodes: int, cluster: Cluster, config: str,

@@ -12,8 +12,9 @@ from pathlib import Path
 class RunSummary:
     """Fed each step's record (:meth:`add`); :meth:`finish` says it (rank 0)."""
 
-    def __init__(self, start_step: int, tokens_per_step: int):
+    def __init__(self, start_step: int, tokens_per_step: int, recovery: dict | None = None):
         self.start = self.step = start_step
+        self.recovery = recovery  # which tier the run started from, its step and seconds
         self.tokens_per_step = tokens_per_step
         self.loss = math.nan
         self.val: list[tuple[int, float]] = []  # (step, held-out loss)
@@ -32,7 +33,7 @@ class RunSummary:
                 "final_val_loss": self.val[-1][1] if self.val else None,
                 "best_val_loss": best[1] if best else None,
                 "best_val_step": best[0] if best else None,
-                "wall_s": wall_s, "checkpoint": checkpoint}
+                "wall_s": wall_s, "checkpoint": checkpoint, "recovery": self.recovery}
 
     def finish(self, log, run_dir: Path, stop: str, checkpoint: str | None,
                wall_s: float) -> dict:

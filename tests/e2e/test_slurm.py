@@ -118,6 +118,12 @@ def submitted(slurm, tmp_path_factory):
                          ["--export=NONE", "--ntasks-per-node=2"],
                          dict(after=(TINY, "--set", "train.steps=2", "--run-dir",
                                      str(d / "no_export/run"))))
+    for name in ("local", "no_local"):  # relaunched from the local tier / it deleted
+        jobs[f"relaunch_{name}"] = (
+            d / name, "jobs/relaunch.sbatch", ["--nodes=1", "--ntasks-per-node=2"],
+            dict(CONFIG=TINY, HPCTRAIN_RELAUNCHES="1",
+                 OVERRIDES=f"train.steps={STEPS} checkpoint.every=2 checkpoint.local_every=1 "
+                           f'"checkpoint.local_dir={d / name}/local/{{node}}"'))
     jobs["singletons"] = (d / "singletons", str(_singletons_script(d / "singletons")),
                           ["--ntasks=2"], {})
     out = {}
@@ -154,6 +160,43 @@ def _wait_requeued(job_id: str, timeout: float = 120) -> None:
         assert r["JobState"] not in TERMINAL, f"job {job_id} ended instead of requeueing: {r}"
         assert time.monotonic() < deadline, f"job {job_id} not requeued: {r}"
         time.sleep(0.2)
+
+
+def _failed_logged(d: Path, job_id: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while "[relaunch] step failed" not in output_of(d, job_id):
+        assert time.monotonic() < deadline, output_of(d, job_id)[-4000:]
+        time.sleep(0.05)
+
+
+def test_a_killed_step_is_relaunched_inside_the_job(submitted):
+    """jobs/relaunch.sbatch: the training step killed mid-run (scancel JOB.0) is probed and
+    relaunched in the same job (no requeue); it resumes from the node-local tier, or, with
+    that deleted before the relaunch, from the HDF5 file. Both runs equal the uninterrupted
+    one (float64, rel 1e-9), every step once."""
+    jobs = {name: submitted[f"relaunch_{name}"] for name in ("local", "no_local")}
+    for job_id, d in jobs.values():
+        _poll_steps(d / "run", 3, job_id)
+        _slurm_cmd("scancel", "--signal=KILL", f"{job_id}.0")
+    job_id, d = jobs["no_local"]
+    _failed_logged(d, job_id)  # the step is gone; the relaunch has not started
+    shutil.rmtree(d / "local")
+    ref_id, ref_dir = submitted["single"]
+    assert_completed(wait_for(ref_id), ref_dir)
+    for name, (job_id, d) in jobs.items():
+        records = wait_for(job_id)
+        assert_completed(records, d)
+        assert records[0]["Restarts"] == "0", "requeued instead of relaunched inside the job"
+        out = output_of(d, job_id)
+        assert "[relaunch] step failed" in out and "relaunch 1/1 on " in out, out[-6000:]
+        assert "the configured layout" in out  # the node survived: same ranks, same layout
+        assert re.search(r"relaunch 1: first step done [\d.]+ s after", out), out[-6000:]
+        tier = re.search(r"restart: tier (\w+), step (\d+)", out)
+        assert tier and tier.group(1) == ("local" if name == "local" else "hdf5"), out[-6000:]
+        assert int(tier.group(2)) >= 2  # a step saved before the kill (HDF5: every 2)
+        run = read_run(d / "run")
+        assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1)), name
+        assert_same(run, read_run(ref_dir / "run"), 1e-9, f"relaunched ({name}) vs uninterrupted")
 
 
 def test_preemption_requeues_and_resumes_exactly(submitted, tmp_path):

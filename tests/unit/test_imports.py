@@ -17,6 +17,7 @@ ALLOWED = {
     "config": set(),
     "comm": set(),
     "launch": set(),
+    "relaunch": {"launch"},  # the relaunch loop beside a job step: standard library + launch
     "model": {"config"},
     "topology": {"comm", "config"},
     "parallel": {"comm", "config", "model", "topology"},
@@ -37,7 +38,8 @@ ALLOWED = {
     "planner": {"checks", "comm", "config", "model", "parallel", "pipeline", "telemetry",
                 "topology"},
     "cli": {"checkpoint", "checks", "comm", "config", "data", "interchange", "launch", "model",
-            "slurm", "telemetry", "topology", "train", "parallel", "pipeline", "planner"},
+            "relaunch", "slurm", "telemetry", "topology", "train", "parallel", "pipeline",
+            "planner"},
     "__main__": {"cli"},
     "__init__": set(),
 }
