@@ -1,10 +1,14 @@
 """Mixture-of-experts feed-forward layer in plain PyTorch. Imports no MPI.
 
-Routing (per token): router logits ``x @ router.T`` (E,), softmax, top-k experts (k = 1 or
-2). The model's family (``model/families/``) decides the rest: for which dtypes the softmax
-runs in float32 (``router_float32``), whether the top-1 gate is renormalised too
-(``renormalize_top1``; top-2 gates always sum to 1), and the experts' MLP (``gated``,
-``activation``). gpt: the gate is the softmax probability (k = 1), GELU experts; mixtral (as
+Routing (per token): router logits ``x @ router.T`` (E,), scores (softmax, or sigmoid with
+``model.router_score``), top-k experts (``model/routing.py``: optionally by the scores plus
+the selection bias of auxiliary-loss-free balancing, among the best ``route_top_groups`` of
+``route_groups`` groups), weighted by their scores (renormalised per ``norm_topk_prob``,
+times ``routed_scaling_factor``). The model's family (``model/families/``) decides the rest:
+for which dtypes the scores are computed in float32 (``router_float32``), whether the top-1
+gate is renormalised too when ``norm_topk_prob = "auto"`` (``renormalize_top1``; k > 1
+gates then sum to 1), and the experts' MLP (``gated``, ``activation``). Shared experts
+(``model.shared_experts``) are one MLP every token goes through, added to the routed output. gpt: the gate is the softmax probability (k = 1), GELU experts; mixtral (as
 Hugging Face's ``MixtralSparseMoeBlock``): the softmax in float32 for 16-bit models, the gates
 renormalised for every k, SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down).
 The layer output is ``sum_kept gate * expert(x)``; a dropped assignment adds 0 (the block's
@@ -126,8 +130,10 @@ class MoEStats:
 
 class MoE(nn.Module):
     """E experts (the family's MLPs, batched weights ``w1`` (E, H, C), ``w2`` (E, C, H);
-    gated: also ``w3`` (E, H, C)), of which
-    this rank holds ``E / ep`` (``ParamMeta.expert_dim = 0``), and a replicated router.
+    gated: also ``w3`` (E, H, C); H = ``expert_dim``), of which
+    this rank holds ``E / ep`` (``ParamMeta.expert_dim = 0``), and a replicated router;
+    optionally ``shared`` (an :class:`~.layers.MLP` split over tp, on every token) with its
+    gate ``shared_gate`` (1, C), and the selection bias ``route_bias`` (E,), a buffer.
     Under tp the weights are replicated but each tp rank sees other tokens, so their
     gradients are partial over tp (``sp_partial``)."""
 
