@@ -8,7 +8,8 @@ times ``routed_scaling_factor``). The model's family (``model/families/``) decid
 for which dtypes the scores are computed in float32 (``router_float32``), whether the top-1
 gate is renormalised too when ``norm_topk_prob = "auto"`` (``renormalize_top1``; k > 1
 gates then sum to 1), and the experts' MLP (``gated``, ``activation``). Shared experts
-(``model.shared_experts``) are one MLP every token goes through, added to the routed output. gpt: the gate is the softmax probability (k = 1), GELU experts; mixtral (as
+(``model.shared_experts``) are one MLP every token goes through, added to the routed output.
+gpt: the gate is the softmax probability (k = 1), GELU experts; mixtral (as
 Hugging Face's ``MixtralSparseMoeBlock``): the softmax in float32 for 16-bit models, the gates
 renormalised for every k, SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down).
 The layer output is ``sum_kept gate * expert(x)``; a dropped assignment adds 0 (the block's
