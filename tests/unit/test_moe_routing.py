@@ -174,3 +174,13 @@ def test_flops_count_the_active_routed_and_shared_experts():
     assert fc.get_total_flops() == pytest.approx(per_token * 20)
     assert flops.moe_layer_count(DEEPSEEK) == 2
     assert np.isfinite(flops.train_flops_per_token(DEEPSEEK, 8))
+
+
+def test_mixtral_export_refuses_what_it_cannot_express():
+    assert family_of(replace(DEEPSEEK, n_layers=2)).name == "mixtral"
+    refusal = family_of(DEEPSEEK).hf_refusal(DEEPSEEK)
+    for key in ("shared_experts", "router_score", "routed_scaling_factor", "bias_update_rate",
+                "route_top_groups", "expert_d_ff"):
+        assert f"model.{key} = " in refusal
+    plain = ModelConfig(arch="llama", num_experts=4, norm_topk_prob="true", route_groups=2)
+    assert family_of(plain).hf_refusal(plain) is None
