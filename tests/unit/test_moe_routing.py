@@ -184,3 +184,12 @@ def test_mixtral_export_refuses_what_it_cannot_express():
         assert f"model.{key} = " in refusal
     plain = ModelConfig(arch="llama", num_experts=4, norm_topk_prob="true", route_groups=2)
     assert family_of(plain).hf_refusal(plain) is None
+
+
+def test_init_from_reads_the_default_expert_sizes_as_what_they_mean():
+    from hpctrain.interchange.init_from import differences
+
+    same = replace(DEEPSEEK, expert_d_ff=32, shared_expert_d_ff=64)  # d_ff, 2 x expert
+    assert differences(replace(DEEPSEEK, expert_d_ff=0, shared_expert_d_ff=0), same) == []
+    assert differences(DEEPSEEK, same) == ["model.expert_d_ff = 4, the source has 32",
+                                           "model.shared_expert_d_ff = 8, the source has 64"]
