@@ -4,8 +4,8 @@ auxiliary-loss-free balancing (the selection bias) and group-limited routing, al
 
 Three launches: the one-rank reference (6 steps, saving at 3), dp=2 x ep=2 x tp=2 with ZeRO-1
 (the same 6 steps) and pp=2 x dp=2 x ep=2 (1F1B, the all-to-alls overlapped in the schedule)
-resumed from the tp run's step-3 checkpoint, which carries the selection biases. The one-rank reference takes the global microbatch as its microbatch (see
-tests/e2e/test_moe_equivalence.py).
+resumed from the tp run's step-3 checkpoint, which carries the selection biases. The one-rank
+reference takes the global microbatch as its microbatch (see tests/e2e/test_moe_equivalence.py).
 """
 
 import numpy as np
