@@ -124,6 +124,9 @@ def test_bias_follows_the_trained_load_only():
         layer(x)
     assert layer.routed.sum() == 0
     layer(x).sum().backward()
+    layer.update_bias(applied=False)  # a skipped step: its load is dropped, the bias kept
+    assert layer.routed.sum() == 0 and layer.route_bias.abs().sum() == 0
+    layer(x).sum().backward()
     load = layer.routed.copy()
     assert load.sum() == 12 * 3
     layer.update_bias()
