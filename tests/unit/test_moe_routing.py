@@ -196,3 +196,13 @@ def test_init_from_reads_the_default_expert_sizes_as_what_they_mean():
     assert differences(replace(DEEPSEEK, expert_d_ff=0, shared_expert_d_ff=0), same) == []
     assert differences(DEEPSEEK, same) == ["model.expert_d_ff = 4, the source has 32",
                                            "model.shared_expert_d_ff = 8, the source has 64"]
+
+
+def test_generation_reads_the_selection_bias():
+    from hpctrain.interchange.generation import _filled, whole_model
+
+    model = whole_model(DEEPSEEK)
+    saved = {n: np.zeros(tuple(p.shape)) for n, p in model.named_parameters()}
+    saved.update({f"blocks.{i}.mlp.route_bias": np.full(8, 0.5) for i in (0, 1)})
+    _filled(model, saved.__getitem__)
+    assert [float(model.blocks[str(i)].mlp.route_bias.sum()) for i in (0, 1)] == [4.0, 4.0]
