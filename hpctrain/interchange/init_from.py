@@ -73,6 +73,9 @@ def differences(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
         if key in ("d_ff", "n_kv_heads"):  # 0 means "the default": compare what it means
             a, b = ((mine.ffn_dim, theirs.ffn_dim) if key == "d_ff"
                     else (mine.kv_heads, theirs.kv_heads))
+        if key in ("expert_d_ff", "shared_expert_d_ff"):  # 0 means "the default" too
+            prop = "expert_dim" if key == "expert_d_ff" else "shared_dim"
+            a, b = getattr(mine, prop), getattr(theirs, prop)
         if key in ("moe_every", "top_k") and not mine.num_experts:
             continue
         if a != b:

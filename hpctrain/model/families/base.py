@@ -40,8 +40,9 @@ class Family:
       ``w2(act(w1 x))``), with :meth:`activation` as ``act``.
 
     Expert routing (a family whose configs can have ``num_experts > 0``): the router's softmax
-    runs in float32 for the dtypes named in ``router_float32``; the top-k gates are renormalised to
-    sum to 1 when ``k > 1``, and also for ``k = 1`` when ``renormalize_top1``.
+    runs in float32 for the dtypes named in ``router_float32``; with ``model.norm_topk_prob =
+    "auto"`` the top-k gates are renormalised to sum to 1 when ``k > 1``, and also for ``k = 1``
+    when ``renormalize_top1``.
     """
 
     name: str  # the family's name (the registry, messages)
@@ -90,7 +91,9 @@ class Family:
         kv = self.kv_heads(m) * m.head_dim
         attention = 2 * 2 * C * (C + kv) + 2 * 2 * C * ctx
         dense_mlp = 2 * self.mlp_matrices * C * F
-        return FlopTerms(attention, dense_mlp, 2 * C * m.num_experts + m.top_k * dense_mlp)
+        routed = m.top_k * 2 * self.mlp_matrices * C * m.expert_dim
+        shared = 2 * self.mlp_matrices * C * m.shared_dim + (2 * C if m.shared_expert_gate else 0)
+        return FlopTerms(attention, dense_mlp, 2 * C * m.num_experts + routed + shared)
 
     # -- memory terms (parameter elements on one rank) -------------------------------------
     def block_params(self, m: ModelConfig, tp: int) -> int:
@@ -102,10 +105,12 @@ class Family:
         """A dense MLP, split over tp on its hidden dimension."""
         return self.mlp_matrices * m.d_model * m.ffn_dim // tp
 
-    def expert_params(self, m: ModelConfig, ep: int) -> int:
-        """An MoE layer: this rank's experts (split over ep, not tp) and the router."""
+    def expert_params(self, m: ModelConfig, ep: int, tp: int = 1) -> int:
+        """An MoE layer: this rank's routed experts (split over ep, not tp), the router and
+        the shared experts (split over tp, as the MLP) with their gate."""
         C, E = m.d_model, m.num_experts
-        return self.mlp_matrices * C * m.ffn_dim * (E // ep) + C * E
+        shared = self.mlp_matrices * C * m.shared_dim // tp + (C if m.shared_expert_gate else 0)
+        return self.mlp_matrices * C * m.expert_dim * (E // ep) + C * E + shared
 
     # -- config checks --------------------------------------------------------------------------
     def check(self, cfg: Config, need) -> None:
