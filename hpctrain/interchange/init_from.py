@@ -70,9 +70,10 @@ def differences(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
     out = []
     for key in sorted(set(vars(mine)) - IGNORED):
         a, b = getattr(mine, key), getattr(theirs, key, None)
-        if key in ("d_ff", "n_kv_heads"):  # 0 means "the default": compare what it means
-            a, b = ((mine.ffn_dim, theirs.ffn_dim) if key == "d_ff"
-                    else (mine.kv_heads, theirs.kv_heads))
+        if key in ("d_ff", "n_kv_heads", "d_head"):  # 0 means "the default": compare
+            a, b = {"d_ff": (mine.ffn_dim, theirs.ffn_dim),  # what it means
+                    "n_kv_heads": (mine.kv_heads, theirs.kv_heads),
+                    "d_head": (mine.head_dim, theirs.head_dim)}[key]
         if key in ("moe_every", "top_k") and not mine.num_experts:
             continue
         if a != b:

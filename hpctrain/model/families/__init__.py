@@ -8,7 +8,9 @@ FLOP terms, memory terms, Hugging Face form and config checks:
 - ``llama.py``: rotary positions, SwiGLU, grouped-query attention, RMSNorm
   (``model.arch = "llama"``, no experts);
 - ``mixtral.py``: the llama form with mixture-of-experts layers (``model.arch = "llama"``
-  with ``num_experts > 0``).
+  with ``num_experts > 0``);
+- ``qwen_moe.py``: the llama form with experts and q/k norms per head, as Hugging Face's
+  Qwen3-MoE (``model.arch = "llama"``, ``num_experts > 0``, ``qk_norm``).
 
 A config selects the one family of its ``model.arch`` that claims it
 (:meth:`~.base.Family.claims`). Adding a family: its module and one line in ``FAMILIES``
@@ -19,7 +21,7 @@ imports only ``config``.
 from __future__ import annotations
 
 from ...config import ModelConfig
-from . import gpt, llama, mixtral
+from . import gpt, llama, mixtral, qwen_moe
 from .base import Family, FlopTerms
 
 __all__ = ["FAMILIES", "Family", "FlopTerms", "arch_names", "by_hf_model_type", "family_of",
@@ -29,6 +31,7 @@ FAMILIES: tuple[Family, ...] = (
     gpt.GPT(),
     llama.Llama(),
     mixtral.Mixtral(),
+    qwen_moe.Qwen3Moe(),
 )
 
 

@@ -2,7 +2,7 @@
 layers, as Hugging Face's ``MixtralForCausalLM`` / ``MixtralSparseMoeBlock``: the router's
 softmax in float32 for 16-bit models, the top-k gates renormalised to sum to 1 for every k,
 SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down). Selected by ``model.arch = "llama"``
-with ``num_experts > 0``."""
+with ``num_experts > 0`` and no q/k norms (those: ``qwen_moe.py``)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,12 @@ class Mixtral(Llama):
     hf_architecture = "MixtralForCausalLM"
 
     def claims(self, m: ModelConfig) -> bool:
-        return m.num_experts > 0
+        return m.num_experts > 0 and not m.qk_norm
 
     def hf_refusal(self, m: ModelConfig) -> str | None:
+        refusal = super().hf_refusal(m)
+        if refusal is not None:
+            return refusal
         if m.moe_every != 1:
             return (f"model.moe_every = {m.moe_every}: only models where every block is a "
                     f"mixture of experts map to Mixtral (moe_every = 1)")
@@ -30,7 +33,7 @@ class Mixtral(Llama):
                     f"(dropless); hpctrain would drop tokens, so the logits would differ")
         return None
 
-    def hf_ffn_names(self, m: ModelConfig, b: str, L: str) -> list:
+    def hf_ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """The router, then one entry per expert slice ``[e]`` of the stacked (E, ...)
         tensors."""
         return [(b + "mlp.router", L + "block_sparse_moe.gate.weight", None)] + [
