@@ -32,7 +32,7 @@ from .evaluate import Evaluator
 from .interchange import init_from
 from .optim import NumericGuard, build_optimizer, lr_at
 from .parallel import build_model, grad_sync, named_parameters
-from .parallel.moe_exchange import set_loss_scale, step_metrics
+from .parallel.moe_exchange import route_biases, set_loss_scale, step_metrics, update_route_bias
 from .pipeline.runner import pipeline_metrics, run_step
 from .planner.cluster import mfu_peak
 from .stopping import StopRules
@@ -58,6 +58,7 @@ class Trainer:
     job: slurm.Job
     chunks: list  # this rank's model pieces, one per (virtual) pipeline stage
     params: list  # [(global name, parameter)]
+    saved: list  # what a checkpoint holds: params, then the MoE selection biases (no grad)
     grads: grad_sync.GradSync  # the strategy chosen for this config
     optimizer: object  # AdamW or ZeroAdamW
     sampler: Sampler
@@ -97,6 +98,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     job = slurm.attach(topo.world, log.info)  # log the SLURM job; SIGUSR1/SIGTERM set a flag
     chunks = build_model(cfg, topo)
     params = named_parameters(chunks)
+    saved = params + route_biases(chunks)
     if cfg.checkpoint.init_from:  # parameters from another model; a resume overrides them
         log.info(f"parameters from {init_from.load(cfg, topo, params)} (checkpoint.init_from)")
     grads = grad_sync.build(cfg, topo, chunks, params)  # ZeRO-3 shards the parameters here
@@ -123,18 +125,18 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)
     saver = Checkpointer(cfg.checkpoint, topo, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
                          warn=log.warn, info=log.info)
-    start, ckpt_attrs = restore(cfg, topo, log, saver, params, optimizer, data_lineage,
+    start, ckpt_attrs = restore(cfg, topo, log, saver, saved, optimizer, data_lineage,
                                 run_dir)
     tc = cfg.telemetry  # MFU's denominator: a nominal peak (checked by hpctrain train)
     tel = Telemetry(cfg, topo, run_dir, log, mfu_peak(tc.peak_flops, tc.cluster, cfg.model.dtype),
                     json.loads(ckpt_attrs["lineage"]))
     if tel.watchdog:  # a background write that hangs is reported, although steps go on
         tel.watchdog.watch(saver.background_write)
-    guard = NumericGuard(cfg.telemetry, functools.partial(saver.roll_back, params, optimizer))
+    guard = NumericGuard(cfg.telemetry, functools.partial(saver.roll_back, saved, optimizer))
     evaluator = (Evaluator(cfg, topo, chunks, device, log.info) if t.eval_every else None)
     stops = StopRules.from_config(t, topo.world, job.end_time)
     faults = Faults(cfg.experimental.faults, topo.world.rank)
-    return Trainer(cfg, topo, log, job, chunks, params, grads, optimizer, sampler,
+    return Trainer(cfg, topo, log, job, chunks, params, saved, grads, optimizer, sampler,
                    ReadAhead(sampler, d.prefetch), global_tokens, meter, saver, start,
                    ckpt_attrs, tel, guard, evaluator, stops, faults)
 
@@ -206,6 +208,7 @@ def train_step(tr: Trainer, step: int) -> dict:
         lr = lr_at(step, cfg.optim, tr.ckpt_attrs["decay_steps"])  # a resume keeps it
         if optimizer.scaler_admits(grad_norm) and guard.admit(loss, grad_norm, step + 1):
             optimizer.clip_and_step(lr, grad_norm)
+        update_route_bias(tr.chunks)  # aux-loss-free balancing: the bias follows the load
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "data_s": data_s, **guard.metrics()}
 
@@ -228,7 +231,7 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
             done == t.steps and cfg.checkpoint.save_final):
         with timers("checkpoint"):
-            tr.last_saved = tr.saver.save(done, tr.params, tr.optimizer,
+            tr.last_saved = tr.saver.save(done, tr.saved, tr.optimizer,
                                           {**tr.ckpt_attrs, **tr.sampler.position(done)})
     if stop or done == t.steps:
         with timers("checkpoint"):

@@ -202,6 +202,9 @@ def pieces_of(named_params, optimizer, topo) -> list[Piece]:
         first_tp = meta.tp_dim is not None or topo.tp_rank == 0
         # replicas take turns (parameter i: replica i mod dp): the writing is spread evenly
         mine = group.rank == i % group.size
+        if not isinstance(p, torch.nn.Parameter):  # state beside the parameters (MoE
+            out.append(shard_piece(f"model/{name}", p, meta, topo, first_tp and mine))
+            continue  # selection biases): never sharded by ZeRO, no optimizer state
         rng = flat_shard(name) if flat_shard is not None else None
         first = first_tp and writes_shard(name)  # of a flat shard
         if zero3:  # the parameter lives only in the shards: every rank writes its own

@@ -186,14 +186,33 @@ def _check_experts(cfg: Config, world_size: int, need) -> None:
         return
     need(m.num_experts % top.ep == 0,
          f"model.num_experts={m.num_experts} is not divisible by topology.ep={top.ep}")
-    need(m.top_k in (1, 2) and m.top_k <= m.num_experts,
-         f"model.top_k={m.top_k} must be 1 or 2 and <= model.num_experts={m.num_experts}")
+    need(1 <= m.top_k <= m.num_experts,
+         f"model.top_k={m.top_k} must be >= 1 and <= model.num_experts={m.num_experts}")
     _at_least(cfg, need, 1, "model.moe_every")
     need(m.moe_every <= m.n_layers,
          f"model.moe_every={m.moe_every} > model.n_layers={m.n_layers}: no layer would have "
          f"experts (model.num_experts={m.num_experts}); lower moe_every or set num_experts=0")
     _at_least(cfg, need, 0, "model.capacity_factor", "model.aux_loss_coef",
               "model.z_loss_coef")
+    _check_routing(m, top.tp, need)
+
+
+def _check_routing(m, tp: int, need) -> None:
+    """Group-limited routing and shared experts (docs/models.md)."""
+    G, top_g, E = m.route_groups, m.route_top_groups, m.num_experts
+    need(E % G == 0, f"model.route_groups={G} does not divide model.num_experts={E}; choose "
+         "a divisor of num_experts (1: no groups)")
+    need(top_g <= G, f"model.route_top_groups={top_g} > model.route_groups={G}; at most "
+         "route_groups (0: all)")
+    reach = (top_g if 0 < top_g < G else G) * (E // G if E % G == 0 else 0)
+    need(E % G or m.top_k <= reach,
+         f"model.top_k={m.top_k} > the {reach} experts of the model.route_top_groups={top_g} "
+         f"groups of {E // G}; raise route_top_groups or lower top_k")
+    need(m.shared_experts > 0 or (m.shared_expert_d_ff == 0 and not m.shared_expert_gate),
+         "model.shared_expert_d_ff and model.shared_expert_gate need model.shared_experts > 0")
+    need(m.shared_dim % tp == 0,
+         f"model.shared_expert_d_ff={m.shared_dim} (the shared experts' hidden size) is not "
+         f"divisible by topology.tp={tp}; each tp rank holds an equal part, as of the MLP")
 
 
 def _check_batch(cfg: Config, world_size: int, need) -> None:

@@ -84,20 +84,54 @@ class ModelConfig:
                                  "attention core softmax(QK^T)V) or full (each whole block); "
                                  "true/false read as full/none", choices=RECOMPUTE)
     num_experts: int = key(0, "experts per MoE layer; 0: a dense model", ge=0)
-    top_k: int = key(1, "MoE: experts per token, 1 or 2 (at most num_experts)")
+    top_k: int = key(1, "MoE: experts per token (at most num_experts)")
     moe_every: int = key(1, "MoE: every N-th block has experts (>= 1, <= n_layers)")
     capacity_factor: float = key(0.0, "MoE: tokens per expert as a factor of the even share; 0: "
                                       "dropless (>= 0)")
     aux_loss_coef: float = key(0.01, "MoE: weight of the load-balancing loss (>= 0)")
     z_loss_coef: float = key(0.001, "MoE: weight of the router z-loss (>= 0)")
+    expert_d_ff: int = key(0, "MoE: hidden size of each routed expert; 0: d_ff", ge=0)
+    shared_experts: int = key(0, "MoE: dense experts every token goes through beside the routed "
+                                 "ones (split over tp like the MLP)", ge=0)
+    shared_expert_d_ff: int = key(0, "MoE: hidden size of the shared experts together; 0: "
+                                     "expert_d_ff * shared_experts", ge=0)
+    shared_expert_gate: bool = key(False, "MoE: scale the shared experts' output by "
+                                          "sigmoid(x . w), as Qwen2-MoE")
+    router_score: str = key("softmax", "MoE: router scores, softmax or sigmoid (DeepSeek-V3)",
+                            choices=("softmax", "sigmoid"))
+    norm_topk_prob: str = key("auto", "MoE: top-k weights renormalised to sum 1: true, false or "
+                                      "auto (the family's: when k > 1; mixtral always)",
+                              choices=("auto", "true", "false"))
+    routed_scaling_factor: float = key(1.0, "MoE: factor on the routed experts' weights", gt=0)
+    bias_update_rate: float = key(0.0, "MoE: aux-loss-free balancing: per-expert selection "
+                                       "bias += rate * sign(mean load - load) each step; 0: off",
+                                  ge=0)
+    route_groups: int = key(1, "MoE: experts in this many groups for group-limited routing",
+                            ge=1)
+    route_top_groups: int = key(0, "MoE: groups each token picks first (by the sum of its top-2 "
+                                   "scores per group); 0: all", ge=0)
 
     def __post_init__(self):  # the boolean form of recompute, as the Python API gives it
         if isinstance(self.recompute, bool):
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if isinstance(self.norm_topk_prob, bool):
+            object.__setattr__(self, "norm_topk_prob", str(self.norm_topk_prob).lower())
 
     @property
     def ffn_dim(self) -> int:
         return self.d_ff or 4 * self.d_model
+
+    @property
+    def expert_dim(self) -> int:
+        """Hidden size of one routed expert."""
+        return self.expert_d_ff or self.ffn_dim
+
+    @property
+    def shared_dim(self) -> int:
+        """Hidden size of the shared experts together (0: none)."""
+        if not self.shared_experts:
+            return 0
+        return self.shared_expert_d_ff or self.expert_dim * self.shared_experts
 
     @property
     def head_dim(self) -> int:
@@ -293,6 +327,8 @@ def upgrade(raw: dict) -> dict:
     flag = str(model.get("recompute")).lower() if isinstance(model, dict) else ""
     if flag in ("true", "false"):  # the boolean form of model.recompute
         model["recompute"] = "full" if flag == "true" else "none"
+    if isinstance(model, dict) and isinstance(model.get("norm_topk_prob"), bool):
+        model["norm_topk_prob"] = str(model["norm_topk_prob"]).lower()  # TOML's true/false
     return out
 
 

@@ -57,12 +57,16 @@ def load_model(path):
 
 
 def _filled(model, read):
-    """``model`` in eval mode with every parameter copied from ``read(name)`` (numpy)."""
+    """``model`` in eval mode with every parameter (and MoE selection bias) copied from
+    ``read(name)`` (numpy)."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.from_numpy(read(name)).to(p.dtype))
+        for name, b in model.named_buffers():
+            if name.endswith(".route_bias"):  # an MoE layer's selection bias (routing state)
+                b.copy_(torch.from_numpy(read(name)).to(b.dtype))
     return model.eval()
 
 

@@ -295,9 +295,9 @@ class MLP(nn.Module):
 
     stepped = False  # runs in one go (an MoE layer yields at its token exchanges)
 
-    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float):
+    def __init__(self, cfg: ModelConfig, ops, dtype, resid_std: float, hidden: int = 0):
         super().__init__()
-        C, H = cfg.d_model, cfg.ffn_dim
+        C, H = cfg.d_model, hidden or cfg.ffn_dim  # hidden: the shared experts' size
         local = H // ops.tp_size
         self.family = family_of(cfg)
         self.gated = self.family.gated

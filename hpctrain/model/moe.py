@@ -1,10 +1,15 @@
 """Mixture-of-experts feed-forward layer in plain PyTorch. Imports no MPI.
 
-Routing (per token): router logits ``x @ router.T`` (E,), softmax, top-k experts (k = 1 or
-2). The model's family (``model/families/``) decides the rest: for which dtypes the softmax
-runs in float32 (``router_float32``), whether the top-1 gate is renormalised too
-(``renormalize_top1``; top-2 gates always sum to 1), and the experts' MLP (``gated``,
-``activation``). gpt: the gate is the softmax probability (k = 1), GELU experts; mixtral (as
+Routing (per token): router logits ``x @ router.T`` (E,), scores (softmax, or sigmoid with
+``model.router_score``), top-k experts (``model/routing.py``: optionally by the scores plus
+the selection bias of auxiliary-loss-free balancing, among the best ``route_top_groups`` of
+``route_groups`` groups), weighted by their scores (renormalised per ``norm_topk_prob``,
+times ``routed_scaling_factor``). The model's family (``model/families/``) decides the rest:
+for which dtypes the scores are computed in float32 (``router_float32``), whether the top-1
+gate is renormalised too when ``norm_topk_prob = "auto"`` (``renormalize_top1``; k > 1
+gates then sum to 1), and the experts' MLP (``gated``, ``activation``). Shared experts
+(``model.shared_experts``) are one MLP every token goes through, added to the routed output.
+gpt: the gate is the softmax probability (k = 1), GELU experts; mixtral (as
 Hugging Face's ``MixtralSparseMoeBlock``): the softmax in float32 for 16-bit models, the gates
 renormalised for every k, SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down).
 The layer output is ``sum_kept gate * expert(x)``; a dropped assignment adds 0 (the block's
@@ -49,8 +54,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from . import routing
 from .families import family_of
-from .layers import ParamMeta, _param
+from .layers import MLP, ParamMeta, _param
 from .steps import Exchange, drive
 from .weight_grad import linear
 
@@ -125,8 +131,10 @@ class MoEStats:
 
 class MoE(nn.Module):
     """E experts (the family's MLPs, batched weights ``w1`` (E, H, C), ``w2`` (E, C, H);
-    gated: also ``w3`` (E, H, C)), of which
-    this rank holds ``E / ep`` (``ParamMeta.expert_dim = 0``), and a replicated router.
+    gated: also ``w3`` (E, H, C); H = ``expert_dim``), of which
+    this rank holds ``E / ep`` (``ParamMeta.expert_dim = 0``), and a replicated router;
+    optionally ``shared`` (an :class:`~.layers.MLP` split over tp, on every token) with its
+    gate ``shared_gate`` (1, C), and the selection bias ``route_bias`` (E,), a buffer.
     Under tp the weights are replicated but each tp rank sees other tokens, so their
     gradients are partial over tp (``sp_partial``)."""
 
@@ -134,7 +142,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ops, exchange, dtype, resid_std: float):
         super().__init__()
-        E, C, H = cfg.num_experts, cfg.d_model, cfg.ffn_dim
+        E, C, H = cfg.num_experts, cfg.d_model, cfg.expert_dim
         if E % exchange.ep_size:
             raise ValueError(f"model.num_experts={E} is not divisible by ep={exchange.ep_size}")
         self.cfg, self.ops, self.exchange = cfg, ops, exchange
@@ -150,6 +158,18 @@ class MoE(nn.Module):
                 (E, H, C), expert_dim=0, sp_partial=partial, std=cfg.init_std), dtype)
         self.w2 = _param((self.E_local, C, H), ParamMeta(
             (E, C, H), expert_dim=0, sp_partial=partial, std=resid_std), dtype)
+        self.shared = MLP(cfg, ops, dtype, resid_std, cfg.shared_dim) if cfg.shared_dim else None
+        if cfg.shared_dim and cfg.shared_expert_gate:  # sigmoid(x . w) on the shared output
+            self.shared_gate = _param((1, C), ParamMeta((1, C), sp_partial=partial,
+                                                        std=cfg.init_std), dtype)
+        self.renormalise = {"true": True, "false": False}.get(
+            cfg.norm_topk_prob, self.k > 1 or self.family.renormalize_top1)
+        self.routed = np.zeros(E, dtype=np.int64)  # this step's load, for the bias update
+        if cfg.bias_update_rate > 0:  # selection bias (state: checkpointed, not trained)
+            wide = torch.float64 if dtype == torch.float64 else torch.float32
+            self.register_buffer("route_bias", torch.zeros(E, dtype=wide), persistent=False)
+        else:
+            self.route_bias = None
         # (float16 loss scale) / global tokens, the token loss's factor; set every step by
         # train.train_step through parallel.moe_exchange.set_loss_scale
         self.loss_scale = 0.0
@@ -171,19 +191,44 @@ class MoE(nn.Module):
         y, aux = yield from self.route_and_compute(flat[start:stop])  # (n, C)
         if self.ops.tp_size > 1:  # zeros outside this rank's slice; exit_tp sums over tp
             y = torch.cat([y.new_zeros(start, C), y, y.new_zeros(N - stop, C)])
+        if self.shared is not None:  # every token, split over tp like the dense MLP
+            y = y + self.shared_output(flat)
         y = _InjectAuxGrad.apply(y, aux, self.loss_scale)
         return y.view(shape)
 
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts of ``x`` (N, C) (this tp rank's part), gated when configured."""
+        out = self.shared(x)
+        if self.cfg.shared_expert_gate:
+            out = out * torch.sigmoid(linear(x, self.shared_gate))
+        return out
+
     # -- routing --------------------------------------------------------------------------
     def route(self, xs: torch.Tensor):
-        """Router of ``xs`` (n, C): (logits (n, E), probs (n, E), experts (n, k), gates)."""
+        """Router of ``xs`` (n, C): (logits (n, E), probs (n, E), experts (n, k), gates).
+        ``probs``: the scores normalised per token (the load-balancing loss's P); the experts
+        and their weights: ``model/routing.py``."""
+        cfg = self.cfg
         logits = F.linear(xs, self.router)
         low = str(logits.dtype).removeprefix("torch.") in self.family.router_float32
-        probs = torch.softmax(logits.float() if low else logits, -1)
-        gate, expert = probs.topk(self.k, dim=-1)  # (n, k), top choice first
-        if self.k > 1 or self.family.renormalize_top1:
-            gate = gate / gate.sum(-1, keepdim=True)
+        wide = logits.float() if low else logits
+        sigmoid = cfg.router_score == "sigmoid"
+        scores = torch.sigmoid(wide) if sigmoid else torch.softmax(wide, -1)
+        expert = routing.select(scores, self.k, self.route_bias, cfg.route_groups,
+                                cfg.route_top_groups)  # (n, k), top choice first
+        gate = routing.weights(scores, expert, self.renormalise, cfg.routed_scaling_factor)
+        probs = scores / scores.sum(-1, keepdim=True) if sigmoid else scores
         return logits, probs, expert, gate.to(xs.dtype)
+
+    def update_bias(self) -> None:
+        """After a step: move the selection bias by this step's global load (counted by
+        :meth:`record` from the gathered counts, the same on every rank holding the layer),
+        then start counting afresh. Not collective."""
+        if self.route_bias is not None:
+            with torch.no_grad():
+                self.route_bias.copy_(routing.bias_step(self.route_bias, self.routed,
+                                                        self.cfg.bias_update_rate))
+        self.routed[:] = 0
 
     def capacity(self, tokens: int) -> int:
         """Assignments one expert accepts per global microbatch of ``tokens`` tokens."""
@@ -261,6 +306,7 @@ class MoE(nn.Module):
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         per_expert = glob.sum(0).cpu().numpy()
+        self.routed += per_expert
         st = self.stats
         st.load += per_expert
         if self.cfg.capacity_factor > 0:

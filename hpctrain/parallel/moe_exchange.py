@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from ..model.layers import ParamMeta
 from ..model.moe import MoE, is_moe_layer
 from ..model.stage import DTYPES
 
@@ -192,6 +193,26 @@ def moe_layers(chunks) -> dict[int, MoE]:
             if isinstance(block.mlp, MoE):
                 out[int(name)] = block.mlp
     return out
+
+
+def route_biases(chunks) -> list:
+    """[(global name, tensor)] of the MoE layers' selection biases on this rank (auxiliary-
+    loss-free balancing): state a checkpoint holds beside the parameters, replicated like a
+    router (``p.hp`` says so), never trained."""
+    out = []
+    for i, layer in sorted(moe_layers(chunks).items()):
+        if layer.route_bias is not None:
+            layer.route_bias.hp = ParamMeta(tuple(layer.route_bias.shape), init="zeros")
+            out.append((f"blocks.{i}.mlp.route_bias", layer.route_bias))
+    return out
+
+
+def update_route_bias(chunks) -> None:
+    """After the optimizer step: every MoE layer moves its selection bias by the step's load.
+    The load is global already (``gather_counts`` summed every rank's counts over tp, cp and
+    dp, ep included), so every rank holding a layer moves its bias alike; no communication."""
+    for layer in moe_layers(chunks).values():
+        layer.update_bias()
 
 
 def set_loss_scale(chunks, loss_scale: float) -> None:

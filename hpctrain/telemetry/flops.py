@@ -17,7 +17,9 @@ Per token, forward, with ``C = d_model``, ``F = ffn_dim``, ``V = vocab_size``, `
                                                          the masked half too: causal=False)
     dense MLP               2 * m * C * F               (m weight matrices: 2 for w1, w2;
                                                          3 gated, as SwiGLU: w1, w3, w2)
-    MoE layer               2 * C * E  +  k * 2 * m * C * F   (router + the k active experts)
+    MoE layer               2 * C * E  +  k * 2 * m * C * Fe  +  2 * m * C * Fs  (+ 2 * C)
+                            (router, the k active experts of Fe = expert_dim, the shared
+                             experts of Fs = shared_dim, their gate when configured)
     LM head                 2 * C * V                   (embedding lookup: 0)
 
 Training = 3 x forward (backward costs two matmuls per forward matmul). MoE layers are the

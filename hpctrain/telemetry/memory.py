@@ -53,7 +53,7 @@ def stage_params(cfg: Config, layers: int, first: bool, last: bool) -> int:
     n_moe = 0
     if m.num_experts:
         # experts are split over ep, not tp (each tp rank routes other tokens)
-        expert = family.expert_params(m, top.ep)
+        expert = family.expert_params(m, top.ep, tp)
         n_moe = sum(1 for i in range(layers) if i % m.moe_every == 0)
         total = layers * per_block + n_moe * expert + (layers - n_moe) * dense_mlp
     else:

@@ -90,7 +90,9 @@ class Family:
         q, kv = m.n_heads * m.head_dim, self.kv_heads(m) * m.head_dim
         attention = 2 * 2 * C * (q + kv) + 2 * 2 * q * ctx
         dense_mlp = 2 * self.mlp_matrices * C * F
-        return FlopTerms(attention, dense_mlp, 2 * C * m.num_experts + m.top_k * dense_mlp)
+        routed = m.top_k * 2 * self.mlp_matrices * C * m.expert_dim
+        shared = 2 * self.mlp_matrices * C * m.shared_dim + (2 * C if m.shared_expert_gate else 0)
+        return FlopTerms(attention, dense_mlp, 2 * C * m.num_experts + routed + shared)
 
     # -- memory terms (parameter elements on one rank) -------------------------------------
     def block_params(self, m: ModelConfig, tp: int) -> int:
@@ -104,10 +106,12 @@ class Family:
         """A dense MLP, split over tp on its hidden dimension."""
         return self.mlp_matrices * m.d_model * m.ffn_dim // tp
 
-    def expert_params(self, m: ModelConfig, ep: int) -> int:
-        """An MoE layer: this rank's experts (split over ep, not tp) and the router."""
+    def expert_params(self, m: ModelConfig, ep: int, tp: int = 1) -> int:
+        """An MoE layer: this rank's routed experts (split over ep, not tp), the router and
+        the shared experts (split over tp, as the MLP) with their gate."""
         C, E = m.d_model, m.num_experts
-        return self.mlp_matrices * C * m.ffn_dim * (E // ep) + C * E
+        shared = self.mlp_matrices * C * m.shared_dim // tp + (C if m.shared_expert_gate else 0)
+        return self.mlp_matrices * C * m.expert_dim * (E // ep) + C * E + shared
 
     # -- config checks --------------------------------------------------------------------------
     def check(self, cfg: Config, need) -> None:

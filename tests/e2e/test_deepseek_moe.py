@@ -1,0 +1,54 @@
+"""DeepSeek-style experts equal one rank through the real CLI (float64, 1e-9): shared experts
+with a gate, fine-grained experts, sigmoid scores with renormalised and scaled weights,
+auxiliary-loss-free balancing (the selection bias) and group-limited routing, all on at once.
+
+Three launches: the one-rank reference (6 steps, saving at 3), dp=2 x ep=2 x tp=2 (the same
+6 steps) and pp=2 x dp=2 x ep=2 resumed from the tp run's step-3 checkpoint, which carries the
+selection biases. The one-rank reference takes the global microbatch as its microbatch (see
+tests/e2e/test_moe_equivalence.py).
+"""
+
+import numpy as np
+import pytest
+from launch import assert_same, baseline, read_params, train_cli
+from test_checkpoint_reshard import assert_tail_equal, ckpt
+
+pytestmark = pytest.mark.e2e
+
+DEEPSEEK = ("model.num_experts=8", "model.moe_every=2", "model.top_k=3",
+            "model.expert_d_ff=16", "model.shared_experts=2", "model.shared_expert_gate=true",
+            "model.router_score=\"sigmoid\"", "model.norm_topk_prob=true",
+            "model.routed_scaling_factor=2.5", "model.bias_update_rate=0.01",
+            "model.route_groups=4", "model.route_top_groups=2", "model.aux_loss_coef=0",
+            "train.steps=6", "checkpoint.every=3")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, session_dir):
+    tmp = tmp_path_factory.mktemp("deepseek")
+    ref = baseline(session_dir, *DEEPSEEK, "train.micro_batch_size=2")
+    tp = train_cli(tmp / "tp", 4, *DEEPSEEK, "topology.dp=2", "topology.ep=2", "topology.tp=2")
+    pp = train_cli(tmp / "pp", 4, *DEEPSEEK, "topology.dp=2", "topology.ep=2", "topology.pp=2",
+                   f"checkpoint.resume={ckpt(tp, 3)}")
+    return ref, tp, pp
+
+
+def test_ep_tp_equals_one_rank(runs):
+    ref, tp, _ = runs
+    assert_same(tp, ref, rel=1e-9, what="dp=2 x ep=2 x tp=2")
+    for a, b in zip(tp.metrics, ref.metrics):
+        assert a["moe_load"] == b["moe_load"]
+
+
+def test_selection_bias_is_trained_and_checkpointed(runs):
+    ref, _, _ = runs
+    biases = {n: v for n, v in ref.params.items() if n.endswith("route_bias")}
+    assert sorted(biases) == [f"model/blocks.{i}.mlp.route_bias" for i in (1, 3, 5, 7)]
+    assert all(np.abs(v).max() > 0 for v in biases.values())
+    at3 = read_params(ckpt(ref, 3))
+    assert any(np.abs(at3[n] - v).max() > 0 for n, v in biases.items())  # still moving
+
+
+def test_resume_on_pipeline_layout_equals_straight_run(runs):
+    ref, _, pp = runs
+    assert_tail_equal(pp, ref, 3, "dp=2 x ep=2 x tp=2 -> pp=2 x dp=2 x ep=2")
