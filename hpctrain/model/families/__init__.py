@@ -8,9 +8,10 @@ FLOP terms, memory terms, Hugging Face form and config checks:
 - ``llama.py``: rotary positions, SwiGLU, grouped-query attention, RMSNorm
   (``model.arch = "llama"``, no experts);
 - ``mixtral.py``: the llama form with mixture-of-experts layers (``model.arch = "llama"``
-  with ``num_experts > 0``);
-- ``qwen_moe.py``: the llama form with experts and q/k norms per head, as Hugging Face's
-  Qwen3-MoE (``model.arch = "llama"``, ``num_experts > 0``, ``qk_norm``).
+  with ``num_experts > 0``, no q/k norms, no gated shared experts);
+- ``qwen_moe.py``: the llama form with experts as Hugging Face's Qwen3-MoE (q/k norms per
+  head: ``model.arch = "llama"``, ``num_experts > 0``, ``qk_norm``) and Qwen2-MoE (q/k/v
+  biases, a gated shared expert: ``num_experts > 0``, ``shared_expert_gate``).
 
 A config selects the one family of its ``model.arch`` that claims it
 (:meth:`~.base.Family.claims`). Adding a family: its module and one line in ``FAMILIES``
@@ -32,6 +33,7 @@ FAMILIES: tuple[Family, ...] = (
     llama.Llama(),
     mixtral.Mixtral(),
     qwen_moe.Qwen3Moe(),
+    qwen_moe.Qwen2Moe(),
 )
 
 
