@@ -1,7 +1,11 @@
-"""Qwen mixture-of-experts interchange through the real CLI (docs/models.md): a locally made
-Qwen3MoeForCausalLM (q/k norms, heads narrower than hidden / heads) imports with
-transformers' logits, exports back bit for bit, and trains under tp2 x ep2 like one rank.
-Nothing is downloaded: the models are made here."""
+"""Qwen mixture-of-experts interchange through the real CLI (docs/models.md): locally made
+Qwen3MoeForCausalLM (q/k norms, heads narrower than hidden / heads, renormalised top-k) and
+Qwen2MoeForCausalLM (q/k/v biases, a gated shared expert, top-k not renormalised, experts
+every second layer) import with transformers' logits and export back bit for bit; the
+Qwen2-MoE import trains under tp2 x ep2 like one rank. Nothing is downloaded: the models are
+made here."""
+
+import json
 
 import numpy as np
 import pytest
@@ -15,14 +19,18 @@ pytestmark = pytest.mark.e2e
 
 QWEN3 = dict(HF_SIZES, initializer_range=0.1, head_dim=6, num_experts=4,
              num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+QWEN2 = dict(HF_SIZES, initializer_range=0.1, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=16, shared_expert_intermediate_size=24,
+             decoder_sparse_step=2, norm_topk_prob=False)
 
 
 def saved(directory, model):
-    """``model`` with its norm weights moved off 1 (transformers initialises them to 1, which
-    would hide a q/k norm swapped or left out), saved to ``directory``."""
+    """``model`` with its norm weights moved off 1 and its biases off 0 (transformers
+    initialises them so, which would hide a norm or bias swapped or left out), saved to
+    ``directory``."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "bias")):
                 p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(directory)
     return directory
@@ -35,10 +43,15 @@ def hf_qwen3(tmp_path_factory):
                  transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3)))
 
 
+@pytest.fixture(scope="module")
+def hf_qwen2(tmp_path_factory):
+    torch.manual_seed(4)
+    return saved(tmp_path_factory.mktemp("hf") / "qwen2_moe",
+                 transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**QWEN2)))
+
+
 def model_sets(directory) -> list[str]:
     """``--set`` overrides of the model keys ``import`` derives from ``directory``."""
-    import json
-
     from hpctrain.interchange import hf_map
 
     section = hf_map.model_section(json.loads((directory / "config.json").read_text()))
@@ -67,38 +80,41 @@ def round_trip(src, tmp_path, cli, seed) -> float:
     assert set(a) == set(b)
     assert all(a[k].tobytes() == b[k].tobytes() for k in a)
     again, model = hf_logits(back, x)
-    assert type(model).__name__ == type(transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.from_pretrained(str(src)))).__name__
+    assert type(model).__name__ == json.loads((src / "config.json").read_text())[
+        "architectures"][0]
     assert torch.equal(again, theirs)
     return diff
 
 
-def test_qwen3_moe_import_logits_and_export(hf_qwen3, tmp_path, cli):
-    diff = round_trip(hf_qwen3, tmp_path, cli, 4)
-    print(f"Qwen3-MoE logits difference {diff:.2e}")
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_import_logits_and_export(family, request, tmp_path, cli):
+    """Import, logits against transformers (float32, 1e-5), export: the same tensors."""
+    diff = round_trip(request.getfixturevalue(f"hf_{family}"), tmp_path, cli, 4)
+    print(f"{family} logits difference {diff:.2e}")
 
 
-def test_qwen3_moe_trains_the_same_on_tp2_ep2(hf_qwen3, tmp_path, cli):
+def test_qwen2_moe_trains_the_same_on_tp2_ep2(hf_qwen2, tmp_path, cli):
     """The import trains the same on tp2 x dp2 (ep2) from the HF directory (init_from) as on
-    one rank from the imported checkpoint (float64, 1e-9): per-head norms under tp, experts
-    under ep. That run's checkpoint exported gives transformers hpctrain's logits."""
+    one rank from the imported checkpoint (float64, 1e-9): q/k/v biases and the shared
+    expert split over tp, routed experts over ep. That run's checkpoint exported gives
+    transformers hpctrain's logits."""
     imported = tmp_path / "qwen64.h5"
-    assert cli("import", hf_qwen3, "--out", imported, "--dtype", "float64")[0] == 0
-    sets = (*model_sets(hf_qwen3), "model.dtype=float64", "train.global_batch_size=8",
+    assert cli("import", hf_qwen2, "--out", imported, "--dtype", "float64")[0] == 0
+    sets = (*model_sets(hf_qwen2), "model.dtype=float64", "train.global_batch_size=8",
             "train.steps=3")
     # one rank's microbatch is the dp ranks' microbatches together: the routing statistics
     # are those of the global microbatch
     ref = train_cli(tmp_path / "one", 1, *sets, "train.micro_batch_size=4",
                     f"checkpoint.resume={imported}")
-    run = train_cli(tmp_path / "tp2ep2", 4, *sets, f"checkpoint.init_from={hf_qwen3}",
+    run = train_cli(tmp_path / "tp2ep2", 4, *sets, f"checkpoint.init_from={hf_qwen2}",
                     "train.micro_batch_size=2", "topology.tp=2", "topology.dp=2",
                     "topology.ep=2")
-    assert_same(run, ref, 1e-9, "Qwen3-MoE init_from on tp2 x ep2 against one rank")
+    assert_same(run, ref, 1e-9, "Qwen2-MoE init_from on tp2 x ep2 against one rank")
     start = read_params(imported)
     for name, value in start.items():  # trained from the HF weights, not a fresh init
         assert rel_err(run.params[name], value) < 0.1, name
-    assert not np.array_equal(run.params["model/blocks.0.attn.q_norm.weight"],
-                              start["model/blocks.0.attn.q_norm.weight"])
+    for name in ("blocks.0.attn.bq", "blocks.1.mlp.shared_gate"):
+        assert not np.array_equal(run.params[f"model/{name}"], start[f"model/{name}"]), name
     out = tmp_path / "hf_out"
     ckpt = tmp_path / "tp2ep2" / "checkpoints"
     assert cli("export", ckpt, "--format", "hf", "--out", out, "--dtype", "float32")[0] == 0
