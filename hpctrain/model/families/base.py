@@ -128,9 +128,10 @@ class Family:
                  "rank holds whole kv heads; kv heads are not replicated)")
         if self.rotary:
             hd = m.d_head or m.d_model // max(m.n_heads, 1)
-            need(hd % 2 == 0, f"the head size {hd} (model.d_head, or model.d_model/"
-                 f"model.n_heads = {m.d_model}/{m.n_heads}) must be even for "
-                 f"model.arch={m.arch!r} (rotary embeddings rotate pairs of channels)")
+            size = (f"model.d_head = {hd}" if m.d_head else
+                    f"model.d_model/model.n_heads = {m.d_model}/{m.n_heads} = {hd}")
+            need(hd % 2 == 0, f"{size} must be even for model.arch={m.arch!r} (rotary "
+                 "embeddings rotate pairs of channels)")
 
     # -- Hugging Face form ------------------------------------------------------------------
     def hf_refusal(self, m: ModelConfig) -> str | None:
