@@ -1,5 +1,5 @@
 """``checkpoint.init_from = "DIR-or-CKPT"``: a new run's parameters from a Hugging Face
-Llama/Mixtral directory or an hpctrain checkpoint (file, or directory with ``latest``); the
+Llama/Mixtral/Qwen-MoE directory or an hpctrain checkpoint (file, or directory with ``latest``); the
 optimizer starts fresh at step 0. A run that resumes (``checkpoint.resume``) ignores it.
 
 :func:`problems` runs on every rank before any collective (the source exists, its model has

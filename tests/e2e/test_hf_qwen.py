@@ -121,4 +121,6 @@ def test_qwen2_moe_trains_the_same_on_tp2_ep2(hf_qwen2, tmp_path, cli):
     x = tokens(5)
     theirs, _ = hf_logits(out, x)
     mine = own_logits(next(ckpt.glob("step_*.h5")), x)
-    assert (theirs - mine).abs().max().item() < 1e-5
+    diff = (theirs - mine).abs().max().item()
+    assert diff < 1e-5, f"transformers and hpctrain logits differ by {diff:.2e}"
+    print(f"qwen2 trained on tp2 x ep2, exported: logits difference {diff:.2e}")
