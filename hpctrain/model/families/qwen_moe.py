@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from ...config import ModelConfig
 from .llama import Llama
+from .mixtral import Mixtral
 
 HF_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # hpctrain -> HF MLP
 
@@ -34,11 +35,10 @@ def moe_block(m: ModelConfig, i: int) -> bool:
     return m.num_experts > 0 and (i + 1) % m.moe_every == 0
 
 
-class Qwen3Moe(Llama):
+class Qwen3Moe(Mixtral):
+    """Mixtral's layers and routing; its own Hugging Face form (llama's, where dense)."""
+
     name = "qwen3_moe"
-    arch = "llama"
-    router_float32 = ("bfloat16", "float16")
-    renormalize_top1 = True
     hf_model_type = "qwen3_moe"
     hf_architecture = "Qwen3MoeForCausalLM"
 
@@ -83,7 +83,7 @@ class Qwen3Moe(Llama):
         """A dense block's MLP as llama's; an expert block's router, then one entry per
         expert slice ``[e]`` of the stacked (E, ...) tensors."""
         if not moe_block(m, i):
-            return super().hf_ffn_names(m, b, L, i)
+            return Llama.hf_ffn_names(self, m, b, L, i)
         return [(b + "mlp.router", L + "mlp.gate.weight", None)] + [
             (b + f"mlp.{w}", L + f"mlp.experts.{e}.{HF_EXPERT[w]}.weight", e)
             for e in range(m.num_experts) for w in ("w1", "w3", "w2")]
@@ -107,7 +107,7 @@ class Qwen3Moe(Llama):
         return refusal
 
     def hf_section(self, hf: dict) -> dict:
-        out = super().hf_section(hf)
+        out = Llama.hf_section(self, hf)
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or hidden // heads)
         out.update(num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
