@@ -206,9 +206,10 @@ def train_step(tr: Trainer, step: int) -> dict:
     with timers("optimizer"):
         grad_norm = optimizer.grad_norm()  # float16: unscaled first
         lr = lr_at(step, cfg.optim, tr.ckpt_attrs["decay_steps"])  # a resume keeps it
-        if optimizer.scaler_admits(grad_norm) and guard.admit(loss, grad_norm, step + 1):
+        applied = optimizer.scaler_admits(grad_norm) and guard.admit(loss, grad_norm, step + 1)
+        if applied:
             optimizer.clip_and_step(lr, grad_norm)
-        update_route_bias(tr.chunks)  # aux-loss-free balancing: the bias follows the load
+        update_route_bias(tr.chunks, applied)  # aux-loss-free balancing: follows the load
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "data_s": data_s, **guard.metrics()}
 

@@ -65,15 +65,18 @@ def source_model(kind: str, path: Path) -> ModelConfig:
     return from_dict(tomllib.loads(str(text))).model
 
 
+# keys whose 0 means a default, and the property that says what they mean
+MEANS = {"d_ff": "ffn_dim", "n_kv_heads": "kv_heads", "d_head": "head_dim",
+         "expert_d_ff": "expert_dim", "shared_expert_d_ff": "shared_dim"}
+
+
 def differences(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
     """model.* keys (besides how it trains) where this run's model is another model."""
     out = []
     for key in sorted(set(vars(mine)) - IGNORED):
         a, b = getattr(mine, key), getattr(theirs, key, None)
-        if key in ("d_ff", "n_kv_heads", "d_head"):  # 0 means "the default": compare
-            a, b = {"d_ff": (mine.ffn_dim, theirs.ffn_dim),  # what it means
-                    "n_kv_heads": (mine.kv_heads, theirs.kv_heads),
-                    "d_head": (mine.head_dim, theirs.head_dim)}[key]
+        if key in MEANS:  # 0 means "the default": compare what it means
+            a, b = getattr(mine, MEANS[key]), getattr(theirs, MEANS[key])
         if key in ("moe_every", "top_k") and not mine.num_experts:
             continue
         if a != b:

@@ -220,11 +220,12 @@ class MoE(nn.Module):
         probs = scores / scores.sum(-1, keepdim=True) if sigmoid else scores
         return logits, probs, expert, gate.to(xs.dtype)
 
-    def update_bias(self) -> None:
+    def update_bias(self, applied: bool = True) -> None:
         """After a step: move the selection bias by this step's global load (counted by
-        :meth:`record` from the gathered counts, the same on every rank holding the layer),
-        then start counting afresh. Not collective."""
-        if self.route_bias is not None:
+        :meth:`record` from the gathered counts, the same on every rank holding the layer)
+        unless the step was skipped (not ``applied``), then start counting afresh. Not
+        collective."""
+        if self.route_bias is not None and applied:
             with torch.no_grad():
                 self.route_bias.copy_(routing.bias_step(self.route_bias, self.routed,
                                                         self.cfg.bias_update_rate))

@@ -49,4 +49,4 @@ def bias_step(bias: torch.Tensor, load, rate: float) -> torch.Tensor:
     """``bias + rate * sign(mean(load) - load)`` (``load``: assignments per expert)."""
     load = torch.as_tensor(load, dtype=torch.float64)
     step = torch.sign(load.mean() - load) * rate
-    return bias + step.to(bias.dtype)
+    return bias + step.to(bias.device, bias.dtype)

@@ -207,12 +207,13 @@ def route_biases(chunks) -> list:
     return out
 
 
-def update_route_bias(chunks) -> None:
-    """After the optimizer step: every MoE layer moves its selection bias by the step's load.
-    The load is global already (``gather_counts`` summed every rank's counts over tp, cp and
-    dp, ep included), so every rank holding a layer moves its bias alike; no communication."""
+def update_route_bias(chunks, applied: bool = True) -> None:
+    """After the optimizer step: every MoE layer moves its selection bias by the step's load
+    (not when the step was skipped: ``applied`` False). The load is global already
+    (``gather_counts`` summed every rank's counts over tp, cp and dp, ep included), so every
+    rank holding a layer moves its bias alike; no communication."""
     for layer in moe_layers(chunks).values():
-        layer.update_bias()
+        layer.update_bias(applied)
 
 
 def set_loss_scale(chunks, loss_scale: float) -> None:

@@ -124,6 +124,9 @@ def test_bias_follows_the_trained_load_only():
         layer(x)
     assert layer.routed.sum() == 0
     layer(x).sum().backward()
+    layer.update_bias(applied=False)  # a skipped step: its load is dropped, the bias kept
+    assert layer.routed.sum() == 0 and layer.route_bias.abs().sum() == 0
+    layer(x).sum().backward()
     load = layer.routed.copy()
     assert load.sum() == 12 * 3
     layer.update_bias()
@@ -174,3 +177,32 @@ def test_flops_count_the_active_routed_and_shared_experts():
     assert fc.get_total_flops() == pytest.approx(per_token * 20)
     assert flops.moe_layer_count(DEEPSEEK) == 2
     assert np.isfinite(flops.train_flops_per_token(DEEPSEEK, 8))
+
+
+def test_mixtral_export_refuses_what_it_cannot_express():
+    assert family_of(replace(DEEPSEEK, n_layers=2)).name == "mixtral"
+    refusal = family_of(DEEPSEEK).hf_refusal(DEEPSEEK)
+    for key in ("shared_experts", "router_score", "routed_scaling_factor", "bias_update_rate",
+                "route_top_groups", "expert_d_ff"):
+        assert f"model.{key} = " in refusal
+    plain = ModelConfig(arch="llama", num_experts=4, norm_topk_prob="true", route_groups=2)
+    assert family_of(plain).hf_refusal(plain) is None
+
+
+def test_init_from_reads_the_default_expert_sizes_as_what_they_mean():
+    from hpctrain.interchange.init_from import differences
+
+    same = replace(DEEPSEEK, expert_d_ff=32, shared_expert_d_ff=64)  # d_ff, 2 x expert
+    assert differences(replace(DEEPSEEK, expert_d_ff=0, shared_expert_d_ff=0), same) == []
+    assert differences(DEEPSEEK, same) == ["model.expert_d_ff = 4, the source has 32",
+                                           "model.shared_expert_d_ff = 8, the source has 64"]
+
+
+def test_generation_reads_the_selection_bias():
+    from hpctrain.interchange.generation import _filled, whole_model
+
+    model = whole_model(DEEPSEEK)
+    saved = {n: np.zeros(tuple(p.shape)) for n, p in model.named_parameters()}
+    saved.update({f"blocks.{i}.mlp.route_bias": np.full(8, 0.5) for i in (0, 1)})
+    _filled(model, saved.__getitem__)
+    assert [float(model.blocks[str(i)].mlp.route_bias.sum()) for i in (0, 1)] == [4.0, 4.0]

@@ -40,8 +40,9 @@ class Family:
       ``w2(act(w1 x))``), with :meth:`activation` as ``act``.
 
     Expert routing (a family whose configs can have ``num_experts > 0``): the router's softmax
-    runs in float32 for the dtypes named in ``router_float32``; the top-k gates are renormalised to
-    sum to 1 when ``k > 1``, and also for ``k = 1`` when ``renormalize_top1``.
+    runs in float32 for the dtypes named in ``router_float32``; with ``model.norm_topk_prob =
+    "auto"`` the top-k gates are renormalised to sum to 1 when ``k > 1``, and also for ``k = 1``
+    when ``renormalize_top1``.
     """
 
     name: str  # the family's name (the registry, messages)

@@ -11,6 +11,22 @@ from ...config import ModelConfig
 from .llama import Llama
 
 
+def deepseek_refusal(m: ModelConfig, name: str) -> str | None:
+    """The DeepSeek-style expert options (docs/models.md) a Mixtral-form export cannot
+    express, as one sentence (None: none is set)."""
+    set_ = [f"model.{k} = {v!r}" for k, v, plain in (
+        ("shared_experts", m.shared_experts, 0), ("router_score", m.router_score, "softmax"),
+        ("routed_scaling_factor", m.routed_scaling_factor, 1.0),
+        ("bias_update_rate", m.bias_update_rate, 0.0),
+        ("route_top_groups", 0 if m.route_top_groups >= m.route_groups else
+         m.route_top_groups, 0),
+        ("expert_d_ff", m.expert_dim, m.ffn_dim)) if v != plain]
+    if m.norm_topk_prob == "false":
+        set_.append("model.norm_topk_prob = 'false'")
+    return (f"{', '.join(set_)}: the {name} form in transformers has no such option, so its "
+            "logits would differ; export --format safetensors") if set_ else None
+
+
 class Mixtral(Llama):
     name = "mixtral"
     arch = "llama"
@@ -32,7 +48,7 @@ class Mixtral(Llama):
         if m.capacity_factor > 0:
             return (f"model.capacity_factor = {m.capacity_factor}: Mixtral routes every token "
                     f"(dropless); hpctrain would drop tokens, so the logits would differ")
-        return None
+        return deepseek_refusal(m, self.name)
 
     def hf_ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """The router, then one entry per expert slice ``[e]`` of the stacked (E, ...)
