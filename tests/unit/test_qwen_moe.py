@@ -37,8 +37,9 @@ QWEN2 = ModelConfig(**MOE, qkv_bias=True, shared_experts=1, shared_expert_d_ff=2
 
 @pytest.mark.parametrize("kw, name", [
     (dict(MOE), "mixtral"), (dict(MOE, qk_norm=True), "qwen3_moe"),
-    (dict(MOE, shared_experts=1, shared_expert_gate=True), "qwen2_moe"),
-    (dict(MOE, shared_experts=1), "mixtral"),  # DeepSeek-style: no gate
+    (dict(MOE, shared_experts=1, shared_expert_gate=True, qkv_bias=True), "qwen2_moe"),
+    (dict(MOE, shared_experts=1, shared_expert_gate=True), "mixtral"),  # DeepSeek-style
+    (dict(MOE, shared_experts=1, qkv_bias=True), "mixtral"),
     (dict(MOE, qk_norm=True, shared_experts=1, shared_expert_gate=True), "qwen3_moe"),
     (dict(arch="llama", qk_norm=True, qkv_bias=True), "llama"),
 ])
@@ -76,6 +77,7 @@ def test_every_parameter_maps_to_hf_once(m):
     (QWEN3_HF, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
     (QWEN2_HF, {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     (QWEN2_HF, {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
+    (QWEN2_HF, {"qkv_bias": False}, "qkv_bias = false"),
     (QWEN2_HF, {"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_what_hpctrain_cannot_hold_is_refused_on_import(hf, change, words):

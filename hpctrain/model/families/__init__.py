@@ -8,10 +8,10 @@ FLOP terms, memory terms, Hugging Face form and config checks:
 - ``llama.py``: rotary positions, SwiGLU, grouped-query attention, RMSNorm
   (``model.arch = "llama"``, no experts);
 - ``mixtral.py``: the llama form with mixture-of-experts layers (``model.arch = "llama"``
-  with ``num_experts > 0``, no q/k norms, no gated shared experts);
+  with ``num_experts > 0``, no q/k norms, not Qwen2-MoE's features);
 - ``qwen_moe.py``: the llama form with experts as Hugging Face's Qwen3-MoE (q/k norms per
   head: ``model.arch = "llama"``, ``num_experts > 0``, ``qk_norm``) and Qwen2-MoE (q/k/v
-  biases, a gated shared expert: ``num_experts > 0``, ``shared_expert_gate``).
+  biases, a gated shared expert: ``num_experts > 0``, ``shared_expert_gate``, ``qkv_bias``).
 
 A config selects the one family of its ``model.arch`` that claims it
 (:meth:`~.base.Family.claims`). Adding a family: its module and one line in ``FAMILIES``

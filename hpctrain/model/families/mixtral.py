@@ -2,8 +2,8 @@
 layers, as Hugging Face's ``MixtralForCausalLM`` / ``MixtralSparseMoeBlock``: the router's
 softmax in float32 for 16-bit models, the top-k gates renormalised to sum to 1 for every k,
 SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down). Selected by ``model.arch = "llama"``
-with ``num_experts > 0``, no q/k norms and no gated shared experts (those:
-``qwen_moe.py``)."""
+with ``num_experts > 0``, no q/k norms, and not both gated shared experts and q/k/v biases
+(those: ``qwen_moe.py``)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ class Mixtral(Llama):
     hf_architecture = "MixtralForCausalLM"
 
     def claims(self, m: ModelConfig) -> bool:
-        return m.num_experts > 0 and not m.qk_norm and not m.shared_expert_gate
+        return m.num_experts > 0 and not m.qk_norm and not (m.shared_expert_gate and
+                                                             m.qkv_bias)
 
     def hf_refusal(self, m: ModelConfig) -> str | None:
         refusal = super().hf_refusal(m)

@@ -13,7 +13,7 @@ Mixtral).
 - ``qwen2_moe``: biases on the query, key and value projections (``model.qkv_bias``), one
   shared expert of ``shared_expert_d_ff`` beside the routed ones, its output scaled by
   ``sigmoid(x @ shared_gate.T)``. Selected by ``model.arch = "llama"`` with
-  ``num_experts > 0``, ``shared_expert_gate`` and no q/k norms.
+  ``num_experts > 0``, ``shared_expert_gate``, ``qkv_bias`` and no q/k norms.
 
 What HF can express and these families cannot (an ``mlp_only_layers`` list, sliding windows,
 rope scaling, an output-projection bias) is refused on import; what hpctrain's experts can do
@@ -131,7 +131,7 @@ class Qwen2Moe(Qwen3Moe):
     hf_architecture = "Qwen2MoeForCausalLM"
 
     def claims(self, m: ModelConfig) -> bool:
-        return m.num_experts > 0 and m.shared_expert_gate and not m.qk_norm
+        return m.num_experts > 0 and m.shared_expert_gate and m.qkv_bias and not m.qk_norm
 
     def hf_refusal(self, m: ModelConfig) -> str | None:
         return self.hf_moe_refusal(m)
@@ -148,7 +148,7 @@ class Qwen2Moe(Qwen3Moe):
     def hf_config_extra(self, m: ModelConfig) -> dict:
         out = super().hf_config_extra(m)
         del out["attention_bias"]
-        out.update(qkv_bias=m.qkv_bias, shared_expert_intermediate_size=m.shared_dim,
+        out.update(qkv_bias=True, shared_expert_intermediate_size=m.shared_dim,
                    sliding_window=0, max_window_layers=m.n_layers,
                    layer_types=["full_attention"] * m.n_layers)
         return out
@@ -159,12 +159,15 @@ class Qwen2Moe(Qwen3Moe):
         if refusal is None and kinds != {"full_attention"}:
             refusal = (f"layer_types {sorted(kinds)} are not supported: hpctrain attends to "
                        f"the whole causal prefix in every layer (full_attention)")
+        if refusal is None and not hf.get("qkv_bias", True):
+            refusal = ("qkv_bias = false is not supported: hpctrain's Qwen2-MoE has q/k/v "
+                       "biases")
         if refusal is None and not hf.get("shared_expert_intermediate_size"):
             refusal = ("shared_expert_intermediate_size = 0 is not supported: hpctrain's "
                        "Qwen2-MoE has one gated shared expert")
         return refusal
 
     def hf_own_section(self, hf: dict) -> dict:
-        return {"qkv_bias": bool(hf.get("qkv_bias", True)), "shared_experts": 1,
+        return {"qkv_bias": True, "shared_experts": 1,
                 "shared_expert_d_ff": int(hf["shared_expert_intermediate_size"]),
                 "shared_expert_gate": True}
