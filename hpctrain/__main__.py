@@ -23,7 +23,7 @@ COMMANDS = {
     "tokenizer": "train a byte-level BPE tokenizer (tokenizer.json)",
     "inspect": "a checkpoint's tensors and lineage; --verify checksums",
     "export": "a checkpoint as safetensors or a Hugging Face directory",
-    "import": "a Hugging Face Llama/Mixtral directory as a checkpoint",
+    "import": "a Hugging Face model directory as a checkpoint",
     "generate": "continue a prompt with a checkpoint's model",
     "report": "plots and a summary of where a run's time went",
 }

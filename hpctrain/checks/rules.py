@@ -108,8 +108,9 @@ def _check_shards(top, zero: int, need) -> None:
 
 def _check_model(cfg: Config, world_size: int, need) -> None:
     top, m, t = cfg.topology, cfg.model, cfg.train
-    need(m.d_model % max(m.n_heads, 1) == 0,
-         f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    need(m.d_head > 0 or m.d_model % max(m.n_heads, 1) == 0,
+         f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; set "
+         "model.d_head for heads of another size")
     need(m.n_heads % top.tp == 0,
          f"model.n_heads={m.n_heads} is not divisible by topology.tp={top.tp} "
          "(attention is split by heads)")

@@ -45,10 +45,11 @@ DETAILS = {  # each command's description, where its module sets none
                  "embedded corpus, offline and deterministic.",
     "inspect": "Show a checkpoint's tensors, shapes, dtypes, lineage and how it was written "
                "(--verify recomputes every checksum), or a prepared data file's contents.",
-    "import": "Turn a Hugging Face Llama/Mixtral directory into an hpctrain checkpoint that "
-              "any layout starts from (or use --set checkpoint.init_from=DIR directly).",
+    "import": "Turn a Hugging Face Llama/Mixtral/Qwen-MoE directory into an hpctrain "
+              "checkpoint that any layout starts from (or use --set "
+              "checkpoint.init_from=DIR directly).",
     "generate": "Continue a prompt with a model: a checkpoint of any layout, or a Hugging "
-                "Face Llama/Mixtral directory, on one process (no MPI).",
+                "Face Llama/Mixtral/Qwen-MoE directory, on one process (no MPI).",
     "report": "Plots and a Markdown summary of where a run's time went (needs matplotlib).",
 }
 

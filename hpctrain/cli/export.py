@@ -2,7 +2,7 @@
 shapes, no optimizer state) from a checkpoint (verified first) or a Hugging Face directory
 (read as ``hpctrain import`` reads it). ``safetensors`` (the default): one file in
 hpctrain's parameter names, named ``*.safetensors`` (:func:`safetensors_path`), with the
-resolved config beside it as ``<file>.config.toml``. ``hf``: a Hugging Face Llama/Mixtral
+resolved config beside it as ``<file>.config.toml``. ``hf``: a Hugging Face Llama/Mixtral/Qwen-MoE
 directory (``interchange/hf_export.py``). One process, no MPI."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 TRAILING = "out_pos"  # `export CKPT --format safetensors OUT`: OUT after the options
 SUFFIX = ".safetensors"
-SOURCE_HELP = ("checkpoint file, a directory holding `latest`, or a Hugging Face Llama/Mixtral "
-               "directory (config.json + safetensors)")
+SOURCE_HELP = ("checkpoint file, a directory holding `latest`, or a Hugging Face "
+               "Llama/Mixtral/Qwen-MoE directory (config.json + safetensors)")
 
 
 def add_arguments(p) -> None:

@@ -2,7 +2,7 @@
 
 Any layout's checkpoint works: tensors are stored in global shapes, so the whole model is
 built on one process (no MPI collective) from the config saved in the checkpoint. A Hugging
-Face Llama/Mixtral directory works too, read as ``hpctrain import`` reads it. The logic
+Face Llama/Mixtral/Qwen-MoE directory works too, read as ``hpctrain import`` reads it. The logic
 (tokenizer, key/value cache, sampling, ``--benchmark``) is ``interchange/generation.py``.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="a checkpoint file, a directory with a `latest` file, "
-                   "or a Hugging Face Llama/Mixtral directory (config.json + safetensors)")
+                   "or a Hugging Face Llama/Mixtral/Qwen-MoE directory (config.json + safetensors)")
     p.add_argument("--prompt", default="def ", help="text to continue")
     p.add_argument("--tokens", type=int, default=200, help="how many tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: "

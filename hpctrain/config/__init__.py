@@ -72,6 +72,9 @@ class ModelConfig:
     n_heads: int = key(4, "attention (query) heads", ge=1)
     n_kv_heads: int = key(0, "llama: key/value heads (grouped-query attention); 0 = n_heads", ge=0)
     rope_theta: float = key(10000.0, "llama: rotary embedding base", gt=0)
+    d_head: int = key(0, "channels per attention head; 0: d_model / n_heads", ge=0)
+    qk_norm: bool = key(False, "RMSNorm over each query and key head before rotary (Qwen3)")
+    qkv_bias: bool = key(False, "biases on the query, key and value projections (Qwen2)")
     d_ff: int = key(0, "MLP hidden size; 0: 4 * d_model", ge=0)
     vocab_size: int = key(256, "embedding rows; every token id of the data needs one", ge=2)
     dtype: str = key("float32", "parameter and compute type (float16: dynamic loss scaling)",
@@ -135,7 +138,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_head or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:

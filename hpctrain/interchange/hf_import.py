@@ -111,7 +111,8 @@ def check_keys(reader: HFReader, m: ModelConfig) -> None:
     unexpected = sorted(extra)
     if missing or unexpected:
         raise hf_map.InterchangeError(
-            f"{reader.dir} does not match its config.json as a Llama/Mixtral model: "
+            f"{reader.dir} does not match its config.json as a "
+            f"{reader.config.get('model_type')} model: "
             f"{len(missing)} missing ({', '.join(missing[:3])}), {len(unexpected)} "
             f"unexpected ({', '.join(unexpected[:3])})")
 

@@ -4,10 +4,11 @@ and tensor names. The model family owns its form (``model.families``: ``hf_names
 or by an HF ``model_type``) and turns its answers into :class:`Entry` rows and
 :class:`InterchangeError`.
 
-Llama and Mixtral weights map 1:1 (same rotate-half rope, GQA by repeat, SwiGLU, RMSNorm, no
-biases), so a tensor is only renamed; a Mixtral expert tensor is one slice ``[e]`` of
-hpctrain's stacked ``(E, ...)`` tensor. Everything HF can express that hpctrain cannot (rope
-scaling, biases, sliding windows, other model types) is refused with
+Llama, Mixtral, Qwen2-MoE and Qwen3-MoE weights map 1:1 (same rotate-half rope, GQA by
+repeat, SwiGLU, RMSNorm; Qwen's q/k/v biases and q/k norms are hpctrain tensors of the same
+shapes), so a tensor is only renamed; an expert tensor is one slice ``[e]`` of hpctrain's
+stacked ``(E, ...)`` tensor. Everything HF can express that hpctrain cannot (rope scaling,
+biases other than Qwen2's q/k/v ones, sliding windows, other model types) is refused with
 :class:`InterchangeError`.
 """
 

@@ -1,5 +1,5 @@
 """``checkpoint.init_from = "DIR-or-CKPT"``: a new run's parameters from a Hugging Face
-Llama/Mixtral directory or an hpctrain checkpoint (file, or directory with ``latest``); the
+Llama/Mixtral/Qwen-MoE directory or an hpctrain checkpoint (file, or directory with ``latest``); the
 optimizer starts fresh at step 0. A run that resumes (``checkpoint.resume``) ignores it.
 
 :func:`problems` runs on every rank before any collective (the source exists, its model has
@@ -65,17 +65,18 @@ def source_model(kind: str, path: Path) -> ModelConfig:
     return from_dict(tomllib.loads(str(text))).model
 
 
+# keys whose 0 means a default, and the property that says what they mean
+MEANS = {"d_ff": "ffn_dim", "n_kv_heads": "kv_heads", "d_head": "head_dim",
+         "expert_d_ff": "expert_dim", "shared_expert_d_ff": "shared_dim"}
+
+
 def differences(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
     """model.* keys (besides how it trains) where this run's model is another model."""
     out = []
     for key in sorted(set(vars(mine)) - IGNORED):
         a, b = getattr(mine, key), getattr(theirs, key, None)
-        if key in ("d_ff", "n_kv_heads"):  # 0 means "the default": compare what it means
-            a, b = ((mine.ffn_dim, theirs.ffn_dim) if key == "d_ff"
-                    else (mine.kv_heads, theirs.kv_heads))
-        if key in ("expert_d_ff", "shared_expert_d_ff"):  # 0 means "the default" too
-            prop = "expert_dim" if key == "expert_d_ff" else "shared_dim"
-            a, b = getattr(mine, prop), getattr(theirs, prop)
+        if key in MEANS:  # 0 means "the default": compare what it means
+            a, b = getattr(mine, MEANS[key]), getattr(theirs, MEANS[key])
         if key in ("moe_every", "top_k") and not mine.num_experts:
             continue
         if a != b:

@@ -178,6 +178,18 @@ class Attention(nn.Module):
         self.wv = _param((self.kv * hd, C), kv_meta, dtype)
         self.wo = _param((C, self.heads * hd), ParamMeta((C, cfg.n_heads * hd), tp_dim=1,
                                                          std=resid_std), dtype)
+        self.bias = cfg.qkv_bias
+        if self.bias:  # split over tp with their projections' rows
+            self.bq = _param((self.heads * hd,), ParamMeta((cfg.n_heads * hd,), tp_dim=0,
+                                                           init="zeros"), dtype)
+            self.bk = _param((self.kv * hd,), ParamMeta((kv * hd,), tp_dim=0, init="zeros"),
+                             dtype)
+            self.bv = _param((self.kv * hd,), ParamMeta((kv * hd,), tp_dim=0, init="zeros"),
+                             dtype)
+        # per-head norms: every tp rank holds the whole (hd,) weight and normalises its own
+        # heads, so the weight's gradient is a sum over tp
+        self.q_norm = RMSNorm(hd, cfg.norm_eps, dtype, tp > 1) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps, dtype, tp > 1) if cfg.qk_norm else None
 
     def forward(self, x, cache: KVCache | None = None, layer=None, doc=None):
         """x: (B, T, C), the full sequence (or, with ``cache``, the new tokens only),
@@ -185,10 +197,9 @@ class Attention(nn.Module):
         ``doc`` (B, 2, T): document ids and positions of the whole windows: a query sees
         only keys of its own document, rotary positions are the given ones (None: causal
         over the whole sequence, positions 0..T-1)."""
-        B, T, _ = x.shape
-        q = linear(x, self.wq).view(B, T, self.heads, self.hd).transpose(1, 2)
-        k = linear(x, self.wk).view(B, T, self.kv, self.hd).transpose(1, 2)
-        v = linear(x, self.wv).view(B, T, self.kv, self.hd).transpose(1, 2)
+        q = self._heads(x, "q", self.heads, self.q_norm)
+        k = self._heads(x, "k", self.kv, self.k_norm)
+        v = self._heads(x, "v", self.kv, None)
         if cache is not None:
             y = self._cached_attention(q, k, v, cache, layer)
         elif self.context is not None:  # this rank's chunks of the sequence
@@ -198,6 +209,17 @@ class Attention(nn.Module):
         else:
             y = self._core(q, k, v, doc)
         return linear(y, self.wo)  # partial sum over tp: (B, T, C)
+
+    def _heads(self, x, which: str, n: int, norm):
+        """The projection ``which`` (q, k or v) of x (B, T, C) as (B, n, T, hd): with its
+        bias (``model.qkv_bias``), then ``norm`` over each head's channels (``model.qk_norm``),
+        before any rotary embedding."""
+        B, T, _ = x.shape
+        y = linear(x, getattr(self, "w" + which))
+        if self.bias:
+            y = y + getattr(self, "b" + which)
+        y = y.view(B, T, n, self.hd)
+        return (y if norm is None else norm(y)).transpose(1, 2)
 
     def _core(self, q, k, v, doc=None):
         """The attention core, softmax(QK^T)V with positions, over the whole sequence: q

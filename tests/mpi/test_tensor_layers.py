@@ -23,7 +23,10 @@ B, T = 2, 8
 CFG = ModelConfig(n_layers=2, d_model=16, n_heads=4, d_ff=32, vocab_size=11, dtype="float64")
 # The llama form: rotary, SwiGLU, 8 query heads on 4 kv heads (tp 1, 2, 4 split both).
 LLAMA = replace(CFG, arch="llama", d_model=32, n_heads=8, n_kv_heads=4)
-ARCH = {"gpt": CFG, "llama": LLAMA}
+# Per-head q/k norms (replicated, their gradient summed over tp), q/k/v biases split with their
+# projections, heads of 6 channels on d_model 32 (Qwen's attention options).
+QWEN = replace(LLAMA, qk_norm=True, qkv_bias=True, d_head=6)
+ARCH = {"gpt": CFG, "llama": LLAMA, "qwen": QWEN}
 TOL = dict(rtol=1e-11, atol=1e-13)
 
 
@@ -154,7 +157,7 @@ def fake_topo(tp):
                            edpcp_comm=alone, dp_rank=0, world=tp)
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "qwen"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
 def test_whole_stage(tp, sp, recompute, arch):

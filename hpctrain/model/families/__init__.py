@@ -8,7 +8,10 @@ FLOP terms, memory terms, Hugging Face form and config checks:
 - ``llama.py``: rotary positions, SwiGLU, grouped-query attention, RMSNorm
   (``model.arch = "llama"``, no experts);
 - ``mixtral.py``: the llama form with mixture-of-experts layers (``model.arch = "llama"``
-  with ``num_experts > 0``).
+  with ``num_experts > 0``, no q/k norms, not Qwen2-MoE's features);
+- ``qwen_moe.py``: the llama form with experts as Hugging Face's Qwen3-MoE (q/k norms per
+  head: ``model.arch = "llama"``, ``num_experts > 0``, ``qk_norm``) and Qwen2-MoE (q/k/v
+  biases, a gated shared expert: ``num_experts > 0``, ``shared_expert_gate``, ``qkv_bias``).
 
 A config selects the one family of its ``model.arch`` that claims it
 (:meth:`~.base.Family.claims`). Adding a family: its module and one line in ``FAMILIES``
@@ -19,7 +22,7 @@ imports only ``config``.
 from __future__ import annotations
 
 from ...config import ModelConfig
-from . import gpt, llama, mixtral
+from . import gpt, llama, mixtral, qwen_moe
 from .base import Family, FlopTerms
 
 __all__ = ["FAMILIES", "Family", "FlopTerms", "arch_names", "by_hf_model_type", "family_of",
@@ -29,6 +32,8 @@ FAMILIES: tuple[Family, ...] = (
     gpt.GPT(),
     llama.Llama(),
     mixtral.Mixtral(),
+    qwen_moe.Qwen3Moe(),
+    qwen_moe.Qwen2Moe(),
 )
 
 

@@ -88,8 +88,8 @@ class Family:
     def flop_terms(self, m: ModelConfig, ctx: float) -> FlopTerms:
         """Forward FLOPs per token of one block's parts, with ``ctx`` keys per query."""
         C, F = m.d_model, m.ffn_dim
-        kv = self.kv_heads(m) * m.head_dim
-        attention = 2 * 2 * C * (C + kv) + 2 * 2 * C * ctx
+        q, kv = m.n_heads * m.head_dim, self.kv_heads(m) * m.head_dim
+        attention = 2 * 2 * C * (q + kv) + 2 * 2 * q * ctx
         dense_mlp = 2 * self.mlp_matrices * C * F
         routed = m.top_k * 2 * self.mlp_matrices * C * m.expert_dim
         shared = 2 * self.mlp_matrices * C * m.shared_dim + (2 * C if m.shared_expert_gate else 0)
@@ -97,9 +97,11 @@ class Family:
 
     # -- memory terms (parameter elements on one rank) -------------------------------------
     def block_params(self, m: ModelConfig, tp: int) -> int:
-        """Attention (wq, wk, wv, wo split over tp) and the block's two norms."""
+        """Attention (wq, wk, wv, wo split over tp; the q/k/v biases too; the q/k norms
+        replicated) and the block's two norms."""
         C, q, kv = m.d_model, m.n_heads * m.head_dim, self.kv_heads(m) * m.head_dim
-        return 2 * C * (q // tp) + 2 * C * (kv // tp) + 2 * C
+        extra = (2 * m.head_dim if m.qk_norm else 0) + ((q + 2 * kv) // tp if m.qkv_bias else 0)
+        return 2 * C * (q // tp) + 2 * C * (kv // tp) + 2 * C + extra
 
     def mlp_params(self, m: ModelConfig, tp: int) -> int:
         """A dense MLP, split over tp on its hidden dimension."""
@@ -126,10 +128,11 @@ class Family:
                  f"model.n_kv_heads={kv} is not divisible by topology.tp={top.tp} (each tp "
                  "rank holds whole kv heads; kv heads are not replicated)")
         if self.rotary:
-            hd = m.d_model // max(m.n_heads, 1)
-            need(hd % 2 == 0, f"model.d_model/model.n_heads = {m.d_model}/{m.n_heads} = {hd} "
-                 f"must be even for model.arch={m.arch!r} (rotary embeddings rotate pairs of "
-                 "channels)")
+            hd = m.d_head or m.d_model // max(m.n_heads, 1)
+            size = (f"model.d_head = {hd}" if m.d_head else
+                    f"model.d_model/model.n_heads = {m.d_model}/{m.n_heads} = {hd}")
+            need(hd % 2 == 0, f"{size} must be even for model.arch={m.arch!r} (rotary "
+                 "embeddings rotate pairs of channels)")
 
     # -- Hugging Face form ------------------------------------------------------------------
     def hf_refusal(self, m: ModelConfig) -> str | None:

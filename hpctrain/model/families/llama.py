@@ -35,6 +35,12 @@ class Llama(Family):
 
     # -- Hugging Face form ------------------------------------------------------------------
     def hf_refusal(self, m: ModelConfig) -> str | None:
+        for key, what in (("qk_norm", "q/k norms"), ("qkv_bias", "q/k/v biases only")):
+            if getattr(m, key):
+                return (f"model.{key} = true: Hugging Face's {self.hf_architecture} has no "
+                        f"{what}; a model with experts, q/k norms and no shared experts "
+                        f"exports as Qwen3-MoE, one with q/k/v biases and shared experts as "
+                        f"Qwen2-MoE; otherwise export --format safetensors")
         return None
 
     def hf_names(self, m: ModelConfig) -> list[tuple[str, str, int | None]]:
@@ -45,16 +51,20 @@ class Llama(Family):
                     (b + "attn.wq", L + "self_attn.q_proj.weight", None),
                     (b + "attn.wk", L + "self_attn.k_proj.weight", None),
                     (b + "attn.wv", L + "self_attn.v_proj.weight", None),
-                    (b + "attn.wo", L + "self_attn.o_proj.weight", None),
-                    (b + "norm2.weight", L + "post_attention_layernorm.weight", None)]
-            out += self.hf_ffn_names(m, b, L)
+                    (b + "attn.wo", L + "self_attn.o_proj.weight", None)]
+            out += [(b + f"attn.b{x}", L + f"self_attn.{x}_proj.bias", None)
+                    for x in "qkv" if m.qkv_bias]
+            out += [(b + f"attn.{x}_norm.weight", L + f"self_attn.{x}_norm.weight", None)
+                    for x in "qk" if m.qk_norm]
+            out.append((b + "norm2.weight", L + "post_attention_layernorm.weight", None))
+            out += self.hf_ffn_names(m, b, L, i)
         out.append(("norm_f.weight", "model.norm.weight", None))
         if not m.tie_embeddings:
             out.append(("head", "lm_head.weight", None))
         return out
 
-    def hf_ffn_names(self, m: ModelConfig, b: str, L: str) -> list:
-        """The feed-forward tensors of block prefix ``b`` (HF layer prefix ``L``)."""
+    def hf_ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
+        """The feed-forward tensors of block ``i`` (prefix ``b``; HF layer prefix ``L``)."""
         return [(b + "mlp.w1", L + "mlp.gate_proj.weight", None),
                 (b + "mlp.w3", L + "mlp.up_proj.weight", None),
                 (b + "mlp.w2", L + "mlp.down_proj.weight", None)]
@@ -95,13 +105,17 @@ class Llama(Family):
                     f"attends to the whole causal prefix")
         if hf.get("hidden_act", "silu") != "silu":
             return f"hidden_act = {hf['hidden_act']!r} is not supported (silu)"
+        if (hf.get("pretraining_tp") or 1) != 1:
+            return "pretraining_tp != 1 is not supported"
+        return self.hf_head_dim_refusal(hf)
+
+    def hf_head_dim_refusal(self, hf: dict) -> str | None:
+        """Why the config's ``head_dim`` cannot be imported (None: it can)."""
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         head_dim = hf.get("head_dim")
         if head_dim not in (None, hidden // heads) or hidden % heads:
             return (f"head_dim = {head_dim} with hidden_size {hidden} and {heads} heads: "
-                    f"hpctrain needs head_dim = hidden_size / heads")
-        if (hf.get("pretraining_tp") or 1) != 1:
-            return "pretraining_tp != 1 is not supported"
+                    f"hpctrain's llama import needs head_dim = hidden_size / heads")
         return None
 
     def hf_section(self, hf: dict) -> dict:

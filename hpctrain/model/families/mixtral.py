@@ -2,7 +2,8 @@
 layers, as Hugging Face's ``MixtralForCausalLM`` / ``MixtralSparseMoeBlock``: the router's
 softmax in float32 for 16-bit models, the top-k gates renormalised to sum to 1 for every k,
 SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down). Selected by ``model.arch = "llama"``
-with ``num_experts > 0``."""
+with ``num_experts > 0``, no q/k norms, and not both gated shared experts and q/k/v biases
+(those: ``qwen_moe.py``)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,13 @@ class Mixtral(Llama):
     hf_architecture = "MixtralForCausalLM"
 
     def claims(self, m: ModelConfig) -> bool:
-        return m.num_experts > 0
+        return m.num_experts > 0 and not m.qk_norm and not (m.shared_expert_gate and
+                                                             m.qkv_bias)
 
     def hf_refusal(self, m: ModelConfig) -> str | None:
+        refusal = super().hf_refusal(m)
+        if refusal is not None:
+            return refusal
         if m.moe_every != 1:
             return (f"model.moe_every = {m.moe_every}: only models where every block is a "
                     f"mixture of experts map to Mixtral (moe_every = 1)")
@@ -46,7 +51,7 @@ class Mixtral(Llama):
                     f"(dropless); hpctrain would drop tokens, so the logits would differ")
         return deepseek_refusal(m, self.name)
 
-    def hf_ffn_names(self, m: ModelConfig, b: str, L: str) -> list:
+    def hf_ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """The router, then one entry per expert slice ``[e]`` of the stacked (E, ...)
         tensors."""
         return [(b + "mlp.router", L + "block_sparse_moe.gate.weight", None)] + [
