@@ -6,6 +6,28 @@ from pathlib import Path
 
 import pytest
 
+SLOW_S = 30  # a test whose setup and call take longer carries @pytest.mark.slow(reason=...)
+_SETUP_S: dict = {}  # test id -> its setup's seconds (a module fixture's cost lands there)
+_UNMARKED: list = []  # (seconds, test id) of slow tests without the marker
+
+
+def pytest_runtest_logreport(report):
+    """Remember a test whose setup + call took over SLOW_S without a ``slow`` marker."""
+    if report.when == "setup":
+        _SETUP_S[report.nodeid] = report.duration
+    elif report.when == "call":
+        took = _SETUP_S.pop(report.nodeid, 0.0) + report.duration
+        if took > SLOW_S and "slow" not in report.keywords:
+            _UNMARKED.append((took, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite keeps its time budget in view: a slow test must say why it is slow."""
+    if _UNMARKED:
+        terminalreporter.section(f"tests over {SLOW_S} s without a slow(reason=...) marker")
+        for seconds, nodeid in sorted(_UNMARKED, reverse=True):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
+
 
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory) -> Path:

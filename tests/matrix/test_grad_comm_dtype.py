@@ -1,4 +1,4 @@
-"""16-bit gradient traffic through the real CLI under mpirun: ``optim.grad_comm_dtype =
+"""16-bit gradient traffic in one launch: ``optim.grad_comm_dtype =
 "bfloat16"`` on dp=2 halves the bytes of the dp reduction and tracks float32 traffic (a
 tolerance, not equality: each bucket is rounded to bfloat16 once per rank and per partial
 sum). Blocking buckets, the posted reduce-scatter of ZeRO-1 with overlap, and HSDP's
@@ -6,9 +6,7 @@ all-reduce across shard groups (shard groups of one rank: the whole sum crosses 
 
 import numpy as np
 import pytest
-from launch import train_cli
-
-pytestmark = pytest.mark.e2e
+from inprocess import train_layout
 
 COMMON = ('model.dtype="float32"', "model.n_layers=2", "topology.dp=2", "train.steps=20",
           "train.micro_batch_size=4", "checkpoint.save_final=false")
@@ -19,11 +17,11 @@ BF16 = 'optim.grad_comm_dtype="bfloat16"'
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("wire")
     return {
-        "f32": train_cli(root / "f32", 2, *COMMON),
-        "bf16": train_cli(root / "bf16", 2, *COMMON, BF16),
-        "bf16 zero1 overlap": train_cli(root / "z1", 2, *COMMON, BF16, "optim.zero=1",
+        "f32": train_layout(root / "f32", 2, *COMMON),
+        "bf16": train_layout(root / "bf16", 2, *COMMON, BF16),
+        "bf16 zero1 overlap": train_layout(root / "z1", 2, *COMMON, BF16, "optim.zero=1",
                                         "optim.overlap=true"),
-        "bf16 hsdp": train_cli(root / "hsdp", 2, *COMMON, BF16, "optim.zero=3",
+        "bf16 hsdp": train_layout(root / "hsdp", 2, *COMMON, BF16, "optim.zero=3",
                                'topology.shard_within="1"'),
     }
 

@@ -1,13 +1,12 @@
-"""Invariant 1 for tensor (and sequence) parallelism, through the real CLI: tp, and dp x tp
+"""Invariant 1 for tensor (and sequence) parallelism, in one launch: tp, and dp x tp
 layouts train the same model as one rank (losses, grad norms, final parameters in global
 shape read back from the checkpoint each layout wrote)."""
 
 import os
 
 import pytest
-from launch import TINY, assert_same, baseline, train_cli
-
-pytestmark = pytest.mark.e2e
+from inprocess import baseline, train_layout
+from launch import TINY, assert_same
 
 SP = "topology.sequence_parallel=true"
 F32 = 'model.dtype="float32"'
@@ -37,7 +36,7 @@ if os.environ.get("HPCTRAIN_TP_FULL") == "1":
 @pytest.mark.parametrize("name,n,overrides", LAYOUTS, ids=[c[0] for c in LAYOUTS])
 def test_tp_float64_equals_one_rank(tmp_path, session_dir, name, n, overrides):
     ref = baseline(session_dir)
-    run = train_cli(tmp_path / name, n, *overrides)
+    run = train_layout(tmp_path / name, n, *overrides)
     assert_same(run, ref, rel=1e-9, what=name)
     # The tp collectives are recorded under their own axis (bytes: never a timing claim).
     assert all(m["comm_bytes"].get("tp", 0) > 0 for m in run.metrics), run.metrics[0]
@@ -51,7 +50,7 @@ def test_tp_float32_equals_one_rank(tmp_path, session_dir):
     # comparison measures what tensor parallelism changes (measured here: 4e-5).
     common = (F32, "optim.eps=1e-6")
     ref = baseline(session_dir, *common)
-    run = train_cli(tmp_path / "tp2-f32", 2, "topology.tp=2", *common)
+    run = train_layout(tmp_path / "tp2-f32", 2, "topology.tp=2", *common)
     assert_same(run, ref, rel=1e-4, what="tp2 float32")
 
 
@@ -70,5 +69,5 @@ def test_vocab_not_divisible_by_tp(tmp_path, session_dir):
     common = (f"model.vocab_size={V}", "model.tie_embeddings=true")
     ref = baseline(session_dir, *common)
     assert ref.params["model/embed"].shape[0] == V and V % 2 == 1
-    run = train_cli(tmp_path / f"v{V}", 2, "topology.tp=2", SP, *common)
+    run = train_layout(tmp_path / f"v{V}", 2, "topology.tp=2", SP, *common)
     assert_same(run, ref, rel=1e-9, what=f"vocab {V} (largest id {top}), tp=2, sp")

@@ -6,13 +6,11 @@ Measured peak (metrics ``mem_peak``, rank 0): parameters + gradient storage + op
 
 
 import pytest
-from launch import TINY, train_cli
+from inprocess import train_layout
+from launch import TINY
 
 from hpctrain.config import load
 from hpctrain.telemetry import memory
-
-pytestmark = pytest.mark.e2e
-
 
 LAYOUTS = [
     pytest.param(2, ("topology.dp=2", "optim.zero=1", 'model.dtype="bfloat16"',
@@ -25,7 +23,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("n,layout", LAYOUTS)
 def test_plan_estimate_within_20_percent_of_measured(tmp_path, n, layout):
     overrides = (*layout, "train.steps=2", "checkpoint.save_final=false")
-    run = train_cli(tmp_path / "run", n, *overrides)
+    run = train_layout(tmp_path / "run", n, *overrides)
     est = memory.estimate(load(TINY, list(overrides)))
     measured = run.metrics[-1]
     assert abs(est.total - measured["mem_peak"]) <= 0.2 * measured["mem_peak"], (
@@ -50,7 +48,7 @@ MODES = [
 @pytest.mark.parametrize("n,layout", MODES)
 def test_plan_estimate_within_10_percent_for_each_recompute_mode(tmp_path, n, layout):
     overrides = (*layout, "train.steps=1", "checkpoint.save_final=false")
-    run = train_cli(tmp_path / "run", n, *overrides)
+    run = train_layout(tmp_path / "run", n, *overrides)
     cfg = load(TINY, list(overrides))
     est, measured = memory.estimate(cfg), run.metrics[-1]
     unseen = 0

@@ -1,4 +1,4 @@
-"""Invariant 1 for context parallelism through the real CLI (float64, 5 steps): ring
+"""Invariant 1 for context parallelism in one launch (float64, 5 steps): ring
 attention over ``cp_comm`` with causal load balancing trains the same model as one rank,
 alone and composed with tp + sequence parallelism, pp x dp with ZeRO-3 and experts (ep). Each layout
 shares a baseline other tests already run (the llama and gpt presets, the MoE reference of
@@ -9,9 +9,8 @@ parallelism.
 """
 
 import pytest
-from launch import TINY, TINY_GPT, assert_same, baseline, train_cli
-
-pytestmark = pytest.mark.e2e
+from inprocess import baseline, train_layout
+from launch import TINY, TINY_GPT, assert_same
 
 SP = "topology.sequence_parallel=true"
 MOE = ("model.num_experts=4", "model.moe_every=2")  # as test_moe_equivalence.py
@@ -43,7 +42,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("name,n,config,overrides,ref", LAYOUTS, ids=[c[0] for c in LAYOUTS])
 def test_cp_float64_equals_one_rank(tmp_path, session_dir, name, n, config, overrides, ref):
     reference = baseline(session_dir, *ref, config=config)
-    run = train_cli(tmp_path / name, n, *overrides, config=config)
+    run = train_layout(tmp_path / name, n, *overrides, config=config)
     assert_same(run, reference, rel=1e-9, what=name)
     # The cp transfers are recorded under their own axis (bytes: never a timing claim),
     # and the gradients of the cp replicas are summed over dp x cp.

@@ -1,4 +1,4 @@
-"""Any layout restores any checkpoint (invariant 4), float64, through the real CLI.
+"""Any layout restores any checkpoint (invariant 4), float64, in one launch.
 
 Each case: the one-rank run of 6 steps straight (saving at step 3) is the reference. Layout X
 trains 6 steps saving at 3 (compared with the reference too); layout Y restarts from X's
@@ -7,10 +7,8 @@ its final parameters *and optimizer state* the reference's, within 1e-9 relative
 """
 
 import numpy as np
-import pytest
-from launch import assert_same, baseline, read_params, rel_err, train_cli
-
-pytestmark = pytest.mark.e2e
+from inprocess import baseline, train_layout
+from launch import assert_same, read_params, rel_err
 
 COMMON = ("train.steps=6", "checkpoint.every=3")
 
@@ -43,12 +41,12 @@ def reshard(tmp_path, ref, save, load, extra=(), save_extra=(), load_extra=()):
     n_save = np.prod([int(o.split("=")[1]) for o in save if not o.startswith("topology.ep")])
     n_load = np.prod([int(o.split("=")[1]) for o in load if not o.startswith("topology.ep")])
     if ref is None or tuple(save) != layout():
-        a = train_cli(tmp_path / "save", int(n_save), *COMMON, *extra, *save, *save_extra)
+        a = train_layout(tmp_path / "save", int(n_save), *COMMON, *extra, *save, *save_extra)
         if ref is not None:
             assert_same(a, ref, rel=1e-9, what=f"straight run on {save}")
     else:
         a = ref
-    b = train_cli(tmp_path / "load", int(n_load), "train.steps=6", *extra, *load, *load_extra,
+    b = train_layout(tmp_path / "load", int(n_load), "train.steps=6", *extra, *load, *load_extra,
                   f"checkpoint.resume={ckpt(a, 3)}")
     return a, b
 
@@ -111,7 +109,7 @@ def test_cp4_to_one_rank_and_one_rank_to_cp2(tmp_path, session_dir):
     assert_tail_equal(c, ref, 3, "1 rank -> cp=2")
     # The ring cp=4's checkpoint continues as the hybrid: 2 Ulysses groups of 2 cp ranks,
     # the ring across them (the same token layout, the same file).
-    h = train_cli(tmp_path / "hybrid", 4, "train.steps=6", "topology.cp=4", *whole,
+    h = train_layout(tmp_path / "hybrid", 4, "train.steps=6", "topology.cp=4", *whole,
                   "topology.cp_kind=hybrid", "topology.cp_ulysses=2",
                   f"checkpoint.resume={ckpt(a, 3)}")
     assert_tail_equal(h, ref, 3, "ring cp=4 -> hybrid cp=4 (2x2)")

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 and overlapped reduction through the real CLI (tiny preset, float64, 5 steps).
+"""ZeRO-1/2 and overlapped reduction in one launch (tiny preset, float64, 5 steps).
 
 ZeRO changes where the optimizer state lives and how gradients are summed, never the model:
 losses, gradient norms, final parameters and the checkpointed optimizer state equal the
@@ -7,12 +7,10 @@ one-rank run (invariant 1, rel <= 1e-9), and each rank holds 1/dp of the optimiz
 
 import h5py
 import pytest
-from launch import TINY, assert_same, baseline, read_params, rel_err, train_cli
+from inprocess import baseline, train_layout
+from launch import TINY, assert_same, read_params, rel_err
 
 from hpctrain.config import load
-
-pytestmark = pytest.mark.e2e
-
 
 
 def _optim_state(run) -> dict:
@@ -31,7 +29,7 @@ def _bucket_bytes(run) -> float:
 @pytest.mark.parametrize("zero,dp,overlap", [(1, 4, True), (2, 2, False), (0, 2, True)])
 def test_zero_equals_one_rank(tmp_path, session_dir, zero, dp, overlap):
     ref = baseline(session_dir)
-    run = train_cli(tmp_path / "run", dp, f"topology.dp={dp}", f"optim.zero={zero}",
+    run = train_layout(tmp_path / "run", dp, f"topology.dp={dp}", f"optim.zero={zero}",
                     f"optim.overlap={str(overlap).lower()}")
     what = f"zero={zero} dp={dp} overlap={overlap}"
     assert_same(run, ref, rel=1e-9, what=what)
@@ -58,12 +56,12 @@ def test_zero_resume_continues_exactly(tmp_path, session_dir):
     on 2 ranks: its first recorded step is 4 (a resume, not a restart) and steps 4-5, the
     final parameters and the optimizer state equal the one-rank run's."""
     ref = baseline(session_dir)
-    first = train_cli(tmp_path / "first", 4, "topology.dp=4", "optim.zero=2", "train.steps=3",
+    first = train_layout(tmp_path / "first", 4, "topology.dp=4", "optim.zero=2", "train.steps=3",
                       "optim.decay_steps=5")
     assert [m["step"] for m in first.metrics] == [1, 2, 3]
     assert rel_err(first.losses, ref.losses[:3]) <= 1e-9
     saved = first.run_dir / "checkpoints" / "step_00000003.h5"
-    run = train_cli(tmp_path / "resumed", 2, "topology.dp=2", "optim.zero=1", "train.steps=5",
+    run = train_layout(tmp_path / "resumed", 2, "topology.dp=2", "optim.zero=1", "train.steps=5",
                     "optim.decay_steps=5", f"checkpoint.resume={saved}")
     assert [m["step"] for m in run.metrics] == [4, 5], "not resumed at step 4"
     assert rel_err(run.losses, ref.losses[3:]) <= 1e-9, (run.losses, ref.losses)
@@ -82,9 +80,9 @@ def test_skipped_step_after_resume_keeps_the_loaded_state(tmp_path):
     guard applies no update), then saved: the file holds the loaded moments, bit for bit,
     not the shards as they were before the load."""
     z = ("topology.dp=2", "optim.zero=1")
-    first = train_cli(tmp_path / "first", 2, *z, "train.steps=3")
+    first = train_layout(tmp_path / "first", 2, *z, "train.steps=3")
     saved = first.run_dir / "checkpoints" / "step_00000003.h5"
-    run = train_cli(tmp_path / "resumed", 2, *z, "train.steps=4", "checkpoint.every=1",
+    run = train_layout(tmp_path / "resumed", 2, *z, "train.steps=4", "checkpoint.every=1",
                     f"checkpoint.resume={saved}", 'experimental.faults="poison@0:4"')
     assert [(m["step"], m["skipped"]) for m in run.metrics] == [(4, True)], run.metrics
     after = run.run_dir / "checkpoints" / "step_00000004.h5"
@@ -100,14 +98,14 @@ def test_skipped_step_after_resume_keeps_the_loaded_state(tmp_path):
 
 def test_zero2_with_tp(tmp_path, session_dir):
     ref = baseline(session_dir)
-    run = train_cli(tmp_path / "tp", 4, "topology.dp=2", "topology.tp=2", "optim.zero=2",
+    run = train_layout(tmp_path / "tp", 4, "topology.dp=2", "topology.tp=2", "optim.zero=2",
                     "topology.sequence_parallel=true")
     assert_same(run, ref, rel=1e-9, what="zero=2 dp=2 tp=2 sp")
 
 
 def test_zero1_with_pp_overlap(tmp_path, session_dir):
     ref = baseline(session_dir)
-    run = train_cli(tmp_path / "pp", 4, "topology.dp=2", "topology.pp=2", "optim.zero=1",
+    run = train_layout(tmp_path / "pp", 4, "topology.dp=2", "topology.pp=2", "optim.zero=1",
                     "optim.overlap=true")
     assert_same(run, ref, rel=1e-9, what="zero=1 dp=2 pp=2 overlap")
 
@@ -118,5 +116,5 @@ def test_zero_with_ep_equals_one_rank(tmp_path, session_dir):
     test_moe_equivalence.py, whose baseline this shares)."""
     moe = ("model.num_experts=4", "model.moe_every=2")
     ref = baseline(session_dir, *moe, "train.micro_batch_size=4")
-    run = train_cli(tmp_path / "z2", 4, *moe, "topology.dp=4", "topology.ep=2", "optim.zero=2")
+    run = train_layout(tmp_path / "z2", 4, *moe, "topology.dp=4", "topology.ep=2", "optim.zero=2")
     assert_same(run, ref, rel=1e-9, what="zero=2 dp=4 ep=2")

@@ -1,4 +1,4 @@
-"""ZeRO-3 (parameters sharded too, gathered per block) through the real CLI, float64.
+"""ZeRO-3 (parameters sharded too, gathered per block) in one launch, float64.
 
 Sharding never changes the model: losses, gradient norms, final parameters and the Adam
 moments equal the one-rank run (invariant 1, rel <= 1e-9) with dp, tp + sequence
@@ -9,12 +9,11 @@ baselines are the ones test_zero.py and test_moe_equivalence.py use (one run per
 """
 
 import pytest
-from launch import TINY, assert_same, baseline, read_params, rel_err, train_cli
+from inprocess import baseline, train_layout
+from launch import TINY, assert_same, read_params, rel_err
 
 from hpctrain.config import load
 from hpctrain.telemetry import memory
-
-pytestmark = pytest.mark.e2e
 
 MOE = ("model.num_experts=4", "model.moe_every=2")
 
@@ -57,7 +56,7 @@ def test_zero3_equals_one_rank(tmp_path, session_dir, n, layout):
     moe = layout[0] == MOE[0]
     ref = baseline(session_dir, *MOE, "train.micro_batch_size=2") if moe else \
         baseline(session_dir)
-    run = train_cli(tmp_path / "run", n, *layout, "optim.zero=3")
+    run = train_layout(tmp_path / "run", n, *layout, "optim.zero=3")
     what = " ".join(layout)
     assert_same(run, ref, rel=1e-9, what=what)
     assert_state_same(run, ref, what)
@@ -75,7 +74,7 @@ def test_zero3_pipeline_schedules_equal_one_rank(tmp_path, session_dir, kind):
     the next block, embedding or head)."""
     ref = baseline(session_dir)
     layout = ("topology.dp=2", "topology.pp=2", f'schedule.kind="{kind}"', "optim.zero=3")
-    run = train_cli(tmp_path / "run", 4, *layout)
+    run = train_layout(tmp_path / "run", 4, *layout)
     assert_same(run, ref, rel=1e-9, what=kind)
     assert_state_same(run, ref, kind)
     _, at_once = memory.gathered(load(TINY, list(layout)))
@@ -89,18 +88,18 @@ def test_zero3_checkpoints_continue_on_any_layout(tmp_path, session_dir):
     the final parameters and the optimizer state equal the one-rank run's."""
     ref = baseline(session_dir)
     fixed = ("optim.decay_steps=5",)  # the learning-rate schedule of the 5-step run
-    first = train_cli(tmp_path / "dp4", 4, "topology.dp=4", "optim.zero=3",
+    first = train_layout(tmp_path / "dp4", 4, "topology.dp=4", "optim.zero=3",
                       "checkpoint.every=3", *fixed)
     assert_same(first, ref, rel=1e-9, what="zero=3 dp=4")
     assert_about_one_dp(first, ref, 4, "zero=3 dp=4")
     saved = first.run_dir / "checkpoints" / "step_00000003.h5"
-    one = train_cli(tmp_path / "dp1", 1, "train.steps=4", f"checkpoint.resume={saved}",
+    one = train_layout(tmp_path / "dp1", 1, "train.steps=4", f"checkpoint.resume={saved}",
                     *fixed)
     assert [m["step"] for m in one.metrics] == [4], "not resumed at step 4"
     assert rel_err(one.losses, ref.losses[3:4]) <= 1e-9
     assert rel_err(one.grad_norms, ref.grad_norms[3:4]) <= 1e-9
     saved = one.run_dir / "checkpoints" / "step_00000004.h5"
-    last = train_cli(tmp_path / "dp2", 2, "topology.dp=2", "optim.zero=3",
+    last = train_layout(tmp_path / "dp2", 2, "topology.dp=2", "optim.zero=3",
                      f"checkpoint.resume={saved}", *fixed)
     assert [m["step"] for m in last.metrics] == [5], "not resumed at step 5"
     assert rel_err(last.losses, ref.losses[4:]) <= 1e-9

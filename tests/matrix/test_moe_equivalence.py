@@ -1,4 +1,4 @@
-"""Invariant 1 for mixture-of-experts models through the real CLI (5 steps, float64).
+"""Invariant 1 for mixture-of-experts models in one launch (5 steps, float64).
 
 The one-rank reference uses ``micro_batch_size = dp * mbs``: its microbatch j is then the
 global microbatch j of the parallel run (the same tokens in the same order), over which the
@@ -10,14 +10,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from launch import TINY, assert_same, baseline, train_cli
+from inprocess import baseline, train_layout
+from launch import TINY, assert_same
 
 from hpctrain.config import load
 from hpctrain.data.dataset import Sampler, load_tokens
 from hpctrain.model.moe import LocalExchange, MoE, is_moe_layer
 from hpctrain.model.stage import DTYPES, DecoderStage, LocalOps, init_parameters
-
-pytestmark = pytest.mark.e2e
 
 MOE = ("model.num_experts=4", "model.moe_every=2")  # experts in blocks 1, 3, 5, 7
 K2 = ("model.top_k=2",)
@@ -48,7 +47,7 @@ OVERLAP = "schedule.moe_overlap=true"  # all-to-alls as D/C schedule actions (ph
 def test_ep_dropless_equals_one_rank(tmp_path, session_dir, n, layout, k):
     dp = int(layout[0].split("=")[1])
     reference = ref(session_dir, dp, *k)
-    run = train_cli(tmp_path / "run", n, *MOE, *layout, *k)
+    run = train_layout(tmp_path / "run", n, *MOE, *layout, *k)
     assert_same(run, reference, rel=1e-9, what=" ".join(layout))
     check_moe_metrics(run, reference)
     assert run.metrics[0]["moe_dropped_total"] == 0
@@ -63,14 +62,14 @@ def test_ep_dropless_equals_one_rank(tmp_path, session_dir, n, layout, k):
 ])
 def test_ep_with_pipeline_equals_one_rank(tmp_path, session_dir, n, layout):
     reference = ref(session_dir, 2)
-    run = train_cli(tmp_path / "run", n, *MOE, *layout)
+    run = train_layout(tmp_path / "run", n, *MOE, *layout)
     assert_same(run, reference, rel=1e-9, what=" ".join(layout))
     check_moe_metrics(run, reference)
 
 
 def test_capacity_that_drops_nothing_equals_dropless(tmp_path, session_dir):
     reference = ref(session_dir, 2)
-    run = train_cli(tmp_path / "run", 2, *MOE, "topology.dp=2", "topology.ep=2",
+    run = train_layout(tmp_path / "run", 2, *MOE, "topology.dp=2", "topology.ep=2",
                     "model.capacity_factor=4.0")
     assert all(m["moe_dropped_total"] == 0 for m in run.metrics)
     assert_same(run, reference, rel=1e-9, what="capacity 4.0")
@@ -117,7 +116,7 @@ def independent_drop_count(overrides, global_mb: int) -> dict:
 def test_small_capacity_drops_same_tokens_as_one_rank(tmp_path, session_dir):
     cap = ("model.capacity_factor=0.75", *K2)
     reference = ref(session_dir, 4, *cap)
-    run = train_cli(tmp_path / "run", 4, *MOE, "topology.dp=4", "topology.ep=2", *cap)
+    run = train_layout(tmp_path / "run", 4, *MOE, "topology.dp=4", "topology.ep=2", *cap)
     assert_same(run, reference, rel=1e-9, what="capacity 0.75, dp=4 ep=2")
     check_moe_metrics(run, reference)
     expected = independent_drop_count((*MOE, *cap), global_mb=4)

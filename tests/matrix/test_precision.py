@@ -1,4 +1,4 @@
-"""Mixed precision through the real CLI.
+"""Mixed precision in one launch.
 
 bfloat16: 16-bit compute, float32 master weights and Adam state (ZeRO-1 shards here), float32
 gradient reduction; over 50 steps its loss tracks the float32 run within 2% at every step.
@@ -14,9 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from launch import train_cli
-
-pytestmark = pytest.mark.e2e
+from inprocess import train_layout
 
 SMALL = ("model.n_layers=2", "train.micro_batch_size=4", "checkpoint.save_final=false",
          "train.log_every=10")
@@ -24,8 +22,8 @@ SMALL = ("model.n_layers=2", "train.micro_batch_size=4", "checkpoint.save_final=
 
 def test_bf16_tracks_float32_over_50_steps(tmp_path):
     steps = ("train.steps=50",)
-    f32 = train_cli(tmp_path / "f32", 1, *SMALL, *steps, 'model.dtype="float32"')
-    bf16 = train_cli(tmp_path / "bf16", 2, *SMALL, *steps, 'model.dtype="bfloat16"',
+    f32 = train_layout(tmp_path / "f32", 1, *SMALL, *steps, 'model.dtype="float32"')
+    bf16 = train_layout(tmp_path / "bf16", 2, *SMALL, *steps, 'model.dtype="bfloat16"',
                      "topology.dp=2", "optim.zero=1")
     a, b = f32.losses, bf16.losses
     assert len(a) == len(b) == 50
@@ -39,7 +37,7 @@ def test_bf16_tracks_float32_over_50_steps(tmp_path):
 
 
 def test_fp16_loss_scaling_skips_overflow_and_trains(tmp_path):
-    run = train_cli(tmp_path / "f16", 2, *SMALL, "train.steps=12", 'model.dtype="float16"',
+    run = train_layout(tmp_path / "f16", 2, *SMALL, "train.steps=12", 'model.dtype="float16"',
                     "topology.dp=2", "optim.loss_scale=16777216")
     m = run.metrics
     skipped = m[-1]["skipped_steps"]
@@ -65,10 +63,10 @@ def test_fp16_moe_auxiliary_losses_keep_their_weight(tmp_path):
     gradient: float16 must match float32 there (a float32 run without them shows they matter).
     The initial scale 1024 keeps step 1 finite."""
     heavy = ("model.aux_loss_coef=1.0", "model.z_loss_coef=1.0")
-    f16 = train_cli(tmp_path / "f16", 1, *SMALL, *MOE, *heavy, 'model.dtype="float16"',
+    f16 = train_layout(tmp_path / "f16", 1, *SMALL, *MOE, *heavy, 'model.dtype="float16"',
                     "optim.loss_scale=1024")
-    f32 = train_cli(tmp_path / "f32", 1, *SMALL, *MOE, *heavy, 'model.dtype="float32"')
-    light = train_cli(tmp_path / "light", 1, *SMALL, *MOE, 'model.dtype="float32"',
+    f32 = train_layout(tmp_path / "f32", 1, *SMALL, *MOE, *heavy, 'model.dtype="float32"')
+    light = train_layout(tmp_path / "light", 1, *SMALL, *MOE, 'model.dtype="float32"',
                       "model.aux_loss_coef=0.0", "model.z_loss_coef=0.0")
     assert f16.metrics[0]["loss_scale"] == 1024 and f16.metrics[0]["skipped_steps"] == 0
     n16, n32, n0 = f16.grad_norms[0], f32.grad_norms[0], light.grad_norms[0]

@@ -1,15 +1,14 @@
-"""Invariant 1 for pipeline parallelism, through the real CLI: every schedule at pp=2 and
+"""Invariant 1 for pipeline parallelism, in one launch: every schedule at pp=2 and
 pp=4, and pp composed with dp and tp, trains the same model as one rank (losses, grad norms,
 final parameters in global shape; float64, relative error <= 1e-9)."""
 
 import pytest
-from launch import TINY, assert_same, baseline, train_cli
+from inprocess import baseline, train_layout
+from launch import TINY, assert_same
 
 from hpctrain.config import load, microbatches
 from hpctrain.pipeline.actions import from_config
 from hpctrain.pipeline.simulate import simulate
-
-pytestmark = pytest.mark.e2e
 
 SP = "topology.sequence_parallel=true"
 
@@ -46,7 +45,7 @@ COMPOSED = [
 
 def _check(tmp_path, session_dir, name, n, overrides):
     ref = baseline(session_dir)
-    run = train_cli(tmp_path / name, n, *overrides)
+    run = train_layout(tmp_path / name, n, *overrides)
     assert_same(run, ref, rel=1e-9, what=name)
     # The pipeline leaves its evidence: transfers on the pp axis, the bubble next to the
     # simulator's (values are timings: only their presence and range are checked).

@@ -1,4 +1,4 @@
-"""DeepSeek-style experts equal one rank through the real CLI (float64, 1e-9): shared experts
+"""DeepSeek-style experts equal one rank in one launch (float64, 1e-9): shared experts
 with a gate, fine-grained experts, sigmoid scores with renormalised and scaled weights,
 auxiliary-loss-free balancing (the selection bias) and group-limited routing, all on at once.
 
@@ -11,10 +11,9 @@ microbatch as its microbatch (see tests/e2e/test_moe_equivalence.py).
 
 import numpy as np
 import pytest
-from launch import baseline, read_params, train_cli
+from inprocess import baseline, train_layout
+from launch import read_params
 from test_checkpoint_reshard import assert_tail_equal, ckpt
-
-pytestmark = pytest.mark.e2e
 
 DEEPSEEK = ("model.num_experts=8", "model.moe_every=2", "model.top_k=3",
             "model.expert_d_ff=16", "model.shared_experts=2", "model.shared_expert_gate=true",
@@ -27,7 +26,7 @@ DEEPSEEK = ("model.num_experts=8", "model.moe_every=2", "model.top_k=3",
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, session_dir):
     ref = baseline(session_dir, *DEEPSEEK, "train.micro_batch_size=2")
-    resumed = train_cli(tmp_path_factory.mktemp("deepseek") / "ep_tp", 4, *DEEPSEEK,
+    resumed = train_layout(tmp_path_factory.mktemp("deepseek") / "ep_tp", 4, *DEEPSEEK,
                         "topology.dp=2", "topology.ep=2", "topology.tp=2", "optim.zero=1",
                         "schedule.moe_overlap=true", f"checkpoint.resume={ckpt(ref, 3)}")
     return ref, resumed
