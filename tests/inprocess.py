@@ -81,3 +81,19 @@ def baseline(tmp_root: Path, *overrides: str, config: str = TINY) -> Run:
         d = tmp_root / f"baseline_{len(_BASELINES)}"
         _BASELINES[key] = train_layout(d, 1, *overrides, config=config)
     return _BASELINES[key]
+
+
+def on_root(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on rank 0 alone (a file to write, a one-process command to
+    run), its value on every rank. An exception on rank 0 is raised on every rank."""
+    c = world()
+    value, error = None, None
+    if c.rank == 0:
+        try:
+            value = fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001  (sent to every rank, then raised)
+            error = e
+    value, error = c.bcast((value, error if error is None else repr(error)))
+    if error is not None:
+        raise AssertionError(f"on rank 0: {error}")
+    return value

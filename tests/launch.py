@@ -39,10 +39,18 @@ LAUNCHER = detect()  # for this interpreter's mpi4py
 MPI_ENV = launch_env(LAUNCHER)  # + OMP_NUM_THREADS=1, HDF5_USE_FILE_LOCKING=FALSE
 
 
+# What a launcher gives each rank: a process a rank starts (tests/matrix) is no rank of the job.
+RANK_VARS = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+
+
 def env(**extra) -> dict:
-    """The environment of a process a test starts: this one's, the launcher's settings, the
-    checkout first on PYTHONPATH (:func:`hpctrain.launch.with_checkout`), then ``extra``."""
-    e = with_checkout(dict(os.environ))
+    """The environment of a process a test starts: this one's (without the launcher's per-rank
+    variables when this process is a rank), the launcher's settings, the checkout first on
+    PYTHONPATH (:func:`hpctrain.launch.with_checkout`), then ``extra``."""
+    mine = dict(os.environ)
+    if {"OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK"} & set(mine):
+        mine = {k: v for k, v in mine.items() if not k.startswith(RANK_VARS)}
+    e = with_checkout(mine)
     e.update(MPI_ENV)
     e.update({k: str(v) for k, v in extra.items()})
     return e
@@ -189,6 +197,61 @@ def assert_same(run: Run, ref: Run, rel: float = 1e-9, what: str = "") -> None:
     for name, value in ref.params.items():
         e = rel_err(run.params[name], value)
         assert e <= rel, f"{what}: parameter {name} differs by {e:.3e}"
+
+
+def ckpt(run, step):
+    return run.run_dir / "checkpoints" / f"step_{step:08d}.h5"
+
+
+def assert_tail_equal(run, ref, start: int, what: str):
+    """``run`` resumed at ``start``: its steps equal the reference's steps start+1.."""
+    assert len(run.losses) == len(ref.losses) - start, (what, run.losses)
+    for name, a, b in (("losses", run.losses, ref.losses[start:]),
+                       ("grad norms", run.grad_norms, ref.grad_norms[start:])):
+        e = rel_err(a, b)
+        assert e <= 1e-9, f"{what}: {name} differ by {e:.3e}: {a} vs {b}"
+    for prefix in ("model/", "optim/"):
+        mine, want = read_params(ckpt(run, 6), prefix), read_params(ckpt(ref, 6), prefix)
+        assert want and set(mine) == set(want), (what, set(mine) ^ set(want))
+        for name, value in want.items():
+            e = rel_err(mine[name], value)
+            assert e <= 1e-9, f"{what}: {name} differs by {e:.3e}"
+
+
+def optim_state(run, step: int | None = None) -> dict:
+    d = run.run_dir / "checkpoints"
+    name = f"step_{step:08d}.h5" if step else (d / "latest").read_text().strip()
+    return read_params(d / name, prefix="optim/")
+
+
+def assert_state_same(run, ref, what: str) -> None:
+    mine, want = optim_state(run), optim_state(ref)
+    assert want and set(mine) == set(want), (what, set(mine) ^ set(want))
+    for name, value in want.items():
+        assert rel_err(mine[name], value) <= 1e-9, (what, name)
+
+
+def assert_about_one_dp(run, ref, dp: int, what: str) -> None:
+    """Parameter shards, gradient shards and optimizer state: the one-rank bytes / dp, up
+    to the padding of each bucket to a multiple of dp (< dp elements per bucket)."""
+    m, r = run.metrics[-1], ref.metrics[-1]
+    shards = m["mem_params"] - m["mem_params_gathered"]
+    for key, here in (("mem_params", shards), ("mem_grads", m["mem_grads"]),
+                      ("mem_optimizer", m["mem_optimizer"])):
+        want = r[key] / dp
+        assert want <= here <= want * 1.01 + 2048, (what, key, here, want)
+    # what is gathered at once is a few blocks, not the model
+    assert 0 < m["mem_params_gathered"] < r["mem_params"] / 2, (what, m)
+
+
+
+def assert_sharded_and_replicated(run, axis: str = "dp") -> None:
+    """The ZeRO collectives ran on the shard groups, the all-reduce on the replica groups,
+    nothing on the whole dp group."""
+    for m in run.metrics:
+        b = m["comm_bytes"]
+        assert b.get(f"{axis}-shard", 0) > 0 and b.get(f"{axis}-replica", 0) > 0, b
+        assert b.get(axis, 0) == 0, b
 
 
 def simulated_cluster(prefix: str, nodes: int, slots: int = 2):

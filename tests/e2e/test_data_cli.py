@@ -10,7 +10,8 @@ import h5py
 import numpy as np
 import pytest
 from corpus_files import EOT, write_jsonl, write_megatron, write_nanogpt, write_parquet
-from launch import TINY, hpctrain, mpirun, train_cli
+from launch import TINY, hpctrain, mpirun, train_args, train_cli
+from token_files import write_token_file
 
 pytestmark = pytest.mark.e2e
 
@@ -181,3 +182,33 @@ def test_serial_writer_is_the_same_file_for_1_2_3_ranks(tmp_path):
         tokens = f["train/tokens"][...].tobytes()
     assert tokens.endswith("".join(texts).encode())  # the global order: inputs, paths, records
     assert sorted(p.name for p in tmp_path.iterdir() if ".tmp" in p.name) == []
+
+
+def _token_file(path, doc_starts: bool = True) -> str:
+    """A small prepared file (random bytes); without ``doc_starts`` when asked."""
+    rng = np.random.default_rng(7)
+    write_token_file(path, rng.integers(0, 256, 4000), rng.integers(0, 256, 400))
+    if not doc_starts:
+        with h5py.File(path, "a") as f:
+            del f["train/doc_starts"], f["val/doc_starts"]
+    return str(path)
+
+
+def test_a_blend_with_a_missing_source_is_refused_before_any_collective(tmp_path):
+    blend = (f'data.sources=[{{path="{_token_file(tmp_path / "a.h5")}", weight=1}}, '
+             f'{{path="{tmp_path / "gone.h5"}", weight=1}}]')
+    proc = mpirun(2, train_args(tmp_path / "run", blend, "topology.dp=2"), check=False,
+                  timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if "data.sources[1].path=" in x]
+    assert len(lines) == 1 and "does not exist" in lines[0], proc.stderr
+
+
+def test_file_without_doc_starts_is_refused(tmp_path):
+    old = _token_file(tmp_path / "old.h5", doc_starts=False)
+    proc = mpirun(2, train_args(tmp_path / "run", "data.document_mask=true",
+                                f"data.path={old!r}", "topology.dp=2"), check=False)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "has no train/doc_starts" in proc.stderr and "Traceback" not in proc.stderr
+    assert "data.document_mask = false" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -8,7 +8,7 @@ its final parameters *and optimizer state* the reference's, within 1e-9 relative
 
 import numpy as np
 from inprocess import baseline, train_layout
-from launch import assert_same, read_params, rel_err
+from launch import assert_same, assert_tail_equal, ckpt
 
 COMMON = ("train.steps=6", "checkpoint.every=3")
 
@@ -17,23 +17,8 @@ def layout(dp=1, tp=1, pp=1, ep=1):
     return (f"topology.dp={dp}", f"topology.tp={tp}", f"topology.pp={pp}", f"topology.ep={ep}")
 
 
-def ckpt(run, step):
-    return run.run_dir / "checkpoints" / f"step_{step:08d}.h5"
 
 
-def assert_tail_equal(run, ref, start: int, what: str):
-    """``run`` resumed at ``start``: its steps equal the reference's steps start+1.."""
-    assert len(run.losses) == len(ref.losses) - start, (what, run.losses)
-    for name, a, b in (("losses", run.losses, ref.losses[start:]),
-                       ("grad norms", run.grad_norms, ref.grad_norms[start:])):
-        e = rel_err(a, b)
-        assert e <= 1e-9, f"{what}: {name} differ by {e:.3e}: {a} vs {b}"
-    for prefix in ("model/", "optim/"):
-        mine, want = read_params(ckpt(run, 6), prefix), read_params(ckpt(ref, 6), prefix)
-        assert want and set(mine) == set(want), (what, set(mine) ^ set(want))
-        for name, value in want.items():
-            e = rel_err(mine[name], value)
-            assert e <= 1e-9, f"{what}: {name} differs by {e:.3e}"
 
 
 def reshard(tmp_path, ref, save, load, extra=(), save_extra=(), load_extra=()):

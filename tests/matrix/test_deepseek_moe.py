@@ -12,8 +12,7 @@ microbatch as its microbatch (see tests/e2e/test_moe_equivalence.py).
 import numpy as np
 import pytest
 from inprocess import baseline, train_layout
-from launch import read_params
-from test_checkpoint_reshard import assert_tail_equal, ckpt
+from launch import assert_tail_equal, ckpt, read_params
 
 DEEPSEEK = ("model.num_experts=8", "model.moe_every=2", "model.top_k=3",
             "model.expert_d_ff=16", "model.shared_experts=2", "model.shared_expert_gate=true",

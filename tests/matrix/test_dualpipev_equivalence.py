@@ -8,8 +8,7 @@ import math
 
 import pytest
 from inprocess import baseline, train_layout
-from launch import TINY, assert_same
-from test_checkpoint_reshard import assert_tail_equal, ckpt
+from launch import TINY, assert_same, assert_tail_equal, ckpt
 
 from hpctrain.config import load, microbatches
 from hpctrain.pipeline.actions import from_config

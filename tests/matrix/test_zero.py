@@ -8,15 +8,9 @@ one-rank run (invariant 1, rel <= 1e-9), and each rank holds 1/dp of the optimiz
 import h5py
 import pytest
 from inprocess import baseline, train_layout
-from launch import TINY, assert_same, read_params, rel_err
+from launch import TINY, assert_same, optim_state, read_params, rel_err
 
 from hpctrain.config import load
-
-
-def _optim_state(run) -> dict:
-    latest = run.run_dir / "checkpoints" / (run.run_dir / "checkpoints" / "latest").read_text(
-    ).strip()
-    return read_params(latest, prefix="optim/")
 
 
 def _bucket_bytes(run) -> float:
@@ -34,7 +28,7 @@ def test_zero_equals_one_rank(tmp_path, session_dir, zero, dp, overlap):
     what = f"zero={zero} dp={dp} overlap={overlap}"
     assert_same(run, ref, rel=1e-9, what=what)
     # The checkpointed Adam moments (gathered from the shards) equal the one-rank state.
-    ref_state, state = _optim_state(ref), _optim_state(run)
+    ref_state, state = optim_state(ref), optim_state(run)
     assert set(state) == set(ref_state) and ref_state
     for name, value in ref_state.items():
         assert rel_err(state[name], value) <= 1e-9, (what, name)
@@ -69,7 +63,7 @@ def test_zero_resume_continues_exactly(tmp_path, session_dir):
     assert set(run.params) == set(ref.params)
     for name, value in ref.params.items():
         assert rel_err(run.params[name], value) <= 1e-9, name
-    ref_state, state = _optim_state(ref), _optim_state(run)
+    ref_state, state = optim_state(ref), optim_state(run)
     assert set(state) == set(ref_state) and ref_state
     for name, value in ref_state.items():
         assert rel_err(state[name], value) <= 1e-9, name

@@ -10,7 +10,7 @@ baselines are the ones test_zero.py and test_moe_equivalence.py use (one run per
 
 import pytest
 from inprocess import baseline, train_layout
-from launch import TINY, assert_same, read_params, rel_err
+from launch import TINY, assert_about_one_dp, assert_same, assert_state_same, rel_err
 
 from hpctrain.config import load
 from hpctrain.telemetry import memory
@@ -18,30 +18,10 @@ from hpctrain.telemetry import memory
 MOE = ("model.num_experts=4", "model.moe_every=2")
 
 
-def optim_state(run, step: int | None = None) -> dict:
-    d = run.run_dir / "checkpoints"
-    name = f"step_{step:08d}.h5" if step else (d / "latest").read_text().strip()
-    return read_params(d / name, prefix="optim/")
 
 
-def assert_state_same(run, ref, what: str) -> None:
-    mine, want = optim_state(run), optim_state(ref)
-    assert want and set(mine) == set(want), (what, set(mine) ^ set(want))
-    for name, value in want.items():
-        assert rel_err(mine[name], value) <= 1e-9, (what, name)
 
 
-def assert_about_one_dp(run, ref, dp: int, what: str) -> None:
-    """Parameter shards, gradient shards and optimizer state: the one-rank bytes / dp, up
-    to the padding of each bucket to a multiple of dp (< dp elements per bucket)."""
-    m, r = run.metrics[-1], ref.metrics[-1]
-    shards = m["mem_params"] - m["mem_params_gathered"]
-    for key, here in (("mem_params", shards), ("mem_grads", m["mem_grads"]),
-                      ("mem_optimizer", m["mem_optimizer"])):
-        want = r[key] / dp
-        assert want <= here <= want * 1.01 + 2048, (what, key, here, want)
-    # what is gathered at once is a few blocks, not the model
-    assert 0 < m["mem_params_gathered"] < r["mem_params"] / 2, (what, m)
 
 
 @pytest.mark.parametrize("n,layout", [

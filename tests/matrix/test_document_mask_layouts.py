@@ -1,16 +1,15 @@
-"""Invariant 1 with ``data.document_mask = true`` through the real CLI (float64, 5 steps, with
+"""Invariant 1 with ``data.document_mask = true`` in one launch (float64, 5 steps, with
 held-out evaluation): attention kept inside documents and positions restarted at each one
 train the same model on combined layouts as on one rank: tp x pp (interleaved, sequence
 parallel), cp x dp with ZeRO-3 (ring attention with masks), pp x dp (zbv), experts with the
 overlapped exchange executor, and the gpt form (no positions) on cp x tp. The data is a
 prepared file of short documents (byte-level, 5 to 40 tokens), so nearly every 16-token window
-holds a boundary. A file without ``doc_starts`` is refused before any collective, exit 2."""
+holds a boundary. A file without ``doc_starts`` is refused through the CLI
+(tests/e2e/test_data_cli.py)."""
 
-import h5py
 import pytest
-from launch import TINY, TINY_GPT, assert_same, baseline, hpctrain, mpirun, train_args, train_cli
-
-pytestmark = pytest.mark.e2e
+from inprocess import baseline, on_root, train_layout
+from launch import TINY, TINY_GPT, assert_same, hpctrain
 
 MASK = ("data.document_mask=true", "train.eval_every=5")
 MOE = ("model.num_experts=4", "model.moe_every=2")
@@ -34,8 +33,11 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory):
-    """A prepared file of 600 short, distinct documents, and a copy without doc_starts."""
-    root = tmp_path_factory.mktemp("docs")
+    """A prepared file of 600 short, distinct documents."""
+    return on_root(prepare_documents, tmp_path_factory.mktemp("docs"))
+
+
+def prepare_documents(root):
     src = root / "src"
     src.mkdir()
     for i in range(600):
@@ -43,22 +45,17 @@ def documents(tmp_path_factory):
         (src / f"d{i:03d}.txt").write_text((f"{i}:" + "abcdefghij"[i % 10] * n)[:n])
     out = root / "docs.h5"
     hpctrain(["prepare", str(src), "--val-fraction", "0.2", "--out", str(out)])
-    old = root / "old.h5"
-    old.write_bytes(out.read_bytes())
-    with h5py.File(old, "a") as f:
-        del f["train/doc_starts"], f["val/doc_starts"]
-    return out, old
-
+    return out
 
 def data(documents) -> str:
-    return f"data.path={str(documents[0])!r}"
+    return f"data.path={str(documents)!r}"
 
 
 @pytest.mark.parametrize("name,n,overrides,ref,config", LAYOUTS, ids=[c[0] for c in LAYOUTS])
 def test_document_mask_equals_one_rank(tmp_path, session_dir, documents, name, n, overrides,
                                        ref, config):
     reference = baseline(session_dir, *MASK, data(documents), *ref, config=config)
-    run = train_cli(tmp_path / name, n, *MASK, data(documents), *overrides, config=config)
+    run = train_layout(tmp_path / name, n, *MASK, data(documents), *overrides, config=config)
     assert_same(run, reference, rel=1e-9, what=name)
     val = [m["val_loss"] for m in run.metrics if "val_loss" in m]
     want = [m["val_loss"] for m in reference.metrics if "val_loss" in m]
@@ -68,14 +65,6 @@ def test_document_mask_equals_one_rank(tmp_path, session_dir, documents, name, n
 def test_the_mask_changes_training(tmp_path, session_dir, documents):
     """Masked and unmasked runs of the same data differ (the mask is really applied)."""
     masked = baseline(session_dir, *MASK, data(documents))
-    plain = train_cli(tmp_path / "plain", 1, "train.steps=1", data(documents))
+    plain = train_layout(tmp_path / "plain", 1, "train.steps=1", data(documents))
     assert abs(plain.losses[0] - masked.losses[0]) > 1e-6 * abs(masked.losses[0])
 
-
-def test_file_without_doc_starts_is_refused(tmp_path, documents):
-    proc = mpirun(2, train_args(tmp_path / "run", *MASK, f"data.path={str(documents[1])!r}",
-                                "topology.dp=2", config=TINY), check=False)
-    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-3000:])
-    assert "has no train/doc_starts" in proc.stderr and "Traceback" not in proc.stderr
-    assert "data.document_mask = false" in proc.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()

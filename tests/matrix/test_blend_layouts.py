@@ -1,28 +1,18 @@
-"""Blending two prepared corpora through the CLI (float64): one rank is the reference, dp=2
+"""Blending two prepared corpora in one launch (float64): one rank is the reference, dp=2
 trains the 6 steps straight and tp=2 resumes dp=2's checkpoint at step 2; losses, grad norms,
 the blended and per-source held-out losses and the final parameters agree within 1e-9.
 Document masks stay on (each source's own document starts). `hpctrain plan` counts each
-source's epochs; a blend with a missing source is refused before any collective."""
+source's epochs. A blend with a missing source is refused through the CLI
+(tests/e2e/test_data_cli.py)."""
 
 import json
 
 import h5py
 import pytest
-from launch import (
-    TINY,
-    assert_same,
-    baseline,
-    hpctrain,
-    mpirun,
-    rel_err,
-    train_args,
-    train_cli,
-)
-from test_checkpoint_reshard import assert_tail_equal, ckpt
+from inprocess import baseline, on_root, train_layout
+from launch import TINY, assert_same, assert_tail_equal, ckpt, hpctrain, rel_err
 
 from hpctrain.data.blend import BlendOrder
-
-pytestmark = pytest.mark.e2e
 
 PROSE = "the quick brown fox jumps over the lazy dog while {} birds sing in tree {}. "
 CODE = "def f{}(x):\n    return x * {} + {}\n"
@@ -37,9 +27,9 @@ def corpora(tmp_path_factory):
     for name, docs in (("prose", [PROSE.format(i, i * 7) * 2 for i in range(20)]),
                        ("code", [CODE.format(i, i + 1, i * 3) for i in range(14)])):
         src = root / f"{name}.jsonl"
-        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        on_root(src.write_text, "".join(json.dumps({"text": d}) + "\n" for d in docs))
         path = root / f"{name}.h5"
-        hpctrain(["prepare", str(src), "--val-fraction", "0.3", "--out", str(path)])
+        on_root(hpctrain, ["prepare", str(src), "--val-fraction", "0.3", "--out", str(path)])
         out.append(str(path))
     return out
 
@@ -50,9 +40,9 @@ def test_a_blend_on_any_layout_and_resumed_on_another(tmp_path, session_dir, cor
     common = (blend, "data.document_mask=true", "train.steps=6", "checkpoint.every=2",
               "train.eval_every=3")
     ref = baseline(session_dir, *common)
-    a = train_cli(tmp_path / "dp2", 2, *common, "topology.dp=2")
+    a = train_layout(tmp_path / "dp2", 2, *common, "topology.dp=2")
     assert_same(a, ref, rel=1e-9, what="a blend on dp=2")
-    b = train_cli(tmp_path / "tp2", 2, *common, "topology.tp=2",
+    b = train_layout(tmp_path / "tp2", 2, *common, "topology.tp=2",
                   f"checkpoint.resume={ckpt(a, 2)}")
     assert_tail_equal(b, ref, 2, "a blend: dp=2 step 2 -> tp=2")
     for key in ("val_loss", "val_loss/prose", "val_loss/code"):
@@ -77,20 +67,11 @@ def test_a_blend_on_any_layout_and_resumed_on_another(tmp_path, session_dir, cor
     assert [(p["source"], p["epoch"], p["epoch_position"]) for p in pos] == \
         [(name, int(c) // n, int(c) % n) for name, c, n in zip(("prose", "code"), counts, ns)]
     assert pos[1]["epoch"] >= 1, (pos, ns)  # code crossed an epoch boundary
-    shown = hpctrain(["inspect", str(ckpt(b, 6))]).stdout
+    shown = on_root(lambda: hpctrain(["inspect", str(ckpt(b, 6))]).stdout)
     assert "blend_position" in shown and '"source": "code"' in shown, shown
-    plan = hpctrain(["plan", TINY, "--world-size", "1", "--set", blend, "--set",
-                     "train.steps=6"]).stdout
+    plan = on_root(lambda: hpctrain(["plan", TINY, "--world-size", "1", "--set", blend,
+                                     "--set", "train.steps=6"]).stdout)
     want = (f"this run covers {counts[0] / ns[0]:.3g} epochs of prose, "
             f"{counts[1] / ns[1]:.3g} of code")
     assert want in plan, plan
 
-
-def test_a_blend_with_a_missing_source_is_refused_before_any_collective(tmp_path, corpora):
-    blend = (f'data.sources=[{{path="{corpora[0]}", weight=1}}, '
-             f'{{path="{tmp_path / "gone.h5"}", weight=1}}]')
-    proc = mpirun(2, train_args(tmp_path / "run", blend, "topology.dp=2"), check=False,
-                  timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if "data.sources[1].path=" in x]
-    assert len(lines) == 1 and "does not exist" in lines[0], proc.stderr
