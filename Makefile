@@ -8,7 +8,7 @@
 #   make test-mpich  the site-stack job: the equivalence core under MPICH (tests/mpich_core.sh)
 # Overridable: MPI_IMPL (openmpi | mpich: the MPI set-up installs on Debian; mpich uses
 #              VENV=.venv-mpich), MPICC / HDF5_DIR (a site's MPI and parallel HDF5, see
-#              docs/site-mpi.md), VENV, NP (ranks for `make run`), TORCH_SPEC (e.g.
+#              docs/slurm.md), VENV, NP (ranks for `make run`), TORCH_SPEC (e.g.
 #              torch==2.13.0 or a CUDA build),
 #              PYTEST_ARGS, RUN_DIR, BENCH_ARGS (e.g. --size tiny --only ddp --repeats 1).
 SHELL := /bin/bash

@@ -25,7 +25,7 @@
 #                  its --cpus-per-task); empty: leave binding to the site (and to clusters
 #                  without a task/affinity plugin, where srun would warn)
 #   DEVICE         cpu or cuda (default: cuda when the job has GPUs (--gpus-per-node), else
-#                  cpu; cuda: one rank per GPU, see docs/gpu.md)
+#                  cpu; cuda: one rank per GPU, see docs/slurm.md)
 
 HPCTRAIN_ROOT=${HPCTRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
 HPCTRAIN_SITE=${HPCTRAIN_SITE:-$HPCTRAIN_ROOT/jobs/site.sh}
@@ -34,7 +34,7 @@ if [ -f "$HPCTRAIN_SITE" ]; then source "$HPCTRAIN_SITE"; fi
 
 # -- 1. Modules and MPI ----------------------------------------------------------------
 # Load the MPI that mpi4py and h5py were built against, and its parallel HDF5: the same
-# modules as when `make setup` ran (docs/site-mpi.md has a section per family). Put them
+# modules as when `make setup` ran (docs/slurm.md has a row per family). Put them
 # in jobs/site.sh (`module load ...` or HPCTRAIN_MODULES). Examples; names differ by site:
 #   Open MPI:    module load openmpi/4.1 hdf5/1.14-parallel python/3.11     (SRUN_MPI=pmix)
 #   MPICH:       module load mpich/4.1 hdf5/1.14-parallel python/3.11       (SRUN_MPI=pmi2)
@@ -51,7 +51,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}  # Lustre/GPFS: no flock
 # Open MPI over srun needs nothing else; Intel MPI under srun wants SLURM's PMI library:
 #   export I_MPI_PMI_LIBRARY=/usr/lib64/libpmi2.so ; SRUN_MPI=pmi2
-# GPU-aware MPI (DEVICE=cuda; hpctrain's log line says which rule decided, docs/site-mpi.md):
+# GPU-aware MPI (DEVICE=cuda; hpctrain's log line says which rule decided, docs/slurm.md):
 #   Cray MPICH:  export MPICH_GPU_SUPPORT_ENABLED=1
 #   MVAPICH:     export MV2_USE_CUDA=1
 #   Intel MPI:   export I_MPI_OFFLOAD=1 HPCTRAIN_GPU_AWARE_MPI=1

@@ -22,7 +22,7 @@
 # HPCTRAIN_SCRATCH=/lustre/project123/$USER
 
 # -- Modules: the MPI, parallel HDF5 and Python that the venv was built with (`make setup`;
-# docs/site-mpi.md has a section per MPI family), and CUDA on GPU nodes, e.g.
+# docs/slurm.md has a row per MPI family), and CUDA on GPU nodes, e.g.
 # module load openmpi/4.1 hdf5/1.14-parallel python/3.11 cuda/12.4
 # HPCTRAIN_MODULES="openmpi/4.1 hdf5/1.14-parallel python/3.11"   # the same, as a list
 
@@ -30,4 +30,4 @@
 # SRUN_MPI=pmix                           # srun --mpi= plugin (`srun --mpi=list`)
 # CPU_BIND=cores                          # srun --cpu-bind=; empty: the site's default
 # PYTHON=/path/to/venv/bin/python         # default: the checkout's .venv
-# export MPICH_GPU_SUPPORT_ENABLED=1      # GPU-aware MPI settings: docs/site-mpi.md
+# export MPICH_GPU_SUPPORT_ENABLED=1      # GPU-aware MPI settings: docs/slurm.md

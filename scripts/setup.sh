@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up what is missing for hpctrain, idempotently: an MPI and its parallel HDF5, then a
 # virtual environment with torch, numpy, mpi4py and h5py (HDF5_MPI=ON) built against them.
-# A second run skips what is done. The MPI follows the site (docs/site-mpi.md):
+# A second run skips what is done. The MPI follows the site (docs/slurm.md):
 #   * MPICC or HDF5_DIR given (a loaded module: `module load cray-mpich cray-hdf5-parallel`):
 #     that mpicc and that HDF5, nothing installed; mpi4py is built from source against it.
 #   * MPI_IMPL=mpich on a Debian machine: MPICH and its parallel HDF5 from apt (as root).
@@ -56,7 +56,7 @@ no_stack() {
             module load cray-mpich cray-hdf5-parallel     (Cray; names vary by site)
             module load openmpi hdf5/parallel python      (generic)
         then run again with HDF5_DIR=<parallel HDF5 prefix> (and MPICC=<its mpicc> when
-        it is not \`mpicc\`). See docs/site-mpi.md.
+        it is not \`mpicc\`). See docs/slurm.md.
 MSG
   exit 1
 }

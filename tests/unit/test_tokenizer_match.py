@@ -1,5 +1,5 @@
 """The tokenizer a checkpoint was trained with, checked wherever one is found for it
-(docs/interchange.md): export, generate and init_from refuse a retrained or missing tokenizer
+(docs/models.md): export, generate and init_from refuse a retrained or missing tokenizer
 with one message naming the recorded hash, where it came from, the file found and its hash;
 byte-level models need no file. Checkpoints are written in the run's format by the importer's
 writer (no MPI), with the data lineage the embedded corpus records."""

@@ -3,7 +3,7 @@ dp): after backward, one blocking all-reduce per bucket, in bucket order (in bfl
 wire with ``optim.grad_comm_dtype``: ``wire.py``).
 
 Nothing to overlap with: the blocking, tuned all-reduce of the MPI library is the path here;
-docs/multi-node.md and docs/benchmarks.md ("Overlap and the naive baseline") compare it with
+docs/results.md and docs/benchmarks.md ("Overlap and the naive baseline") compare it with
 nonblocking buckets (libnbc) and with overlap.
 """
 
