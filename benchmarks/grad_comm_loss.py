@@ -6,7 +6,7 @@ of the demo (``share/configs/demo.toml``, dp=4):
 trains the demo twice under ``mpirun`` (``optim.grad_comm_dtype`` = ``""`` and
 ``"bfloat16"``, nothing else differs) and prints, per step window, the relative difference of
 the training losses, the held-out losses at every evaluation, and the dp bytes per step
-(what docs/benchmarks.md, "16-bit gradient traffic", shows). Not a part of ``make bench``
+(what docs/results.md, "16-bit gradient traffic", shows). Not a part of ``make bench``
 (minutes of training); from the repository root.
 """
 

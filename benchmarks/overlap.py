@@ -17,7 +17,7 @@ the strategy's ``reduce()``; the slowest rank's time. Variants, interleaved step
 
 Exposed sync = a variant's step - compute only (medians). Run on the shaped 2-node cluster
 with ``scripts/cluster.sh mpirun NAME -n 4 ... -m benchmarks.worker overlap`` (see
-docs/benchmarks.md).
+docs/results.md, "Overlapped gradient reduction").
 """
 
 from __future__ import annotations

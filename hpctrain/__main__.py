@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def reference() -> str:
+    """docs/commands.md, generated from :func:`build_parser` (``cli.about.REGENERATE``)."""
+    from .cli import about
+
+    return about.markdown(build_parser(), COMMANDS)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

@@ -131,3 +131,86 @@ def format_all(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 format_all(sub)
+
+
+# -- docs/commands.md: every command's options, from the parser itself -----------------------
+
+REGENERATE = ("python -c 'import hpctrain.__main__ as m; print(m.reference(), end=\"\")' "
+              "> docs/commands.md")
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _prose(text: str, code_too: bool = True) -> list[str]:
+    """A description or epilog as Markdown: paragraphs joined, indented lines (commands,
+    examples) as a code block (left out unless ``code_too``: a description's lists of
+    options repeat the table)."""
+    out: list[str] = []
+    para: list[str] = []
+    code: list[str] = []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith(" "):
+            if para:
+                out += [" ".join(para), ""]
+                para = []
+            code.append(line[2:] if line.startswith("  ") else line.lstrip())
+            continue
+        if code and code_too:
+            out += ["```bash", *code, "```", ""]
+            code = []
+        if line.strip():
+            para.append(line.strip())
+        elif para:
+            out += [" ".join(para), ""]
+            para = []
+    return out
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    formatter = parser._get_formatter()
+    rows = ["|argument|meaning|", "|---|---|"]
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            continue
+        if not action.option_strings:
+            name = action.metavar or action.dest.upper()
+        elif action.metavar is None and action.choices is None:  # no name for its value
+            name = ", ".join(action.option_strings)
+        else:
+            name = formatter._format_action_invocation(action)
+        rows.append(f"|`{_cell(name)}`|{_cell(formatter._expand_help(action))}|")
+    return rows
+
+
+def _command(name: str, parser: argparse.ArgumentParser, summary: str) -> list[str]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    out = [f"## {name}", "", *_prose(parser.description or summary, code_too=False)]
+    if not subs:
+        out += [*_options(parser), ""]
+    if parser.epilog:
+        out += _prose(parser.epilog)
+    for action in subs:
+        helps = {a.dest: a.help for a in action._get_subactions()}
+        for sub_name, sub in action.choices.items():
+            out += _command(f"{name} {sub_name}", sub, helps.get(sub_name, ""))
+    return out
+
+
+def markdown(parser: argparse.ArgumentParser, commands: dict[str, str]) -> str:
+    """docs/commands.md: each command of ``parser`` (``commands``: name -> one line) with its
+    description, usage, every argument with its help and default, and its examples."""
+    out = ["# Command reference", "",
+           f"<!-- Generated from the CLI's parser; do not edit. Regenerate: {REGENERATE} -->",
+           "", "`hpctrain COMMAND --help` prints the same; `--set` takes the keys of "
+           "[config.md](config.md).", "",
+           "|command|what it does|", "|---|---|"]
+    out += [f"|[`{n}`](#hpctrain-{n})|{_cell(h)}|" for n, h in commands.items()]
+    out.append("")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        out += _command(f"hpctrain {name}", p, commands.get(name, ""))
+    return "\n".join(out).rstrip("\n") + "\n"

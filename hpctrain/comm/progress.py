@@ -4,7 +4,7 @@ were posted.
 
 Why: Open MPI's nonblocking collectives (libnbc) advance only inside MPI calls, and a rank
 busy in autograd makes none, so an ``Iallreduce`` posted during backward mostly runs when
-backward has ended (docs/benchmarks.md, "Overlap and the naive baseline"). The thread is inside MPI
+backward has ended (docs/results.md, "Overlapped gradient reduction"). The thread is inside MPI
 for the whole transfer (mpi4py releases the GIL there), and it uses the tuned blocking
 algorithms. Every rank posts the same sequence of operations, so the threads of a group
 call the same collectives in the same order on their private communicators (needs

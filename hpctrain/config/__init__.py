@@ -181,8 +181,8 @@ class OptimConfig:
     overlap: bool = key(False, "post bucket reductions during the last backward")
     overlap_across_nodes: bool = key(True, "overlap, though overlap is false, where the dp (or "
                                            "edp) group crosses nodes and the reduction is the flat "
-                                           "bucketed one (docs/benchmarks.md, \"Overlap and the "
-                                           "naive baseline\")")
+                                           "bucketed one (docs/results.md, \"Overlapped gradient "
+                                           "reduction\")")
     overlap_progress: str = key("auto", "what advances overlapped reductions while backward "
                                         "computes: thread (a thread runs each bucket's blocking "
                                         "collective as it is posted; needs MPI_THREAD_MULTIPLE), "

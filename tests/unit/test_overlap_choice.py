@@ -1,6 +1,6 @@
 """How overlapped gradient reductions progress, and where overlap turns itself on
 (``optim.overlap_progress = "auto"``, ``optim.overlap_across_nodes``): the choices measured in
-docs/benchmarks.md ("Overlap and the naive baseline")."""
+docs/results.md ("Overlapped gradient reduction")."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ def reduction_mode(cfg) -> str:
 def progress_for(ocfg, topo) -> str:
     """``optim.overlap_progress`` with ``auto`` decided: the progress thread where the dp
     groups cross nodes (``topo.within_node``, the same on every rank) and MPI provides
-    ``MPI_THREAD_MULTIPLE``, else ``test`` (the comparison: docs/benchmarks.md, "Overlap and
-    the naive baseline")."""
+    ``MPI_THREAD_MULTIPLE``, else ``test`` (the comparison: docs/results.md, "Overlapped
+    gradient reduction")."""
     if ocfg.overlap_progress != "auto":
         return ocfg.overlap_progress
     crosses = not topo.within_node.get("dp", True)
@@ -31,7 +31,7 @@ def overlap_on(ocfg, topo, dp_reduction: str, progress: str, reduction: str = "b
     (``optim.overlap_across_nodes``) a flat bucketed reduction whose dp groups cross nodes
     (``topo.within_node``, the same answer on every rank; edp groups lie inside dp's) with a
     progress that wins there: not ``auto``'s fallback ``test``, which does not beat blocking
-    buckets over TCP (docs/benchmarks.md; ``progress``: :func:`progress_for`; ``reduction``:
+    buckets over TCP (docs/results.md; ``progress``: :func:`progress_for`; ``reduction``:
     :func:`reduction_mode`)."""
     if ocfg.overlap:
         return True
