@@ -10,7 +10,7 @@
    :func:`run_table`);
 3. the table (measured, predicted, error, load average) is printed and written to
    ``share/perf/calibration-runs.json``, which ``tests/unit/test_perf.py`` holds to 25 %
-   (``--markdown``: also as the table of docs/performance-model.md; ``--predict-only``:
+   (``--markdown``: also as the table of docs/results.md; ``--predict-only``:
    the stored runs with this model's predictions, no runs).
 
 The whole run: ``python -m benchmarks.perf_model --repeats 5 --two-node --markdown``
@@ -157,7 +157,7 @@ TOLERANCE = 0.25
 
 
 def markdown(data: dict) -> str:
-    """The table of docs/performance-model.md ("Calibration on this machine")."""
+    """The calibration table of docs/results.md."""
     out = ["| layout | ranks | description | measured s, median of "
            f"{data.get('repeats', 2)} rounds (min-max) | predicted s | error | load average "
            "(1 min) during the rounds | held |", "|---|---|---|---|---|---|---|---|"]
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--predict-only", action="store_true",
                     help="recompute the predictions of the stored table (no runs) and rewrite it")
     ap.add_argument("--markdown", action="store_true",
-                    help="print the table as markdown for docs/performance-model.md")
+                    help="print the table as markdown for docs/results.md")
     a = ap.parse_args(argv)
     if a.predict_only:
         data = json.loads(OUT.read_text())

@@ -141,10 +141,25 @@ fi
 # mpi4py and h5py are built for one (MPICC, HDF5_DIR): a stamp names it, another rebuilds.
 build_key=$(echo "$(command -v "$MPICC") $("$MPICC" -show 2>/dev/null || true) $HDF5_DIR" \
   | cksum | cut -d' ' -f1)
+# The wheels built for a build key are kept per machine (HPCTRAIN_WHEELS), so another clone
+# or venv of the same Python installs them in seconds instead of compiling again.
+WHEELS=${HPCTRAIN_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/hpctrain/wheels}/$build_key-$("$PY" -c \
+  'import sys; print("py%d%d" % sys.version_info[:2])')
+built_wheel() {  # NAME SPEC [VAR=VALUE ...]: install NAME's wheel for this key, built once
+  local name=$1 spec=$2
+  shift 2
+  if ! ls "$WHEELS/$name"-*.whl >/dev/null 2>&1; then
+    mkdir -p "$WHEELS"
+    env "$@" $PIP wheel --no-binary="$name" --no-build-isolation --no-cache-dir --no-deps \
+      -w "$WHEELS" "$spec"
+  else
+    say "$name: the wheel built before on this machine ($WHEELS)"
+  fi
+  $PIP install --force-reinstall --no-deps "$WHEELS/$name"-*.whl
+}
 if [ "$SOURCE_MPI4PY" = 1 ] && [ ! -f "$VENV/.hpctrain-mpi4py-$build_key" ]; then
-  say "building mpi4py from source against $MPICC (about 3 minutes)"
-  MPICC=$MPICC $PIP install --no-binary=mpi4py --no-build-isolation --no-cache-dir \
-      --force-reinstall --no-deps "mpi4py>=4"
+  say "building mpi4py from source against $MPICC (about 3 minutes, once per machine)"
+  built_wheel mpi4py "mpi4py>=4" MPICC="$MPICC"
   rm -f "$VENV"/.hpctrain-mpi4py-*
   touch "$VENV/.hpctrain-mpi4py-$build_key"
 fi
@@ -156,10 +171,13 @@ if h5_ok && ! ls "$VENV"/.hpctrain-h5py-* >/dev/null 2>&1; then
   touch "$VENV/.hpctrain-h5py-$build_key"  # a venv from before the stamps: adopt its h5py
 fi
 if ! h5_ok || [ ! -f "$VENV/.hpctrain-h5py-$build_key" ]; then
-  say "building h5py against parallel HDF5 in $HDF5_DIR (about 3 minutes)"
+  say "building h5py against parallel HDF5 in $HDF5_DIR (about 3 minutes, once per machine)"
   # No build isolation: with it pip compiles an old mpi4py from source (20+ GB of RAM).
-  HDF5_MPI=ON CC=$MPICC $PIP install --no-binary=h5py --no-build-isolation --no-cache-dir \
-      --force-reinstall --no-deps h5py
+  built_wheel h5py h5py HDF5_MPI=ON CC="$MPICC" HDF5_DIR="$HDF5_DIR"
+  if ! h5_ok; then  # a kept wheel that does not work here: build it again
+    rm -f "$WHEELS"/h5py-*.whl
+    built_wheel h5py h5py HDF5_MPI=ON CC="$MPICC" HDF5_DIR="$HDF5_DIR"
+  fi
   rm -f "$VENV"/.hpctrain-h5py-*
   touch "$VENV/.hpctrain-h5py-$build_key"
 fi

@@ -24,8 +24,8 @@ it fits) and, with --nodes, which axes cross the inter-node link.
                         description
   --published           published runs against the model
 
-The config keys: docs/config.md; the model behind the predictions:
-docs/performance-model.md."""
+The config keys: docs/config.md; the modes and how to read them:
+docs/planning.md."""
 
 EPILOG = """\
 examples:

@@ -4,7 +4,7 @@ Each :class:`Run` holds the model shape, layout and batch its authors state, the
 description of their hardware (``share/clusters``), the published per-GPU throughput in
 tokens/s and where it comes from. :func:`table` predicts every run and gives the relative
 error; ``tests/unit/test_perf.py`` holds the tolerance (20 %) for the runs marked ``held``
-and docs/performance-model.md prints the table (``hpctrain plan --published``).
+and ``hpctrain plan --published`` prints the table (docs/planning.md sums it up).
 
 Sources:
 

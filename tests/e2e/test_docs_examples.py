@@ -24,7 +24,7 @@ def outputs():
 
 
 def test_docs_examples_print_what_the_docs_show(outputs):
-    assert any(ex.path.name == "performance-model.md" for ex, _ in outputs)
+    assert any(ex.path.name == "planning.md" for ex, _ in outputs)
     bad = [line for ex, out in outputs for line in differences(ex, out)]
     assert not bad, ("docs examples differ from the commands' output (regenerate with "
                      "`python tests/docs_examples.py --write FILE.md`):\n" + "\n".join(bad))

@@ -36,8 +36,9 @@ def test_design_within_budget():
 
 
 def records(text: str) -> list[tuple[str, str]]:
-    """decisions.md's records: its ``## `` sections, (title, body)."""
-    parts = re.split(r"^## +(.+)$", text, flags=re.M)
+    """decisions.md's records (``### `` sections, grouped under ``## `` topics whose short
+    introductions count alike): (title, body)."""
+    parts = re.split(r"^###? +(.+)$", text, flags=re.M)
     return list(zip(parts[1::2], parts[2::2]))
 
 
@@ -58,6 +59,6 @@ def test_guides_carry_no_dates(page):
     assert not lines, f"{page} has dated lines (measured figures go to results.md): {lines}"
 
 
-def test_records_split_on_level_two_headings_only():
+def test_records_split_on_topics_and_records():
     text = "# Decisions\n\nintro\n\n## A\n\none two\n\n### sub\n\nthree\n\n## B\n\nfour\n"
-    assert [(t, len(b.split())) for t, b in records(text)] == [("A", 5), ("B", 1)]
+    assert [(t, len(b.split())) for t, b in records(text)] == [("A", 2), ("sub", 1), ("B", 1)]

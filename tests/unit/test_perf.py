@@ -1,4 +1,4 @@
-"""The performance model (hpctrain/planner/, docs/performance-model.md), without MPI: published
+"""The performance model (hpctrain/planner/, docs/planning.md), without MPI: published
 runs within 20 %, the stored calibration runs of this machine within 25 %, the search's
 choices and rejection reasons, cluster files, and the pieces (FLOPs, placement, collectives).
 """
@@ -79,7 +79,7 @@ def test_published_models_have_their_parameter_counts():
 
 # -- calibration runs on this machine ------------------------------------------------------
 CAL = json.loads(CALIBRATION.read_text())
-# Rows the model misses by more than 25 % (docs/performance-model.md says why): strict, so
+# Rows the model misses by more than 25 % (docs/results.md says why): strict, so
 # that a model or a measurement that brings them inside the tolerance turns these red.
 MISSED = {  # the run of 2026-12-01 10:32 UTC (medians of 5 rounds; min-max in the docs)
     "dp=2 zero=2": "+32 %: the runs spread 0.17-0.27 s; the 400 reduce-scatters a step "
