@@ -17,11 +17,11 @@ MOE = ("model.num_experts=4", "model.moe_every=2")
 
 # (name, ranks, overrides, one-rank reference overrides)
 LAYOUTS = [
-    ("dp2", 2, ["topology.dp=2"], []),
-    ("dp2xtp2xpp2-sp-interleaved-zero1-selective", 8,
-     ["topology.dp=2", "topology.tp=2", "topology.pp=2", SP, 'schedule.kind="interleaved"',
-      "schedule.virtual_stages=2", "optim.zero=1", "optim.overlap=true",
-      'model.recompute="selective"'], ['model.recompute="selective"']),
+    ("dp2-zero1-overlap", 2, ["topology.dp=2", "optim.zero=1", "optim.overlap=true"], []),
+    ("tp2xpp2-sp-interleaved-selective", 4,
+     ["topology.tp=2", "topology.pp=2", SP, 'schedule.kind="interleaved"',
+      "schedule.virtual_stages=2", 'model.recompute="selective"'],
+     ['model.recompute="selective"']),
     ("cp2xpp2xdp2-zbv-zero3", 8,
      ["topology.cp=2", "topology.pp=2", "topology.dp=2", 'schedule.kind="zbv"',
       "optim.zero=3", "train.micro_batch_size=4"], []),
@@ -32,7 +32,7 @@ LAYOUTS = [
      [*MOE, "topology.dp=2", "topology.ep=2", "topology.cp=2", "topology.cp_kind=ulysses",
       "topology.tp=2", SP, 'topology.shard_within="2"', "optim.zero=2",
       "train.micro_batch_size=4"], [*MOE, "train.micro_batch_size=8"]),
-    ("dualpipev-pp2xdp2xep2-moe-overlap", 8,
+    ("dualpipev-pp2xdp2xep2-moe-overlap", 4,
      [*MOE, "topology.pp=2", "topology.dp=2", "topology.ep=2", 'schedule.kind="dualpipev"',
       "schedule.moe_overlap=true"], [*MOE, "train.micro_batch_size=2"]),
 ]
