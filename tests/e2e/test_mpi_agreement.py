@@ -1,8 +1,9 @@
-"""tests/mpi/conftest.py: a test that fails or skips on one rank does so on every rank, at
-once, instead of leaving the other ranks in a collective until the 600 s timeout.
+"""tests/agreement.py (the hook of tests/mpi and tests/matrix): a test that fails or skips on
+one rank does so on every rank, at once, instead of leaving the other ranks in a collective
+until the 600 s timeout.
 
 Each case runs ``pytest`` under ``mpirun -n 2`` on a temporary test file next to a copy of
-tests/mpi/conftest.py, as tests/run_all.sh runs tests/mpi."""
+tests/mpi/conftest.py and tests/agreement.py, as tests/run_all.sh runs tests/mpi."""
 
 import json
 import shutil
@@ -70,6 +71,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 def run_pytest(tmp_path, source: str, *args, timeout: float):
     shutil.copy(ROOT / "tests" / "mpi" / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(ROOT / "tests" / "agreement.py", tmp_path / "agreement.py")
     (tmp_path / "test_case.py").write_text(source)
     (tmp_path / "ranklog.py").write_text(RANKLOG)
     t0 = time.monotonic()
