@@ -1,9 +1,9 @@
 # hpctrain: two commands on a fresh machine.
 #   make run    set up what is missing, then train the demo preset on 4 ranks
 #   make test   set up what is missing, then run the whole test suite
-#   make test-fast  the quick tier (a few minutes on 2 cores): ruff, tests/unit, tests/mpi at
-#               2 ranks, and one end-to-end smoke run (tests marked `smoke`: `hpctrain train`
-#               under the launcher at 2 ranks against 1 rank)
+#   make test-fast  the quick tier (under 2 minutes on 2 cores): ruff, tests/unit but those
+#               marked `slow`, tests/mpi at 2 ranks, and one end-to-end smoke run (tests
+#               marked `smoke`: `hpctrain train` under the launcher at 2 ranks against 1 rank)
 #   make bench  set up what is missing, then run the benchmarks (python -m benchmarks)
 #   make test-mpich  the site-stack job: the equivalence core under MPICH (tests/mpich_core.sh)
 # Overridable: MPI_IMPL (openmpi | mpich: the MPI set-up installs on Debian; mpich uses
@@ -40,7 +40,7 @@ test: setup
 
 test-fast: setup
 	$(PY) -m ruff check hpctrain tests benchmarks
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/unit $(PYTEST_ARGS)
 	$(LAUNCH) -n 2 -- $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi tests/mpi \
 	    $(PYTEST_ARGS)
 	$(PY) -m pytest -q -p no:cacheprovider -m smoke tests/e2e $(PYTEST_ARGS)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from fuzz_configs import case, config_path, expected, template
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from launch import hpctrain, mpirun
 
 from hpctrain.checks.inputs import check_inputs
@@ -53,6 +53,10 @@ def test_train_refuses_invalid_configs_alone(tmp_path):
 
     @settings(max_examples=EXAMPLES, **SETTINGS)
     @given(case(world=1))
+    # Two rules every run reaches, whatever the draws (an unknown key, a malformed override):
+    # the rule count below then measures the fuzz, not its luck.
+    @example((None, ["topology.dp=1", "topology.tp=1", "topology.pp=1", "nosuch.steps=1"], 1))
+    @example((None, ["topology.dp=1", "topology.tp=1", "topology.pp=1", "train.=1"], 1))
     def check(example):
         want, run_dir = _refusal(tmp_path, example, 1)
         before = _contents(run_dir)

@@ -233,6 +233,7 @@ def test_rejection_reasons_name_the_rule():
     assert ranked == sorted(ranked[:30]) + ranked[30:]
 
 
+@pytest.mark.slow(reason="searches every layout of 1536 GPUs (a published Megatron run)")
 def test_search_recommends_what_megatron_used():
     """GPT 145.6B on 192 DGX A100 nodes: Narayanan et al. used tp=8 (one node), pp=8, dp=24.
     The search keeps a node's 8 GPUs in one model-parallel group (tp, or tp x cp, a split
@@ -256,6 +257,7 @@ def test_search_recommends_what_megatron_used():
     assert best[(8, 8, 24)].prediction.step_s < 1.02 * cands[0].prediction.step_s
 
 
+@pytest.mark.slow(reason="a full search of a published 512-GPU Megatron run")
 def test_search_explains_a_faster_layout_than_megatrons():
     """GPT 39.1B on 64 nodes: the authors' tp=8 pp=2 is predicted within 10 % of the best,
     tp=4 with a longer pipeline (pp 4 or 8, interleaved): half the tp all-reduce bytes and
