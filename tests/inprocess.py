@@ -34,7 +34,7 @@ def wait_for_all(c) -> None:
     """A barrier that sleeps: idle ranks leave the cores to the ranks that train."""
     req = c.Ibarrier()
     while not req.Test():
-        time.sleep(0.002)
+        time.sleep(0.01)
 
 
 def same_path(path: Path | None) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.launch import command, detect, launch_env, with_checkout
+from hpctrain.launch import command, detect, launch_env, with_checkout, without_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,18 +39,12 @@ LAUNCHER = detect()  # for this interpreter's mpi4py
 MPI_ENV = launch_env(LAUNCHER)  # + OMP_NUM_THREADS=1, HDF5_USE_FILE_LOCKING=FALSE
 
 
-# What a launcher gives each rank: a process a rank starts (tests/matrix) is no rank of the job.
-RANK_VARS = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-
-
 def env(**extra) -> dict:
-    """The environment of a process a test starts: this one's (without the launcher's per-rank
-    variables when this process is a rank), the launcher's settings, the checkout first on
+    """The environment of a process a test starts: this one's without the variables of the
+    MPI job it may run in (a rank of tests/matrix starts no rank of its own job:
+    :func:`hpctrain.launch.without_job`), the launcher's settings, the checkout first on
     PYTHONPATH (:func:`hpctrain.launch.with_checkout`), then ``extra``."""
-    mine = dict(os.environ)
-    if {"OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK"} & set(mine):
-        mine = {k: v for k, v in mine.items() if not k.startswith(RANK_VARS)}
-    e = with_checkout(mine)
+    e = with_checkout(without_job(dict(os.environ)))
     e.update(MPI_ENV)
     e.update({k: str(v) for k, v in extra.items()})
     return e
