@@ -1,4 +1,4 @@
-"""``python -m benchmarks [--only NAME ...] [--size tiny|small] [--repeats N] --out DIR``
+"""``python -m benchmarks [--only NAME ...] [--size tiny|small] [--repeats N] [--smoke] --out DIR``
 
 Runs every comparison of :mod:`benchmarks` in one command (from the repository root;
 ``make bench``): each part is launched here under ``mpirun`` at the world sizes it needs (the
@@ -22,6 +22,8 @@ from hpctrain.launch import command, launch_env, with_checkout
 
 from . import BENCHES, SIZES
 
+ACROSS_SIZES = ("scaling",)  # its efficiency compares world sizes
+
 PROG = "python -m benchmarks"
 
 
@@ -36,7 +38,17 @@ def parser() -> argparse.ArgumentParser:
                    help="repetitions of each measurement (interleaved A/B pairs: at least 5)")
     p.add_argument("--out", required=True, help="directory for bench.json and bench.md")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mpirun launch")
+    p.add_argument("--smoke", action="store_true",
+                   help="each part once, at its smallest world size (scaling, whose "
+                        "comparison is across world sizes, at all of them): the CI check")
     return p
+
+
+def world_sizes(name: str, smoke: bool) -> tuple[int, ...]:
+    """The world sizes a part runs at: all of BENCHES's, or with ``--smoke`` the smallest
+    (every size for a part whose comparison spans them)."""
+    sizes = BENCHES[name]
+    return sizes if not smoke or name in ACROSS_SIZES else sizes[:1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +96,8 @@ def run(args) -> int:
     for n in set(args.only or BENCHES) - set(names):
         print(f"[bench] {n}: not in this build, skipped", flush=True)
     results = []
-    for ranks in sorted({r for n in names for r in BENCHES[n]}):
-        group = [n for n in names if ranks in BENCHES[n]]
+    for ranks in sorted({r for n in names for r in world_sizes(n, args.smoke)}):
+        group = [n for n in names if ranks in world_sizes(n, args.smoke)]
         print(f"[bench] {', '.join(group)} on {ranks} rank(s) ...", flush=True)
         for res in launch(group, ranks, args, parts):
             results.append(res)
