@@ -73,6 +73,7 @@ def test_dp_x_tp_across_nodes_equals_one_rank(cluster, tmp_path, session_dir):
         (run.run_dir / "train.log").read_text()
 
 
+@pytest.mark.slow(reason="two runs on simulated nodes joined by a shaped link")
 def test_hierarchical_equals_flat_across_nodes(cluster, tmp_path, session_dir):
     ref = baseline(session_dir)
     flat = train_cli(tmp_path / "flat", 4, "topology.dp=4", launcher=cluster)

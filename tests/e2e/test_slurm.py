@@ -169,6 +169,7 @@ def _failed_logged(d: Path, job_id: str, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow(reason="two SLURM jobs, each killing and relaunching a step")
 def test_a_killed_step_is_relaunched_inside_the_job(submitted):
     """jobs/relaunch.sbatch: the training step killed mid-run (scancel JOB.0) is probed and
     relaunched in the same job (no requeue); it resumes from the node-local tier, or, with
