@@ -54,6 +54,7 @@ def cluster():
 
 
 @pytest.mark.netns
+@pytest.mark.slow(reason="3 simulated nodes: a run, a node killed, a restart on 2")
 def test_node_lost_resumes_on_survivors_from_partner_copies(cluster, tmp_path, session_dir):
     """3 nodes x 2 ranks (dp=3 x tp=2), both ranks of node 1 killed in step 5 and its local
     directory gone; the same command on nodes 0 and 2 with pp=2 x dp=2 resumes from the

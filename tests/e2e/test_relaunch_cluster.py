@@ -46,6 +46,7 @@ def lose_node(ns: str) -> None:
     subprocess.run(["ip", "netns", "del", ns], check=True)
 
 
+@pytest.mark.slow(reason="3 simulated nodes, a node lost, probing and relaunching on 2")
 def test_a_lost_node_relaunches_on_the_survivors_with_a_new_layout(cluster, tmp_path,
                                                                    session_dir):
     run_dir = tmp_path / "run"

@@ -200,6 +200,7 @@ def test_a_killed_step_is_relaunched_inside_the_job(submitted):
         assert_same(run, read_run(ref_dir / "run"), 1e-9, f"relaunched ({name}) vs uninterrupted")
 
 
+@pytest.mark.slow(reason="a SLURM job preempted, requeued and resumed")
 def test_preemption_requeues_and_resumes_exactly(submitted, tmp_path):
     """USR1 mid-run -> checkpoint, exit 75, scontrol requeue, resume from latest: the losses,
     grad norms and final parameters equal the uninterrupted run's (float64, rel 1e-9)."""

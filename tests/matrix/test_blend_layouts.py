@@ -34,6 +34,7 @@ def corpora(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow(reason="two corpora prepared, three runs with evaluation per source")
 def test_a_blend_on_any_layout_and_resumed_on_another(tmp_path, session_dir, corpora):
     prose, code = corpora
     blend = f'data.sources=[{{path="{prose}", weight=0.7}}, {{path="{code}", weight=0.3}}]'

@@ -21,6 +21,7 @@ def tiny_corpus(tmp_path_factory):
     return on_root(write_token_file, path, rng.integers(0, 256, 641), rng.integers(0, 256, 200))
 
 
+@pytest.mark.slow(reason="three runs across two epoch boundaries, and inspect")
 def test_epochs_cross_and_resume_on_another_layout(tmp_path, session_dir, tiny_corpus):
     common = (f"data.path={tiny_corpus}", "train.steps=6", "checkpoint.every=2",
               "train.eval_every=3")
