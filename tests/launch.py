@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = str(Path(sys.executable))
 # The tests' model: the llama form (every preset's architecture); the layout tests run it.
 # TINY_GPT, its gpt twin (model.arch = "gpt"), keeps a smoke set of the same layouts
-# (tests/e2e/test_gpt_equivalence.py) and the unit tests.
+# (tests/matrix/test_gpt_equivalence.py) and the unit tests.
 TINY = str(ROOT / "share/configs/tiny-llama.toml")
 TINY_GPT = str(ROOT / "share/configs/tiny.toml")
 

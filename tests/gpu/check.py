@@ -51,7 +51,7 @@ def launch(n: int, *args: str) -> list[str]:
 COMMON = ("train.steps=6", "checkpoint.every=3", "checkpoint.save_final=true")
 SP = "topology.sequence_parallel=true"
 MOE = ("model.num_experts=4", "model.moe_every=2")
-# bf16 against float32, as tests/e2e/test_precision.py: 2 layers, 50 steps, every step's loss
+# bf16 against float32, as tests/matrix/test_precision.py: 2 layers, 50 steps, every step's loss
 # within 2% of the float32 run's (bf16 keeps 8 significant bits: ~0.4% per rounding; float32
 # master weights and reduction keep the drift bounded), and it learns.
 BF16_SMALL = ("model.n_layers=2", "train.micro_batch_size=4", "checkpoint.save_final=false",
@@ -222,7 +222,7 @@ class Check:
 
     def tail(self, name: str, run, ref, start: int, layout: str) -> None:
         """A run resumed at ``start`` equals the reference's later steps and final state
-        (model and optimizer), as tests/e2e/test_checkpoint_reshard.py."""
+        (model and optimizer), as tests/matrix/test_checkpoint_reshard.py."""
         errs, worst = [], 0.0
         if len(run.losses) != len(ref.losses) - start:
             raise Failed(f"{name}: {len(run.losses)} steps after resuming at {start}, "

@@ -64,7 +64,7 @@ def test_one_rank_to_pp2_dp2_tp2(tmp_path, session_dir):
 def test_ep2_to_ep1(tmp_path, session_dir):
     # MoE balance statistics are per global microbatch: the one-rank runs use
     # micro_batch_size = dp * 1 so that their microbatches are the dp=2 run's (see
-    # tests/e2e/test_moe_equivalence.py).
+    # tests/matrix/test_moe_equivalence.py).
     moe, whole = ("model.num_experts=4", "model.moe_every=2"), "train.micro_batch_size=2"
     ref = baseline(session_dir, *COMMON, *moe, whole)
     _, b = reshard(tmp_path, ref, layout(dp=2, ep=2), layout(), extra=moe, load_extra=(whole,))

@@ -6,7 +6,7 @@ Two launches: the one-rank reference (6 steps, saving at 3) and dp=2 x ep=2 x tp
 and the all-to-alls overlapped in the schedule, resumed from the reference's step-3
 checkpoint (which carries the selection biases): its steps 4-6, final parameters, biases and
 optimizer state equal the straight run's. The one-rank reference takes the global
-microbatch as its microbatch (see tests/e2e/test_moe_equivalence.py).
+microbatch as its microbatch (see tests/matrix/test_moe_equivalence.py).
 """
 
 import numpy as np

@@ -106,7 +106,7 @@ def test_pp2_interleaved(tmp_path, session_dir):
 
 def test_ep2(tmp_path, session_dir):
     # One rank takes both dp ranks' sequences as one microbatch: the same routing groups
-    # (load-balancing statistics are per microbatch), as tests/e2e/test_moe_equivalence.py.
+    # (load-balancing statistics are per microbatch), as tests/matrix/test_moe_equivalence.py.
     ref = baseline(session_dir, *COMMON, *MOE, "train.micro_batch_size=2")
     run = train_cli(tmp_path / "r", 2, *COMMON, *MOE, "topology.dp=2", "topology.ep=2")
     assert_same(run, ref, what="dp=2 x ep=2")
