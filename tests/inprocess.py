@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import launch
 from launch import TINY, Run, read_run
 from mpi4py import MPI
 
@@ -71,16 +72,10 @@ def train_layout(run_dir: Path, n: int, *overrides: str, config: str = TINY) -> 
     return read_run(Path(run_dir), log.read_text() if log.is_file() else "")
 
 
-_BASELINES: dict = {}
-
-
 def baseline(tmp_root: Path, *overrides: str, config: str = TINY) -> Run:
-    """The one-rank run of ``config`` with these overrides, trained once per launch."""
-    key = (config, *sorted(overrides))
-    if key not in _BASELINES:
-        d = tmp_root / f"baseline_{len(_BASELINES)}"
-        _BASELINES[key] = train_layout(d, 1, *overrides, config=config)
-    return _BASELINES[key]
+    """The one-rank run of ``config`` with these overrides, trained once per launch
+    (:func:`launch.baseline` with :func:`train_layout`)."""
+    return launch.baseline(tmp_root, *overrides, config=config, trainer=train_layout)
 
 
 def on_root(fn, *args, **kwargs):

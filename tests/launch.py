@@ -164,13 +164,15 @@ def signal_after_steps(run_dir: Path, n: int, *overrides: str, steps: int = 2,
 _BASELINES: dict = {}
 
 
-def baseline(tmp_root: Path, *overrides: str, config: str = TINY) -> Run:
+def baseline(tmp_root: Path, *overrides: str, config: str = TINY, trainer=None) -> Run:
     """The one-rank run of ``config`` with the same overrides (layout keys excluded),
-    cached."""
-    key = (config, *sorted(overrides))
+    cached; ``trainer`` (default :func:`train_cli`) takes train_cli's arguments and trains
+    it (tests/inprocess.py passes its in-process one)."""
+    trainer = trainer or train_cli
+    key = (trainer.__name__, config, *sorted(overrides))
     if key not in _BASELINES:
         d = tmp_root / f"baseline_{len(_BASELINES)}"
-        _BASELINES[key] = train_cli(d, 1, *overrides, config=config)
+        _BASELINES[key] = trainer(d, 1, *overrides, config=config)
     return _BASELINES[key]
 
 
@@ -236,7 +238,6 @@ def assert_about_one_dp(run, ref, dp: int, what: str) -> None:
         assert want <= here <= want * 1.01 + 2048, (what, key, here, want)
     # what is gathered at once is a few blocks, not the model
     assert 0 < m["mem_params_gathered"] < r["mem_params"] / 2, (what, m)
-
 
 
 def assert_sharded_and_replicated(run, axis: str = "dp") -> None:

@@ -24,6 +24,7 @@ from launch import (
     ROOT,
     assert_same,
     baseline,
+    ckpt,
     env,
     hpctrain,
     read_run,
@@ -37,10 +38,6 @@ pytestmark = pytest.mark.e2e
 COMMON = ("train.steps=6", "checkpoint.every=3")
 MOE = ("model.num_experts=4", "model.moe_every=2")
 OTHER_PY = os.environ.get("OTHER_PY", str(ROOT / ".venv" / "bin" / "python"))
-
-
-def ckpt(run, step: int) -> Path:
-    return run.run_dir / "checkpoints" / f"step_{step:08d}.h5"
 
 
 def first_log_line(run) -> str:
