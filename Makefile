@@ -18,10 +18,10 @@ NP ?= 4
 RUN_DIR ?= runs/demo
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
-# Ranks are started by the launcher abstraction (hpctrain/launch.py: Open MPI mpirun,
+# Ranks are started by the launcher abstraction (hpctrain/job/launch.py: Open MPI mpirun,
 # Hydra mpiexec or srun, with its settings for root and more ranks than cores); the MPI is
 # the one the venv's mpi4py was built for (MPI_IMPL=mpich VENV=.venv-mpich: MPICH).
-LAUNCH = $(PY) -m hpctrain.launch
+LAUNCH = $(PY) -m hpctrain.job.launch
 export OMP_NUM_THREADS ?= 1
 export HDF5_USE_FILE_LOCKING ?= FALSE
 

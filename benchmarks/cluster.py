@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hpctrain.launch import ROOT, cluster_program, command, detect, nested_env
+from hpctrain.job.launch import ROOT, cluster_program, command, detect, nested_env
 
 from .cluster_worker import MODEL
 from .common import median, ratio, result, row, same_losses

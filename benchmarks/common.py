@@ -41,7 +41,7 @@ def in_fresh_process(code: str, args: list[str], env: dict | None = None,
     launch inherited; ``env`` added) and return it with its peak RSS in MiB: its own VmHWM,
     printed after ``code`` (a child's ``ru_maxrss`` starts at its parent's at exec). ``code``
     leaves its exit status in ``rc``; a process that fails raises."""
-    from hpctrain.launch import with_checkout, without_job
+    from hpctrain.job.launch import with_checkout, without_job
 
     peak = ('\ntry:\n    print("VmHWM", [int(x.split()[1]) for x in open("/proc/self/status")'
             ' if x.startswith("VmHWM")][0])\nexcept OSError:  # no /proc: the best there is\n'

@@ -5,7 +5,7 @@ ring,ulysses,hybrid] [--kv-heads 2]`` launches one mpirun per cp size and kind (
 ranks``, ``topology.cp_kind``, the llama form: rotary, 4 query heads on ``--kv-heads`` kv
 heads) and prints a Markdown table: the measured saved activations per rank
 (``mem_activations`` of :class:`hpctrain.telemetry.Meter`, max over ranks, the maximum over
-the step of what autograd saves), the plan's estimate (``telemetry.memory.estimate``),
+the step of what autograd saves), the plan's estimate (``planner.memory.estimate``),
 their ratio to cp=1, the measured peak (``mem_peak``: parameters, gradients, optimizer
 state and activations, max over ranks), the step time and the cp axis's bytes and exposed
 seconds per step (``comm_bytes``/``comm_s`` of axis ``cp``), one microbatch of 4 sequences
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hpctrain.launch import command, launch_env, with_checkout
+from hpctrain.job.launch import command, launch_env, with_checkout
 
 from .common import median, scratch_dir, train_config
 
@@ -30,7 +30,7 @@ def run(world, size: str, seq_len: int, steps: int = 3, kind: str = "ring",
     """Train ``size`` at ``topology.cp = world.size`` with ``topology.cp_kind = kind`` (one
     microbatch per step; ``overrides``: more ``--set`` values); rank 0 returns the row.
     Collective."""
-    from hpctrain.telemetry.memory import estimate
+    from hpctrain.planner.memory import estimate
     from hpctrain.train import train
 
     cp = world.size

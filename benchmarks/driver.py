@@ -18,7 +18,7 @@ import sys
 from importlib.util import find_spec
 from pathlib import Path
 
-from hpctrain.launch import command, launch_env, with_checkout
+from hpctrain.job.launch import command, launch_env, with_checkout
 
 from . import BENCHES, SIZES
 

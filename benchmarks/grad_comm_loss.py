@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.launch import ROOT, command, launch_env, with_checkout
+from hpctrain.job.launch import ROOT, command, launch_env, with_checkout
 
 DEMO = ROOT / "share" / "configs" / "demo.toml"
 SIDES = {"float32": '""', "bfloat16": '"bfloat16"'}

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hpctrain.launch import command, launch_env, with_checkout
+from hpctrain.job.launch import command, launch_env, with_checkout
 
 from .common import median, result, row, same_losses, scratch_dir, train_config
 
@@ -44,7 +44,7 @@ def _train(cfg, world) -> tuple[list[float], list[float], dict]:
 
 
 def run(world, size: str, repeats: int, levels=LEVELS, overrides=()) -> dict:
-    from hpctrain.telemetry.memory import estimate
+    from hpctrain.planner.memory import estimate
 
     dp = world.size
     res = result("memory", world, size, repeats,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 
-from hpctrain.launch import ROOT
+from hpctrain.job.launch import ROOT
 
 from .cluster import RATE, begin
 from .cluster_worker import MODEL

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpctrain.launch import ROOT, cluster_program, command, detect, nested_env
+from hpctrain.job.launch import ROOT, cluster_program, command, detect, nested_env
 
 PY = sys.executable  # the venv running this (its mpi4py picks the launcher)
 CFG = "share/configs/tiny.toml"

@@ -1,6 +1,6 @@
 """Pipeline training throughput at pp=2 and pp=4: ``hpctrain train`` with
 ``schedule.kind=1f1b`` against ``torch.distributed.pipelining.Schedule1F1B`` (gloo), same
-split of layers (``parallel.pipeline.partition``), init, data and microbatches; same losses
+split of layers (``pipeline.placement.partition``), init, data and microbatches; same losses
 required. At pp=4 also hpctrain's zb-h1, zbv and dualpipev against its 1f1b (and dualpipev
 against zbv) in the same rounds, beside
 the cost of their split backward (B and W of one stage against one backward, rank 0 alone).
@@ -19,7 +19,7 @@ from hpctrain.data.dataset import Sampler, load_tokens
 from hpctrain.model import DecoderStage, init_parameters, weight_grad
 from hpctrain.model.stage import DTYPES
 from hpctrain.optim import lr_at
-from hpctrain.parallel.pipeline import partition
+from hpctrain.pipeline.placement import partition
 from hpctrain.pipeline.runner import input_grad
 
 from .abtest import interleave, loadavg, paired

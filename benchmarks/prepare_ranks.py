@@ -17,7 +17,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hpctrain.launch import ROOT, command, launch_env
+from hpctrain.job.launch import ROOT, command, launch_env
 
 
 def main(argv=None) -> int:

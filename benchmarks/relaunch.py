@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpctrain.launch import ROOT, command, nested_env
+from hpctrain.job.launch import ROOT, command, nested_env
 
 from .common import median, result, row
 

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from .slurm import parse_end_time
+from .job.slurm import parse_end_time
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import comm, slurm
+from . import comm
 from .checkpoint import Checkpointer, lineage
 from .checkpoint.local import LocalTier
 from .checks.validate import validate
@@ -31,11 +31,13 @@ from .data.blend import open_stream
 from .data.sampler import ReadAhead, Sampler
 from .evaluate import Evaluator
 from .interchange import init_from
+from .job import slurm
 from .optim import NumericGuard, build_optimizer, lr_at
 from .parallel import build_model, grad_sync, named_parameters
 from .parallel.moe_exchange import route_biases, set_loss_scale, step_metrics, update_route_bias
 from .pipeline.runner import pipeline_metrics, run_step
 from .planner.cluster import mfu_peak
+from .planner.flops import train_flops_per_token
 from .stopping import StopRules
 from .telemetry import Faults, Meter, RunLog, Telemetry
 from .telemetry.summary import RunSummary
@@ -132,7 +134,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
                                 run_dir)
     tc = cfg.telemetry  # MFU's denominator: a nominal peak (checked by hpctrain train)
     tel = Telemetry(cfg, topo, run_dir, log, mfu_peak(tc.peak_flops, tc.cluster, cfg.model.dtype),
-                    json.loads(ckpt_attrs["lineage"]))
+                    json.loads(ckpt_attrs["lineage"]),
+                    flops_per_token=train_flops_per_token(cfg.model, cfg.train.seq_len))
     if tel.watchdog:  # a background write that hangs is reported, although steps go on
         tel.watchdog.watch(saver.background_write)
         tel.watchdog.watch(tier.background_write)

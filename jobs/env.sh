@@ -64,7 +64,7 @@ hpctrain_pmi_default() {  # srun's PMI plugin for the MPI PYTHON's mpi4py is bui
 import mpi4py
 mpi4py.rc.initialize = False  # MPI_Get_library_version may be called before MPI_Init
 from mpi4py import MPI
-from hpctrain.slurm import srun_pmi  # the rule the singleton refusal uses too
+from hpctrain.job.slurm import srun_pmi  # the rule the singleton refusal uses too
 print(srun_pmi(MPI.Get_library_version()))
 PY
 }
@@ -74,7 +74,7 @@ HPCTRAIN_GPUS=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
 HPCTRAIN_GPUS=${HPCTRAIN_GPUS##*:}  # "a100:4" -> 4
 [[ "$HPCTRAIN_GPUS" =~ ^[0-9]+$ ]] || HPCTRAIN_GPUS=0
 if [ "$HPCTRAIN_GPUS" -gt 0 ]; then DEVICE=${DEVICE:-cuda}; else DEVICE=${DEVICE:-cpu}; fi
-HPCTRAIN_EXIT_REQUEUE=75  # hpctrain/slurm.py EXIT_REQUEUE: checkpointed, run me again
+HPCTRAIN_EXIT_REQUEUE=75  # hpctrain/job/slurm.py EXIT_REQUEUE: checkpointed, run me again
 cd "$HPCTRAIN_ROOT"
 
 hpctrain_log() { echo "[job ${SLURM_JOB_ID:-?}] $*"; }
@@ -183,7 +183,7 @@ hpctrain_srun_forwarding() {
 }
 
 # hpctrain_srun_relaunching ARGS...: hpctrain_srun_forwarding through `hpctrain launch
-# --relaunch` (hpctrain/relaunch.py, docs/slurm.md): when the step fails, probe the job's
+# --relaunch` (hpctrain/job/relaunch.py, docs/slurm.md): when the step fails, probe the job's
 # nodes with `srun -N1 true`, drop those that fail, use spare nodes, re-plan the layout for
 # the ranks left (`hpctrain plan --emit-overrides`), resume from the freshest checkpoint, up
 # to HPCTRAIN_RELAUNCHES times (default 2); then HPCTRAIN_RC=75 (requeue). Variables:

@@ -9,7 +9,7 @@
 #   scripts/slurm.sh status   sinfo, or exit 1 when the cluster is not up.
 #
 # Overridable: SLURM_CPUS (CPUs the node advertises, default 16: tasks oversubscribe the
-# real cores, as the local launcher does (hpctrain/launch.py), so the tests' jobs all run at once), SLURM_STATE (daemon state/logs, default
+# real cores, as the local launcher does (hpctrain/job/launch.py), so the tests' jobs all run at once), SLURM_STATE (daemon state/logs, default
 # /var/lib/hpctrain-slurm). The config goes to /etc/slurm/slurm.conf (where the clients look);
 # a slurm.conf that this script did not write is never overwritten.
 #

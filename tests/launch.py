@@ -5,7 +5,7 @@ on the tiny preset (``TINY``: tiny-llama.toml; ``config=TINY_GPT`` for the gpt f
 returns a :class:`Run` with per-step losses and grad norms from
 ``metrics.jsonl`` and the final parameters from the final checkpoint (global shapes).
 ``baseline(*overrides)`` is the same on one rank, cached per session (keyed by overrides).
-Ranks are started by the launcher of :mod:`hpctrain.launch` (Open MPI ``mpirun``, Hydra
+Ranks are started by the launcher of :mod:`hpctrain.job.launch` (Open MPI ``mpirun``, Hydra
 ``mpiexec`` for an MPICH-built mpi4py, or ``HPCTRAIN_LAUNCHER``), with its local settings
 (root, more ranks than cores) and the run defaults; every process started here has the
 checkout first on PYTHONPATH.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.launch import command, detect, launch_env, with_checkout, without_job
+from hpctrain.job.launch import command, detect, launch_env, with_checkout, without_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,8 +42,8 @@ MPI_ENV = launch_env(LAUNCHER)  # + OMP_NUM_THREADS=1, HDF5_USE_FILE_LOCKING=FAL
 def env(**extra) -> dict:
     """The environment of a process a test starts: this one's without the variables of the
     MPI job it may run in (a rank of tests/matrix starts no rank of its own job:
-    :func:`hpctrain.launch.without_job`), the launcher's settings, the checkout first on
-    PYTHONPATH (:func:`hpctrain.launch.with_checkout`), then ``extra``."""
+    :func:`hpctrain.job.launch.without_job`), the launcher's settings, the checkout first on
+    PYTHONPATH (:func:`hpctrain.job.launch.with_checkout`), then ``extra``."""
     e = with_checkout(without_job(dict(os.environ)))
     e.update(MPI_ENV)
     e.update({k: str(v) for k, v in extra.items()})

@@ -19,7 +19,7 @@ t0=$(date +%s)
 MPI_IMPL=mpich VENV=$VENV BASE_VENV=${BASE_VENV-$(dirname "$(dirname "$OTHER_PY")")} \
   bash scripts/setup.sh || { echo "[mpich-core] set-up failed" >&2; exit 2; }
 t1=$(date +%s)
-"$VENV/bin/python" -m hpctrain.launch --describe
+"$VENV/bin/python" -m hpctrain.job.launch --describe
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 tests/site "$@"
 status=$?
 t2=$(date +%s)

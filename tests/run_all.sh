@@ -7,7 +7,7 @@
 #   2. unit and end-to-end tests in one pytest process (tests/unit, tests/e2e: the real CLI
 #      under the launcher, real SLURM, real process deaths);
 #   3. the tests that run *inside* MPI ranks (pytest-mpi, --with-mpi) under the launcher of
-#      hpctrain/launch.py (mpirun, Hydra mpiexec or srun) at 1, 2 and 4 ranks (tests/mpi).
+#      hpctrain/job/launch.py (mpirun, Hydra mpiexec or srun) at 1, 2 and 4 ranks (tests/mpi).
 # Then the 25 slowest tests of phases 1 and 2 and each phase's seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ phase() {  # NAME COMMAND...: run it, remember its time and status
 }
 matrix() {
   local t0=$SECONDS rc=0
-  nice -n 10 $PY -m hpctrain.launch -n 8 -- $PY -m mpi4py -m pytest -q -p no:cacheprovider \
+  nice -n 10 $PY -m hpctrain.job.launch -n 8 -- $PY -m mpi4py -m pytest -q -p no:cacheprovider \
     --with-mpi --junitxml="$out/matrix.xml" tests/matrix "$@" || rc=$?
   echo "$rc $((SECONDS - t0))" >"$out/matrix.status"
 }
@@ -35,8 +35,8 @@ beside=$!
 phase "unit + e2e" $PY -m pytest -q -p no:cacheprovider --junitxml="$out/unit-e2e.xml" \
   tests/unit tests/e2e "$@"
 for n in 1 2 4; do
-  phase "tests/mpi on $n ranks ($($PY -m hpctrain.launch --describe))" \
-    $PY -m hpctrain.launch -n $n -- $PY -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi \
+  phase "tests/mpi on $n ranks ($($PY -m hpctrain.job.launch --describe))" \
+    $PY -m hpctrain.job.launch -n $n -- $PY -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi \
       tests/mpi "$@"
 done
 t0=$SECONDS

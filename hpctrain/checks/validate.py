@@ -1,7 +1,7 @@
 """Whether a config can run on a world size: every problem at once, before any collective.
 
 ``checks.rules.problems`` has the rules of the keys and the arithmetic (layout, model, batch);
-the checks here need the pipeline split (``parallel.pipeline``) or the schedule builder
+the checks here need the pipeline split (``pipeline.placement``) or the schedule builder
 (``pipeline.actions``), so they live above those modules, and are asked only of an otherwise
 valid config. What the config points at (the data file, the run directory) is checked by
 ``hpctrain train`` and ``hpctrain plan`` after this (``hpctrain.checks.inputs``).
@@ -10,8 +10,8 @@ valid config. What the config points at (the data file, the run directory) is ch
 from __future__ import annotations
 
 from ..config import Config, ConfigError, microbatches
-from ..parallel.pipeline import layer_ranges, virtual_stages
 from ..pipeline.actions import check_fits
+from ..pipeline.placement import layer_ranges, virtual_stages
 from .rules import problems
 
 

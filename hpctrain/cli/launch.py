@@ -1,11 +1,12 @@
 """``hpctrain launch -n N -- COMMAND``: start COMMAND on N ranks with the launcher this
 machine has (Open MPI ``mpirun``, Hydra ``mpiexec`` or ``srun``), with the flags each needs for
-more ranks than cores, root, binding and environment passing (:mod:`hpctrain.launch`);
-``--relaunch N``: relaunch a failed training step on the hosts left (:mod:`hpctrain.relaunch`)."""
+more ranks than cores, root, binding and environment passing (:mod:`hpctrain.job.launch`);
+``--relaunch N``: relaunch a failed training step on the hosts left
+(:mod:`hpctrain.job.relaunch`)."""
 
 from __future__ import annotations
 
-from .. import launch, relaunch
+from ..job import launch, relaunch
 
 
 def add_arguments(p) -> None:
@@ -15,7 +16,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     """A launch; with ``--relaunch N`` and a command, the relaunch loop
-    (:mod:`hpctrain.relaunch`)."""
+    (:mod:`hpctrain.job.relaunch`)."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.relaunch is not None and command:
         return relaunch.run(args, command)

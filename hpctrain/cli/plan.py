@@ -84,7 +84,7 @@ def emit_overrides(args) -> int:
     """``--emit-overrides``: the best layout for ``--world-size`` ranks, one ``--set`` a line."""
     from ..config import load
     from ..planner import search
-    from ..telemetry.memory import parse_bytes
+    from ..planner.memory import parse_bytes
 
     nodes = args.nodes or 1
     world = args.world_size or nodes * args.ranks_per_node
@@ -131,8 +131,8 @@ def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
     """The pipeline part of the plan: partition, per-rank actions, simulated bubble (above
     ``SIMULATED_MAX`` chunk-microbatches per rank: the partition and the 1F1B reference)."""
     from ..config import microbatches
-    from ..parallel.pipeline import layer_ranges, style_of, virtual_stages
     from ..pipeline.actions import from_config
+    from ..pipeline.placement import layer_ranges, style_of, virtual_stages
     from ..pipeline.simulate import simulate
 
     top, s = cfg.topology, cfg.schedule
@@ -163,7 +163,7 @@ def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
 
 
 def _stages_line(r: int, pp: int, virtual: int, ranges: list[range], style: str) -> str:
-    from ..parallel.pipeline import chunks_of_rank
+    from ..pipeline.placement import chunks_of_rank
 
     stages = chunks_of_rank(r, pp, virtual, style)
     layers = ", ".join(f"{ranges[x].start}-{ranges[x].stop - 1}" for x in stages)
@@ -174,8 +174,8 @@ def _stages_line(r: int, pp: int, virtual: int, ranges: list[range], style: str)
 
 def memory_section(cfg, memory_per_rank: str = "") -> list[str]:
     """Per-rank bytes (parameters, gradients, optimizer state, in-flight activations),
-    communication per axis and a fit warning: :func:`hpctrain.telemetry.memory.report`."""
-    from ..telemetry.memory import parse_bytes, report
+    communication per axis and a fit warning: :func:`hpctrain.planner.memory.report`."""
+    from ..planner.memory import parse_bytes, report
 
     return report(cfg, parse_bytes(memory_per_rank) if memory_per_rank else 0).splitlines()
 
@@ -210,7 +210,7 @@ def plan_section(cfg, nodes: int, ranks_per_node: int) -> list[str]:
 def performance_section(cfg, cluster) -> list[str]:
     """``--cluster``: the cost model's step time and parts, tokens/s, MFU, memory fit."""
     from ..planner.cost import predict
-    from ..telemetry.memory import fmt_bytes
+    from ..planner.memory import fmt_bytes
 
     p = predict(cfg, cluster)
     dtype = cfg.model.dtype
@@ -300,7 +300,7 @@ def special(args) -> int | None:
         return None
     if not args.cluster or args.nodes < 1:
         raise ValueError("--search needs --cluster and --nodes")
-    from ..telemetry.memory import parse_bytes
+    from ..planner.memory import parse_bytes
 
     cluster = load_cluster(args.cluster)
     if args.ranks_per_node:  # e.g. 4 GPUs per node of a cluster described with 8
@@ -333,7 +333,7 @@ def run(args) -> int:
     from ..config import ConfigError, load
     from ..planner.cluster import ClusterError
     from ..planner.hsdp import on_cluster as hsdp_on_cluster
-    from ..telemetry.memory import parse_bytes
+    from ..planner.memory import parse_bytes
 
     try:  # the command line's own values; the modes that do not plan one layout
         if not args.config and not args.published:

@@ -37,10 +37,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .. import comm, slurm
+    from .. import comm
     from ..checks.inputs import check_inputs
     from ..checks.validate import validate
     from ..config import ConfigError, load
+    from ..job import slurm
 
     world = comm.world()
     comm.abort_on_exception(world)  # a rank's uncaught exception ends the job, not a hang

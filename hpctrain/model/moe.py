@@ -324,3 +324,19 @@ def _by_expert_order(recv: np.ndarray) -> np.ndarray:
     idx = [np.arange(offsets[p, e], offsets[p, e] + recv[p, e])
            for e in range(recv.shape[1]) for p in range(recv.shape[0])]
     return np.concatenate(idx).astype(np.int64) if idx else np.zeros(0, dtype=np.int64)
+
+
+def exchange_of(chunks):
+    """The run's expert exchange (shared by every MoE layer of this rank), or None."""
+    layers = moe_layers(chunks)
+    return next(iter(layers.values())).exchange if layers else None
+
+
+def moe_layers(chunks) -> dict[int, MoE]:
+    """{global layer index: MoE module} on this rank."""
+    out = {}
+    for chunk in chunks:
+        for name, block in getattr(chunk, "blocks", {}).items():
+            if isinstance(block.mlp, MoE):
+                out[int(name)] = block.mlp
+    return out

@@ -24,7 +24,7 @@ __all__ = ["build_model", "named_parameters", "virtual_stages"]
 
 def __getattr__(name: str):
     """``build.py``'s names, imported when first asked for: the config checks reach
-    ``parallel.pipeline`` without importing torch."""
+    ``pipeline.placement`` without importing torch."""
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(import_module(".build", __name__), name)

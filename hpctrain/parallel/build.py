@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..comm import gpu
 from ..config import Config
 from ..model import DecoderStage, LocalOps, init_parameters
-from .pipeline import chunks_of_rank, layer_ranges, style_of, virtual_stages
+from ..pipeline.placement import chunks_of_rank, layer_ranges, style_of, virtual_stages
 
 
 def tp_ops(cfg: Config, topo):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..model.layers import ParamMeta
-from ..model.moe import MoE, is_moe_layer
+from ..model.moe import MoE, exchange_of, is_moe_layer, moe_layers
 from ..model.stage import DTYPES
 
 
@@ -177,22 +177,6 @@ def ffn_factory(model_cfg, topo, ops):
         return MoE(model_cfg, ops, exchange, dtype, resid_std)
 
     return make
-
-
-def exchange_of(chunks) -> ExpertExchange | None:
-    """The run's expert exchange (shared by every MoE layer of this rank), or None."""
-    layers = moe_layers(chunks)
-    return next(iter(layers.values())).exchange if layers else None
-
-
-def moe_layers(chunks) -> dict[int, MoE]:
-    """{global layer index: MoE module} on this rank."""
-    out = {}
-    for chunk in chunks:
-        for name, block in getattr(chunk, "blocks", {}).items():
-            if isinstance(block.mlp, MoE):
-                out[int(name)] = block.mlp
-    return out
 
 
 def route_biases(chunks) -> list:

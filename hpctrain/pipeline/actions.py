@@ -7,7 +7,7 @@ schedule has no ``W``), ``W3`` weight gradient, ``SF3``/``RF3`` send/receive an 
 ``SB3``/``RB3`` send/receive a gradient; ``F3v1`` is microbatch 3 on the rank's chunk 1.
 
 Virtual stage ``s`` of ``S = pp * v`` lives on pp rank ``s % pp`` as chunk ``s // pp``, except
-in the V-shaped ``zbv`` and ``dualpipev`` (``parallel.pipeline.chunks_of_rank``: rank r holds
+in the V-shaped ``zbv`` and ``dualpipev`` (``pipeline.placement.chunks_of_rank``: rank r holds
 stages r and 2pp-1-r). A schedule may split some backwards and not others (``dualpipev``): a
 ``B`` is split exactly when the rank also has a ``W`` of the same microbatch and chunk
 (:func:`deferred`).
@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..parallel.pipeline import chunks_of_rank, rank_of_stage, style_of, virtual_stages
+from .placement import chunks_of_rank, rank_of_stage, style_of, virtual_stages
 
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 COMPUTE = ("F", "B", "W")

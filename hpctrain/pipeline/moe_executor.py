@@ -23,8 +23,8 @@ import time
 import torch
 
 from ..model import RunBlock, RunExperts
+from ..model.moe import exchange_of
 from ..model.steps import answer
-from ..parallel.moe_exchange import exchange_of
 from .actions import Action, deferred, parse
 from .moe_overlap import check_ep_order
 

@@ -34,8 +34,8 @@ import dataclasses
 import functools
 
 from ..model.moe import is_moe_layer
-from ..parallel.pipeline import layer_ranges, partition
 from .actions import COMPUTE, Action, Schedule, deferred, fb_pairs
+from .placement import layer_ranges, partition
 from .simulate import ScheduleError, simulate
 
 SEGMENTS = ("D", "E", "C", "G")  # per MoE layer, after F

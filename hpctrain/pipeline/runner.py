@@ -42,9 +42,9 @@ import torch
 from ..config import microbatches as microbatch_count
 from ..model import weight_grad
 from ..model.stage import DTYPES
-from ..parallel.pipeline import activation_shape, virtual_stages
 from . import moe_executor, moe_overlap
 from .actions import Action, Schedule, build, deferred
+from .placement import activation_shape, virtual_stages
 from .simulate import simulate
 
 

@@ -123,7 +123,7 @@ def _number(where: str, raw: dict, key: str, default=None, low=0.0, high=math.in
 
 
 def _memory(where: str, value) -> int:
-    from ..telemetry.memory import parse_bytes
+    from .memory import parse_bytes
 
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return int(value)

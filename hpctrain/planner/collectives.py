@@ -31,8 +31,8 @@ import math
 from ..config import Config, cp_factors, shard_size
 from ..model.moe import is_moe_layer
 from ..parallel.grad_sync.layout import cut
-from ..telemetry.memory import DTYPE_BYTES
 from .cluster import Cluster, Link
+from .memory import DTYPE_BYTES
 
 
 def allreduce(n: float, d: int, link: Link, algo: str = "ring", k: int = 1,

@@ -20,8 +20,9 @@ import time
 import torch
 
 from ..config import Config
-from ..telemetry.flops import forward_flops_per_token, measure_peak_flops
+from ..telemetry.peak import measure_peak_flops
 from .cost import layer_flops
+from .flops import forward_flops_per_token
 
 
 def _median_time(fn, repeats: int, stat=statistics.median) -> float:

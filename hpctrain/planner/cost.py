@@ -2,7 +2,7 @@
 
 Per pp rank and microbatch (the most loaded rank sets the pace):
 
-- **compute**: the rank's model FLOPs (``telemetry/flops.py`` per layer: its layers, the head
+- **compute**: the rank's model FLOPs (``planner/flops.py`` per layer: its layers, the head
   on the last stage, split over tp) at ``peak x efficiency x compute_share`` (the share is 1
   for a one-rank run); backward 2x forward, +1 forward with ``model.recompute = "full"``,
   + the attention core's forward with ``"selective"`` (:func:`core_redo_flops`); plus
@@ -66,8 +66,6 @@ from dataclasses import dataclass, field
 from ..config import Config, microbatches, shard_size
 from ..model.families import family_of
 from ..model.moe import is_moe_layer
-from ..telemetry.flops import train_flops_per_token
-from ..telemetry.memory import DTYPE_BYTES, Estimate, estimate, stage_params
 from . import hsdp
 from .cluster import Cluster, Link
 from .collectives import (
@@ -79,6 +77,8 @@ from .collectives import (
     tp_ep_costs,
     zero3_exposed,
 )
+from .flops import train_flops_per_token
+from .memory import DTYPE_BYTES, Estimate, estimate, stage_params
 
 SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
 # zb-h1/zbv split each backward into B (all but the weight matmuls) and W (their weight
@@ -178,7 +178,7 @@ def _crossing_of(dims: tuple, rpn: int) -> tuple:
 
 # -- per-rank work -----------------------------------------------------------------------
 def layer_flops(cfg: Config, i: int, full: bool = False, terms=None) -> float:
-    """Forward FLOPs per token of block ``i`` (``telemetry/flops.py``'s terms, ``terms`` when
+    """Forward FLOPs per token of block ``i`` (``planner/flops.py``'s terms, ``terms`` when
     given; ``full``: the keys a causal mask hides are computed too, as attention without a
     fused kernel does)."""
     m, T = cfg.model, cfg.train.seq_len
@@ -190,7 +190,7 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
     """Per pp rank: forward FLOPs per token on this rank (over tp), its layers, MoE layers,
     stages (chunks), parameter elements (unsharded) and tensors, and ZeRO-3 units (its
     blocks and its root, if any)."""
-    from ..parallel.pipeline import chunks_of_rank, layer_ranges, style_of
+    from ..pipeline.placement import chunks_of_rank, layer_ranges, style_of
 
     m, t = cfg.model, cfg.topology
     ranges, T = layer_ranges(cfg), cfg.train.seq_len
@@ -252,7 +252,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
 
 def core_redo_flops(cfg: Config) -> float:
     """Forward FLOPs per token and layer on one rank that selective recompute replays in
-    backward: the attention core, QK^T and AV (``telemetry/flops.py``), over tp; 0 for the
+    backward: the attention core, QK^T and AV (``planner/flops.py``), over tp; 0 for the
     other modes and with cp > 1 (ring attention recomputes its blocks either way)."""
     m, t = cfg.model, cfg.topology
     if m.recompute != "selective" or t.cp > 1:
@@ -265,8 +265,8 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True,
              shares: tuple = (SPLIT_B, SPLIT_W)) -> tuple[float, float]:
     """(makespan s, bubble fraction) of one step's pipeline with per-rank pass costs: the
     simulator's, or (``simulated=False``, or too many microbatches) the closed form."""
-    from ..parallel.pipeline import virtual_stages
     from ..pipeline.actions import build, deferred
+    from ..pipeline.placement import virtual_stages
     from ..pipeline.simulate import simulate
 
     t, s = cfg.topology, cfg.schedule

@@ -2,7 +2,7 @@
 inside a shard group of ``s`` of the dp x cp replicas, on the intra-node link when a group
 fits in a node, and every step adds one all-reduce of this rank's gradient shard (``P/s``)
 across the ``dp*cp/s`` shard groups, on the dp group's link (inter-node as soon as dp
-spans nodes). Memory: state divided by ``s``, not dp x cp (``telemetry.memory.estimate``).
+spans nodes). Memory: state divided by ``s``, not dp x cp (``planner.memory.estimate``).
 """
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ import shlex
 from dataclasses import dataclass
 
 from ..config import RECOMPUTE, Config, ConfigError, ulysses_degrees
-from ..telemetry.memory import estimate, fmt_bytes
 from .cluster import Cluster
 from .cost import Prediction, predict
 from .hsdp import on_cluster
+from .memory import estimate, fmt_bytes
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zbv", 1), ("dualpipev", 1),
              ("interleaved", 2), ("interleaved", 4))

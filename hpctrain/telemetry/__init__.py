@@ -12,7 +12,7 @@
 """
 
 from .fault_injection import Faults
-from .memory import Meter
+from .meter import Meter
 from .metrics import RunLog, Telemetry, Timers
 
 __all__ = ["Faults", "Meter", "RunLog", "Telemetry", "Timers"]

@@ -3,7 +3,7 @@
 :class:`Timers` (exclusive seconds per category), :class:`RunLog` (rank 0 writes
 ``RUN_DIR/metrics.jsonl``, one JSON object per step, and ``RUN_DIR/train.log``, and prints the
 progress line) and :class:`Telemetry`, which the loop drives: step-time breakdown, MFU
-(``flops.py``), the straggler report, the trace (``trace.py``) and the watchdog
+(``planner/flops.py``, handed in), the straggler report, the trace (``trace.py``) and the watchdog
 (``watchdog.py``). Numbers compared across ranks are reduced first.
 """
 
@@ -200,7 +200,7 @@ class Telemetry:
     - ``timers`` (exclusive seconds per category) and ``topo.recorder`` (exposed seconds and
       bytes per axis) become ``time_s`` in each step record: categories, ``comm_<axis>`` and
       ``other``, which add up to ``step_time_s`` on this rank;
-    - throughput: ``tokens_per_s``, model ``flops_per_token`` (:mod:`hpctrain.telemetry.flops`),
+    - throughput: ``tokens_per_s``, model ``flops_per_token`` (:mod:`hpctrain.planner.flops`),
       ``tflops_per_rank`` (achieved) and ``mfu``: achieved over the nominal peak ``peak``
       (``telemetry.peak_flops`` or the cluster description's, named in ``peak_source``;
       none: no ``mfu``), and ``matmul_tflops``, the matmul rate a probe achieved at start
@@ -217,9 +217,10 @@ class Telemetry:
     """
 
     def __init__(self, cfg, topo, run_dir: str | Path, log: RunLog,
-                 peak: tuple[float | None, str] = (None, ""), lineage: dict | None = None):
+                 peak: tuple[float | None, str] = (None, ""), lineage: dict | None = None,
+                 *, flops_per_token: float):
         from ..model.stage import DTYPES
-        from .flops import measure_peak_flops, train_flops_per_token
+        from .peak import measure_peak_flops
 
         tc, t, m = cfg.telemetry, cfg.train, cfg.model
         self.topo, self.log, self.run_dir = topo, log, Path(run_dir)
@@ -228,7 +229,7 @@ class Telemetry:
         self.every = max(1, t.log_every)
         self.total = t.steps
         self.tokens = t.global_batch_size * t.seq_len
-        self.flops_per_token = train_flops_per_token(m, t.seq_len)
+        self.flops_per_token = flops_per_token
         # One probe per node (its first rank), while the node's other ranks wait: probes
         # running at once on shared cores would each measure a fraction of the device.
         probe = (measure_peak_flops(DTYPES[m.dtype], m.device) if topo.local_rank == 0

@@ -7,7 +7,7 @@ import time
 import pytest
 from launch import LAUNCHER, PY, ROOT, TINY, env, hpctrain, mpirun, train_args, train_cli
 
-from hpctrain.launch import command
+from hpctrain.job.launch import command
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 from launch import ROOT, assert_same, baseline, mpirun, rel_err, train_cli
 
-from hpctrain.launch import cluster_program
+from hpctrain.job.launch import cluster_program
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 

@@ -27,7 +27,7 @@ from launch import (
 )
 from launch import env as launch_env
 
-from hpctrain.launch import command
+from hpctrain.job.launch import command
 
 pytestmark = pytest.mark.e2e
 

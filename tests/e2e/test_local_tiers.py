@@ -12,7 +12,7 @@ import h5py
 import pytest
 from launch import ROOT, baseline, mpirun, read_run, rel_err, train_args
 
-from hpctrain.launch import cluster_program
+from hpctrain.job.launch import cluster_program
 
 pytestmark = [pytest.mark.e2e]
 

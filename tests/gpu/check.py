@@ -30,13 +30,13 @@ from pathlib import Path
 
 from launch import TINY, assert_same, env, read_params, read_run, rel_err  # tests/launch.py
 
-from hpctrain.launch import detect
+from hpctrain.job.launch import detect
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 PY = sys.executable
-# The launcher (hpctrain/launch.py): MPIRUN when given (Open MPI mpirun or Hydra mpiexec,
+# The launcher (hpctrain/job/launch.py): MPIRUN when given (Open MPI mpirun or Hydra mpiexec,
 # e.g. from the mpich wheel), else the one found for this interpreter; its own flags for
 # more ranks than cores. MPIRUN_ARGS: extra launcher flags (e.g. "--mca btl self,tcp").
 LAUNCHER = detect(tuple(shlex.split(os.environ["MPIRUN"])) if os.environ.get("MPIRUN") else None)

@@ -83,7 +83,7 @@ if [[ $DRY_RUN != 1 || ${WHEELS:-0} == 1 ]] && ls "$WHEEL_DIR"/*.whl >/dev/null 
   say "installed from $WHEEL_DIR: $(cd "$WHEEL_DIR" && ls *.whl | tr '\n' ' ')"
 fi
 export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}  # hpctrain, tests/launch.py
-export HPCTRAIN_LAUNCHER=${HPCTRAIN_LAUNCHER:-${MPIRUN:-}}  # hpctrain/launch.py
+export HPCTRAIN_LAUNCHER=${HPCTRAIN_LAUNCHER:-${MPIRUN:-}}  # hpctrain/job/launch.py
 PY=$PY source scripts/mpi-env.sh  # the launcher's settings: as root, more ranks than cores
 export HDF5_USE_FILE_LOCKING=FALSE PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
@@ -94,7 +94,7 @@ if [[ $DRY_RUN != 1 ]]; then
   "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
     say "FAIL: torch sees no CUDA device (for a CPU dry run: DRY_RUN=1)"; exit 2; }
 fi
-say "$("$PY" -m hpctrain.launch --describe) ($("${MPIRUN:-mpirun}" --version 2>&1 | grep -m1 -i 'version\|open mpi')); budget ${BUDGET_S} s; work dir $WORK"
+say "$("$PY" -m hpctrain.job.launch --describe) ($("${MPIRUN:-mpirun}" --version 2>&1 | grep -m1 -i 'version\|open mpi')); budget ${BUDGET_S} s; work dir $WORK"
 rm -rf "$WORK"
 mkdir -p "$WORK"
 

@@ -16,7 +16,7 @@ The size comes from the arguments; the GPU check uses ~1.3B parameters (24 layer
   its own ``step_time_s`` per step from ``metrics.jsonl``, mean over the steps after
   ``--warmup``.
 
-Model FLOPs: ``hpctrain.telemetry.flops.train_flops_per_token`` (6 per parameter-token in the
+Model FLOPs: ``hpctrain.planner.flops.train_flops_per_token`` (6 per parameter-token in the
 matmuls plus causal attention, 3 x forward). MFU against the H200's dense bf16 peak
 (``--peak``, 989 TFLOP/s from the spec sheet) and against a bf16 8192^3 matmul measured here.
 Run under ``mpirun -n 1 python -m mpi4py tests/gpu/mfu.py ...``; everything printed after the
@@ -33,7 +33,7 @@ import torch
 
 from hpctrain.config import load
 from hpctrain.model import DecoderStage, init_parameters
-from hpctrain.telemetry.flops import train_flops_per_token
+from hpctrain.planner.flops import train_flops_per_token
 from hpctrain.train import train
 
 ap = argparse.ArgumentParser()

@@ -10,7 +10,7 @@ from inprocess import train_layout
 from launch import TINY
 
 from hpctrain.config import load
-from hpctrain.telemetry import memory
+from hpctrain.planner import memory
 
 LAYOUTS = [
     pytest.param(2, ("topology.dp=2", "optim.zero=1", 'model.dtype="bfloat16"',

@@ -8,7 +8,7 @@ from launch import TINY
 
 from hpctrain.__main__ import main as hpctrain_main
 from hpctrain.config import load
-from hpctrain.telemetry.flops import train_flops_per_token
+from hpctrain.planner.flops import train_flops_per_token
 
 SLOW_RANK = 3  # world rank slowed on purpose: (pp=0, dp=1, ep=0, tp=1) on dp=2 x tp=2
 

@@ -13,7 +13,7 @@ from inprocess import baseline, train_layout
 from launch import TINY, assert_about_one_dp, assert_same, assert_state_same, rel_err
 
 from hpctrain.config import load
-from hpctrain.telemetry import memory
+from hpctrain.planner import memory
 
 MOE = ("model.num_experts=4", "model.moe_every=2")
 

@@ -56,11 +56,11 @@ def assert_tail(run, ref, start: int, what: str) -> None:
 
 def other(args: list[str], n: int | None = None, timeout: float = 300):
     """Under the other MPI: ``OTHER_PY ARGS`` (n None: one process) or through its own
-    launcher (``OTHER_PY -m hpctrain.launch -n N -- OTHER_PY -m mpi4py ARGS``)."""
+    launcher (``OTHER_PY -m hpctrain.job.launch -n N -- OTHER_PY -m mpi4py ARGS``)."""
     assert Path(OTHER_PY).is_file(), f"OTHER_PY={OTHER_PY}: the other MPI's venv is missing"
     e = {k: v for k, v in env().items() if k != "HPCTRAIN_LAUNCHER"}
     cmd = ([OTHER_PY, *args] if n is None else
-           [OTHER_PY, "-m", "hpctrain.launch", "-n", str(n), "--", OTHER_PY, "-m", "mpi4py",
+           [OTHER_PY, "-m", "hpctrain.job.launch", "-n", str(n), "--", OTHER_PY, "-m", "mpi4py",
             *args])
     proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True,
                           timeout=timeout)

@@ -11,7 +11,7 @@ from fakes import fake_topology
 from hpctrain.checks.validate import validate
 from hpctrain.config import ConfigError, load
 from hpctrain.data.dataset import Sampler, context_positions
-from hpctrain.telemetry.memory import estimate
+from hpctrain.planner.memory import estimate
 from hpctrain.telemetry.watchdog import peer_coords
 from hpctrain.topology import Coords, crossing
 

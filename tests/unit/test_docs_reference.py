@@ -53,7 +53,7 @@ METRIC_BUILDERS = [
     ("train.py", "end_of_step", {"record": "", "args:end_step": ""}),
     ("optim/numeric_guard.py", "NumericGuard.metrics", {"return": ""}),
     ("optim/adamw.py", "LossScaler.metrics", {"return": ""}),
-    ("telemetry/memory.py", "Meter.take", {"return": ""}),
+    ("telemetry/meter.py", "Meter.take", {"return": ""}),
     ("telemetry/metrics.py", "Telemetry.__init__", {"self.run_start": "run_start."}),
     ("telemetry/metrics.py", "Telemetry.end_step", {"record": "", "breakdown": "time_s."}),
     ("telemetry/metrics.py", "Telemetry._stragglers", {"return": ""}),
@@ -297,7 +297,7 @@ def test_a_record_of_the_telemetry_in_process_is_declared(tmp_path):
     topo = SimpleNamespace(world=world, local_rank=0, coords=(0, 0, 0, 0, 0),
                            dims=(1, 1, 1, 1, 1), recorder=comm.Recorder())
     log = RunLog(tmp_path, topo, total_steps=1)
-    tel = Telemetry(cfg, topo, tmp_path, log, peak=(1e12, "test"))
+    tel = Telemetry(cfg, topo, tmp_path, log, peak=(1e12, "test"), flops_per_token=1.0)
     guard = NumericGuard(cfg.telemetry)
     guard.admit(float("nan"), 1.0, 1)
     scaler = LossScaler(enabled=True)

@@ -17,9 +17,8 @@ from hpctrain.pipeline.actions import Action, build, deferred, fb_pairs
 from hpctrain.pipeline.moe_overlap import BACK_SEGMENTS, SEGMENTS, expand, moe_layers_per_stage
 from hpctrain.pipeline.runner import run_step
 from hpctrain.pipeline.simulate import pair_costs, paired, simulate
-from hpctrain.planner import cluster, search
+from hpctrain.planner import cluster, memory, search
 from hpctrain.planner.cost import predict
-from hpctrain.telemetry import memory
 
 TINY = "share/configs/tiny.toml"
 KIND = 'schedule.kind="dualpipev"'

@@ -20,7 +20,7 @@ from hpctrain.model.families.gpt import GPT
 from hpctrain.model.layers import MLP
 from hpctrain.model.moe import LocalExchange, MoE
 from hpctrain.model.stage import DecoderStage, LocalOps, init_parameters
-from hpctrain.telemetry import flops, memory
+from hpctrain.planner import flops, memory
 
 ROOT = Path(__file__).resolve().parents[2] / "hpctrain"
 

@@ -7,12 +7,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from hpctrain.config import ModelConfig
 from hpctrain.model.moe import is_moe_layer
 from hpctrain.model.stage import DecoderStage
-from hpctrain.telemetry.flops import (
+from hpctrain.planner.flops import (
     forward_flops_per_token,
-    measure_peak_flops,
     moe_layer_count,
     train_flops_per_token,
 )
+from hpctrain.telemetry.peak import measure_peak_flops
 
 
 def counted_flops(fn) -> int:

@@ -16,7 +16,7 @@ from hpctrain.planner import search
 from hpctrain.planner.cluster import from_dict as cluster_from_dict
 from hpctrain.planner.cost import predict
 from hpctrain.planner.hsdp import across, on_cluster
-from hpctrain.telemetry.memory import estimate
+from hpctrain.planner.memory import estimate
 
 
 def _problems(world: int, *sets: str) -> list[str]:

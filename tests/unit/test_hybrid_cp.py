@@ -16,7 +16,7 @@ from hpctrain.planner import search
 from hpctrain.planner.cluster import Link
 from hpctrain.planner.collectives import context_exposed, ring_exposed, ulysses_exposed
 from hpctrain.planner.cost import axis_links, predict
-from hpctrain.telemetry.memory import block_activation_bytes, comm_volume
+from hpctrain.planner.memory import block_activation_bytes, comm_volume
 
 LLAMA = str(Path(__file__).resolve().parents[2] / "share/configs/tiny-llama.toml")
 CP4 = ["train.seq_len=4096", "train.global_batch_size=4", "topology.cp=4"]

@@ -16,12 +16,13 @@ ROOT = Path(__file__).resolve().parents[2] / "hpctrain"
 ALLOWED = {
     "config": set(),
     "comm": set(),
-    "launch": set(),
-    "relaunch": {"launch"},  # the relaunch loop beside a job step: standard library + launch
+    # starting ranks, the relaunch loop, the SLURM job: standard library + comm
+    "job": {"comm"},
     "model": {"config"},
     "topology": {"comm", "config"},
-    "parallel": {"comm", "config", "model", "topology"},
-    "pipeline": {"comm", "config", "model", "parallel"},
+    # schedules as data, stage placement, the runner: below parallel, which places by them
+    "pipeline": {"comm", "config", "model"},
+    "parallel": {"comm", "config", "model", "pipeline", "topology"},
     "optim": {"comm", "config", "parallel"},
     "checkpoint": {"comm", "config", "model"},
     "telemetry": {"comm", "config", "model", "parallel", "topology"},
@@ -29,17 +30,15 @@ ALLOWED = {
     "checks": {"config", "data", "interchange", "model", "parallel", "pipeline"},
     "evaluate": {"data", "pipeline"},
     "interchange": {"checkpoint", "config", "data", "model"},
-    "slurm": {"comm"},
-    "stopping": {"slurm"},
+    "stopping": {"job"},
     "train": {"checkpoint", "checks", "comm", "config", "data", "evaluate", "interchange",
-              "optim", "parallel", "pipeline", "planner", "slurm", "stopping", "telemetry",
+              "job", "optim", "parallel", "pipeline", "planner", "stopping", "telemetry",
               "topology"},
     # the performance model: pure Python except planner/calibrate.py, which measures through comm
     "planner": {"checks", "comm", "config", "model", "parallel", "pipeline", "telemetry",
                 "topology"},
-    "cli": {"checkpoint", "checks", "comm", "config", "data", "interchange", "launch", "model",
-            "relaunch", "slurm", "telemetry", "topology", "train", "parallel", "pipeline",
-            "planner"},
+    "cli": {"checkpoint", "checks", "comm", "config", "data", "interchange", "job", "model",
+            "telemetry", "topology", "train", "parallel", "pipeline", "planner"},
     "__main__": {"cli"},
     "__init__": set(),
 }

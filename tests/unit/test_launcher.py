@@ -1,4 +1,4 @@
-"""The launcher abstraction (hpctrain/launch.py): each family's flags for oversubscription,
+"""The launcher abstraction (hpctrain/job/launch.py): each family's flags for oversubscription,
 binding and environment passing, the family read from ``--version``, the local settings, and
 that no other file of the checkout spells a launcher's own flags or variables."""
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from hpctrain import launch
-from hpctrain.launch import Launcher
+from hpctrain.job import launch
+from hpctrain.job.launch import Launcher
 
 OPENMPI = Launcher("openmpi", ("mpirun",))
 HYDRA = Launcher("hydra", ("mpiexec.mpich",))
@@ -67,18 +67,18 @@ def test_environment_override(monkeypatch):
 
 
 def test_exports_for_a_shell():
-    out = subprocess.run([sys.executable, "-m", "hpctrain.launch", "--exports"],
+    out = subprocess.run([sys.executable, "-m", "hpctrain.job.launch", "--exports"],
                          cwd=launch.ROOT, capture_output=True, text=True, check=True).stdout
     assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}" in out.splitlines()
 
 
 def test_launcher_flags_live_in_one_module():
-    """No OMPI_* variable or --oversubscribe in code outside hpctrain/launch.py (and this
+    """No OMPI_* variable or --oversubscribe in code outside hpctrain/job/launch.py (and this
     test); the docs may describe them."""
     files = subprocess.run(["git", "grep", "-l", "-e", "OMPI_", "-e", "--oversubscribe", "--",
                             ":!*.md"],
                            cwd=launch.ROOT, capture_output=True, text=True).stdout.split()
-    assert set(files) <= {"hpctrain/launch.py", "tests/unit/test_launcher.py"}, files
+    assert set(files) <= {"hpctrain/job/launch.py", "tests/unit/test_launcher.py"}, files
 
 
 def test_program_follows_the_library_mpi4py_links(monkeypatch, tmp_path):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from hpctrain.config import load
-from hpctrain.telemetry import memory
+from hpctrain.planner import memory
 
 TINY = "share/configs/tiny.toml"
 

@@ -4,7 +4,7 @@ import torch
 
 from hpctrain.config import load
 from hpctrain.model import DecoderStage, init_parameters
-from hpctrain.parallel.pipeline import partition
+from hpctrain.pipeline.placement import partition
 
 
 def cfg():

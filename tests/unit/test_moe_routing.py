@@ -17,7 +17,7 @@ from hpctrain.model import routing
 from hpctrain.model.families import family_of
 from hpctrain.model.moe import LocalExchange, MoE
 from hpctrain.model.stage import DecoderStage, LocalOps, init_parameters
-from hpctrain.telemetry import flops, memory
+from hpctrain.planner import flops, memory
 
 DEEPSEEK = ModelConfig(arch="llama", n_layers=2, d_model=8, n_heads=2, d_ff=32, num_experts=8,
                        top_k=3, expert_d_ff=4, shared_experts=2, shared_expert_gate=True,

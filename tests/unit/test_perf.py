@@ -29,8 +29,8 @@ from hpctrain.planner.cost import (
     predict,
     scatter,
 )
-from hpctrain.telemetry.flops import forward_flops_per_token
-from hpctrain.telemetry.memory import estimate
+from hpctrain.planner.flops import forward_flops_per_token
+from hpctrain.planner.memory import estimate
 from hpctrain.topology import crossing
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from hpctrain.planner.cluster import from_dict as cluster_from_dict
 from hpctrain.planner.cluster import load as load_cluster
 from hpctrain.planner.collectives import buckets
 from hpctrain.planner.cost import layer_flops, predict, rank_work
-from hpctrain.telemetry.flops import forward_flops_per_token
+from hpctrain.planner.flops import forward_flops_per_token
 
 TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
 O = 1e-3  # seconds per call
@@ -163,7 +163,7 @@ def test_bucket_count_is_the_reduction_buckets_cut(overrides):
 
     from hpctrain.model import DecoderStage
     from hpctrain.parallel import grad_sync
-    from hpctrain.parallel.pipeline import layer_ranges
+    from hpctrain.pipeline.placement import layer_ranges
     cfg = load(TINY, overrides)
     ranges = layer_ranges(cfg)
     topo = fake_topology()

@@ -10,7 +10,7 @@ from hpctrain.config import load
 from hpctrain.planner import published
 from hpctrain.planner.cluster import load as load_cluster
 from hpctrain.planner.cost import predict
-from hpctrain.telemetry.memory import stage_params
+from hpctrain.planner.memory import stage_params
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "share/configs"

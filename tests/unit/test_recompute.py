@@ -2,7 +2,7 @@
 less saved memory.
 
 Memory is measured as the bytes autograd holds in saved tensors (``saved_tensors_hooks``,
-each storage once, parameters excluded; :class:`hpctrain.telemetry.memory.ActivationMeter`): on CPU
+each storage once, parameters excluded; :class:`hpctrain.telemetry.meter.ActivationMeter`): on CPU
 there is no allocator statistic. With recompute, a block keeps only its input; the block's
 own activations live again, one block at a time, during its backward (inside checkpoint's
 hooks, so the meter does not see them: the plan adds them).
@@ -15,7 +15,8 @@ import torch
 
 from hpctrain.config import load
 from hpctrain.model.stage import DecoderStage, init_parameters
-from hpctrain.telemetry import memory
+from hpctrain.planner import memory
+from hpctrain.telemetry.meter import ActivationMeter, Meter
 
 TINY = "share/configs/tiny.toml"
 TINY_LLAMA = "share/configs/tiny-llama.toml"
@@ -28,7 +29,7 @@ def _grads_and_peak(cfg):
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
     x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
     y = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
-    meter = memory.ActivationMeter(list(stage.parameters()))
+    meter = ActivationMeter(list(stage.parameters()))
     with meter.activations():
         stage(x, y).backward()
     assert meter.current == 0  # everything saved was released by backward
@@ -70,7 +71,7 @@ def test_selective_recompute_same_gradients_plan_as_measured(preset):
 
 def test_meter_counts_each_storage_once():
     w = torch.randn(4, 4, requires_grad=True)
-    meter = memory.ActivationMeter([w])
+    meter = ActivationMeter([w])
     x = torch.randn(8, 4)
     with meter.activations():
         h = x @ w  # saves x (w excluded)
@@ -86,7 +87,7 @@ def test_meter_counts_the_first_step_and_every_nth():
     w = torch.randn(4, 4, requires_grad=True)
     grads = type("G", (), {"grad_bytes": lambda self: 0, "sharded": None})()
     optim = type("O", (), {"state_bytes": lambda self: 0})()
-    meter = memory.Meter([("w", w)], grads, optim, every=3)
+    meter = Meter([("w", w)], grads, optim, every=3)
     seen = []
     for step in range(2, 9):  # a resumed run: its first step is 2
         x = torch.randn(8 * step, 4)  # a different activation size each step

@@ -1,4 +1,4 @@
-"""The relaunch loop of ``hpctrain launch --relaunch`` (hpctrain/relaunch.py) without MPI:
+"""The relaunch loop of ``hpctrain launch --relaunch`` (hpctrain/job/relaunch.py) without MPI:
 host lists, what launchers say about a dead node, the launcher lines, the loop's decisions
 with the step, the probe and the re-plan replaced; and ``hpctrain plan --emit-overrides``.
 The real thing (a node lost on the simulated cluster, a killed SLURM step) is
@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpctrain import relaunch
 from hpctrain.config import load
-from hpctrain.launch import Launcher
-from hpctrain.relaunch import Attempt, Host, Plan
+from hpctrain.job import relaunch
+from hpctrain.job.launch import Launcher
+from hpctrain.job.relaunch import Attempt, Host, Plan
 
 TINY = "share/configs/tiny-llama.toml"
 CMD = ["py", "-m", "mpi4py", "-m", "hpctrain", "train", TINY, "--run-dir", "", "--set",

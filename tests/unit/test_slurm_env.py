@@ -1,4 +1,4 @@
-"""hpctrain.slurm without MPI or SLURM: the launch check, the job read from the environment,
+"""hpctrain.job.slurm without MPI or SLURM: the launch check, the job read from the environment,
 and the signal flag. (The real thing, sbatch and requeue, is tests/e2e/test_slurm.py.)"""
 
 import os
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from hpctrain import slurm
+from hpctrain.job import slurm
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
               "SLURM_JOB_NUM_NODES", "SLURM_LOCALID", "SLURM_RESTART_COUNT",

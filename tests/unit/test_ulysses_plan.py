@@ -62,7 +62,7 @@ def test_ulysses_wins_when_the_ring_pays_its_own_work():
 def test_plan_counts_ulysses_bytes():
     """``plan``'s communication line: each rank sends (cp-1)/cp of its q, k, v and output
     per layer, forward and again backward (tiny-llama: 8 query, 4 kv heads)."""
-    from hpctrain.telemetry.memory import comm_volume
+    from hpctrain.planner.memory import comm_volume
 
     cfg = load(LLAMA, ["topology.cp=4", "topology.cp_kind=ulysses"])
     m, tr = cfg.model, cfg.train

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # torch is imported by the layers that call a family, not by 
 
 @dataclass(frozen=True)
 class FlopTerms:
-    """Forward model FLOPs per token of one block's parts (``telemetry/flops.py`` sums
+    """Forward model FLOPs per token of one block's parts (``planner/flops.py`` sums
     them): ``attention`` (projections and core), ``dense_mlp``, ``moe_mlp`` (router and the
     ``top_k`` active experts)."""
 

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-EXIT_REQUEUE = 75  # hpctrain.slurm.EXIT_REQUEUE (not imported: that module is not stdlib-only)
+EXIT_REQUEUE = 75  # hpctrain.job.slurm.EXIT_REQUEUE (not imported: that module is not stdlib-only)
 EXIT_BAD_INPUT = 2
 # A launcher's words for a rank or node that died: the step is over, whatever hangs after it.
 DIED = re.compile(r"lost communication with a remote daemon|noticed that process rank|"
@@ -335,7 +335,7 @@ def loop(plan: Plan) -> int:
 
 def add_arguments(p) -> None:
     """``hpctrain launch``'s options of the relaunch loop."""
-    g = p.add_argument_group("relaunch inside the allocation (hpctrain/relaunch.py)")
+    g = p.add_argument_group("relaunch inside the allocation (hpctrain/job/relaunch.py)")
     g.add_argument("--relaunch", type=int, default=None, metavar="N",
                    help="run `... -m hpctrain train ...` on --hosts; after a failure probe "
                         "the hosts, re-plan for the ranks left, resume, up to N times; then "

@@ -1,6 +1,6 @@
 """How ranks are started: the one launcher abstraction of the checkout (tests, benchmarks,
 ``scripts/``, the Makefile, and users: ``hpctrain launch -n 8 -- CMD``). Standard library
-only, so ``python3 -m hpctrain.launch`` works from a checkout before any virtual environment
+only, so ``python3 -m hpctrain.job.launch`` works from a checkout before any virtual environment
 exists.
 
 Three launcher families, each with its flags for more ranks than cores, environment passing,
@@ -21,9 +21,9 @@ from ``PROGRAM --version``.
 
 From the shell::
 
-    python -m hpctrain.launch --exports        # `export NAME=value` lines (mpi-env.sh)
-    python -m hpctrain.launch --describe       # the launcher found, one line
-    python -m hpctrain.launch -n 4 [--bind core] -- python -m mpi4py -m hpctrain ...
+    python -m hpctrain.job.launch --exports        # `export NAME=value` lines (mpi-env.sh)
+    python -m hpctrain.job.launch --describe       # the launcher found, one line
+    python -m hpctrain.job.launch -n 4 [--bind core] -- python -m mpi4py -m hpctrain ...
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout (the package's parent)
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (the package's parent)
 # Not MPI settings but defaults of every local launch (the Makefile sets them too).
 RUN_DEFAULTS = {"OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE"}
 # Open MPI on one machine: running as root (containers, CI); more ranks than cores (laptops,
@@ -262,7 +262,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpctrain.launch", description=__doc__
+    p = argparse.ArgumentParser(prog="python -m hpctrain.job.launch", description=__doc__
                                 .split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     add_arguments(p)
     return run(p.parse_args(argv))

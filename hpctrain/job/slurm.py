@@ -136,7 +136,7 @@ class Job:
         if not (self.stopped and self.requeue):
             self.restore_handlers()
             return
-        from . import comm
+        from .. import comm
 
         if self.rank == 0:
             print(f"[hpctrain] exiting with {EXIT_REQUEUE}: the job script requeues the job, "

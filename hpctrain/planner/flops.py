@@ -30,11 +30,6 @@ experts (tokens a capacity limit drops are still counted: the model asks for the
 
 from __future__ import annotations
 
-import math
-import time
-
-import torch
-
 from ..config import ModelConfig
 from ..model.families import family_of
 from ..model.moe import is_moe_layer
@@ -58,23 +53,3 @@ def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -
 def train_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Forward + backward model FLOPs for one token: 3 x forward."""
     return 3.0 * forward_flops_per_token(m, seq_len, causal)
-
-
-def measure_peak_flops(dtype: torch.dtype, device: str = "cpu", seconds: float = 0.3) -> float:
-    """Best FLOP/s of square matrix multiplies in ``dtype`` on ``device`` (the probe taken at
-    start, reported as ``matmul_tflops``). Local to this process, no communication."""
-    n = 2048 if device == "cuda" else 384
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    a @ b  # warm-up (kernel selection, page faults)
-    sync()
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        sync()
-        dt = time.perf_counter() - t0
-        best = max(best, 4 * 2 * n**3 / dt)
-    return best if math.isfinite(best) and best > 0 else float("nan")
