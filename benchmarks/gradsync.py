@@ -12,7 +12,7 @@ import torch
 
 from hpctrain.config import load
 from hpctrain.parallel import build_model, grad_sync, named_parameters
-from hpctrain.parallel.grad_sync.per_parameter import reduce_per_parameter
+from hpctrain.parallel.grad_sync.buckets import reduce_per_parameter
 from hpctrain.topology import Topology
 
 from .common import max_over_ranks, median, pair_ratios, pairs_of, ratio, result, row

@@ -157,7 +157,7 @@ def shard_groups(topo) -> dict[str, tuple[comm.Group, comm.Group]]:
     """HSDP (``topology.shard_within``): each replica group (``dpcp_comm``, ``edpcp_comm``)
     cut into *shard groups* (its ranks on this node, or in this rank's block of N consecutive
     ``dpcp_comm`` ranks) and *replica groups* (its ranks at the same position of every shard
-    group), keyed ``dp`` / ``edp`` as ``grad_sync.layout.group_key``. ValueError when the
+    group), keyed ``dp`` / ``edp`` as ``grad_sync.interface.group_key``. ValueError when the
     shard groups of one replica group differ in size (nodes holding unequal numbers of its
     ranks). Collective over the world."""
     w = topo.cfg.shard_within

@@ -141,10 +141,10 @@ class GuardedGroup(OneRank):
 
     def watch(self, monkeypatch) -> None:
         """Learn of every release: ZeRO-3's ``_free`` tells this group first."""
-        from hpctrain.parallel.grad_sync import zero3
+        from hpctrain.parallel.grad_sync import sharded
 
-        free = zero3._free
-        monkeypatch.setattr(zero3, "_free", lambda t: (self.release(t), free(t)))
+        free = sharded._free
+        monkeypatch.setattr(sharded, "_free", lambda t: (self.release(t), free(t)))
 
     def reads(self):
         """Saved-tensor hooks (a context for forward and backward): a backward that reads a

@@ -7,10 +7,11 @@ by :func:`hpctrain.checks.keys.key_problems`; here are the rules that span keys 
 and the layout arithmetic.
 
 Pure, no MPI, imports only ``config``, ``checks.keys`` and the model families' registry
-(``model.families``, whose checks ``_check_arch`` runs): :func:`hpctrain.checks.validate.validate`
-calls :func:`problems` first, on every rank, before any collective, and reports everything it
-finds at once. Types and unknown keys are refused earlier, when the config is read
-(:func:`hpctrain.config.load`); what needs the pipeline split or the schedule builder is asked
+(``model.families``, whose checks ``_check_arch`` runs) and the gradient-sync factory
+(``parallel.grad_sync.factory``, whose refusals ``_check_layout`` reports):
+:func:`hpctrain.checks.validate.validate` calls :func:`problems` first, on every rank, before
+any collective, and reports everything it finds at once. Types and unknown keys are refused
+earlier, when the config is read (:func:`hpctrain.config.load`); what needs the pipeline split or the schedule builder is asked
 by ``validate`` of a config that passes these.
 """
 
@@ -20,6 +21,7 @@ import dataclasses
 
 from ..config import Config, trace_window
 from ..model import families
+from ..parallel.grad_sync import factory as grad_sync
 from .keys import key_problems, rule_problem
 
 
@@ -70,13 +72,8 @@ def _check_layout(cfg: Config, world_size: int, need) -> None:
              f"ranks; set topology.{names.replace('*', '/')} so that the product is {world_size}")
     need(top.dp % top.ep == 0, f"topology.ep={top.ep} must divide topology.dp={top.dp} "
          "(expert parallelism is carved out of data parallelism)")
-    need(top.dp_reduction == "flat" or (o.zero == 0 and not o.overlap),
-         "topology.dp_reduction=hierarchical needs optim.zero=0 and optim.overlap=false")
-    reduction = cfg.experimental.reduction
-    need(reduction == "bucketed" or (o.zero == 0 and not o.overlap
-                                     and top.dp_reduction == "flat"),
-         f"experimental.reduction={reduction} needs optim.zero=0, optim.overlap=false and "
-         "topology.dp_reduction=flat (it replaces the bucketed reduction they use)")
+    why = grad_sync.refusal(cfg)  # the gradient-sync factory's own choice
+    need(why is None, why)
     _check_shards(top, o.zero, need)
 
 

@@ -9,7 +9,7 @@
   applied, the thread level, the library's name and version).
 - ``gpu.py``: the GPU buffer seam (CUDA-aware MPI or host staging).
 - ``fatal.py``: :func:`abort_on_exception`, an uncaught exception on any rank aborts the job.
-- ``wire.py``: ``sum16``, the MPI op that sums bfloat16 words (16-bit gradient traffic).
+- ``sum16.py``: ``sum16``, the MPI op that sums bfloat16 words (16-bit gradient traffic).
 - ``progress.py``: :class:`ProgressThread`, a thread owning duplicate communicators that runs
   blocking collectives while the caller computes (overlapped gradient reduction).
 """

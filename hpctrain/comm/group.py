@@ -5,7 +5,7 @@ Every collective and point-to-point transfer of the trainer goes through a :clas
 with mpi4py's upper-case buffer methods, CUDA tensors through ``comm/gpu.py`` (CuPy
 via DLPack, or host staging). bfloat16/float16 travel as raw 16-bit words for data
 movement and are reduced in float32, except with op ``sum16`` (bfloat16 summed as 16-bit
-words on the wire: ``wire.py``).
+words on the wire: ``sum16.py``).
 
 Every operation is recorded (op, axis, peer, bytes, posted, completed) in the group's
 :class:`Recorder` (``records.py``), one per run, shared by all groups of a topology.
@@ -21,14 +21,14 @@ import numpy as np
 from mpi4py import MPI
 
 from .records import OpRecord, Recorder
-from .wire import SUM16
+from .sum16 import SUM16
 
 if TYPE_CHECKING:
     import torch
 
 PROC_NULL = MPI.PROC_NULL
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN,
-        "sum16": SUM16}  # bfloat16 summed as 16-bit words (wire.py); else 16 bits in float32
+        "sum16": SUM16}  # bfloat16 summed as 16-bit words (sum16.py); else 16 bits in float32
 
 
 

@@ -4,7 +4,7 @@ AdamW is written out (rather than ``torch.optim``) so that its state is plain na
 with the parameter's global shape, which the checkpoint stores and reshards, and so that
 ZeRO can shard it. Low-precision parameters (bfloat16, float16) keep float32 master weights
 and read float32 gradients: the "main grads" that the gradient sync
-(``parallel/grad_sync/``) accumulates and reduces (:func:`~.grad_sync.layout.main_grad`;
+(``parallel/grad_sync/``) accumulates and reduces (:func:`~.grad_sync.interface.main_grad`;
 ``p.grad`` itself for 32/64 bits), so the norm, clipping and update never see a gradient
 rounded to 16 bits.
 
@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..config import OptimConfig
-from ..parallel.grad_sync.layout import main_grad
+from ..parallel.grad_sync.interface import main_grad
 
 
 def lr_at(step: int, ocfg: OptimConfig, total_steps: int) -> float:

@@ -1,7 +1,7 @@
 """ZeRO-1/2/3: AdamW on this rank's shard of every gradient bucket.
 
 A sharded gradient sync (:class:`~hpctrain.parallel.grad_sync.GradSync` with ``zero_level``
-1-3: ``grad_sync/sharded.py``, ``grad_sync/zero3.py``) leaves in each bucket the
+1-3: ``grad_sync/sharded.py``) leaves in each bucket the
 reduced gradient of this rank's contiguous shard (``bucket.shard``, float32, or float64 for
 float64 models). :class:`ZeroAdamW` keeps, for that shard only, the Adam moments and, for
 16-bit parameters, the float32 master weights, updates the shard, and all-gathers the updated
@@ -21,7 +21,7 @@ The gradient norm sums every rank's shard (each element of a parameter lives in 
 shard of its group) and counts tp-replicated parameters on tp rank 0 only (invariant 2),
 summing on the shards' device (one number crosses to the host for the world all-reduce).
 
-ZeRO-3 (``grad_sync/zero3.py``): the parameters are sharded too. The update writes this rank's
+ZeRO-3 (``grad_sync/sharded.py``): the parameters are sharded too. The update writes this rank's
 shard of the parameters (``bucket.pshard``; for float32/float64 it IS the updated tensor, for
 16-bit models the float32 master is rounded into it) and nothing is all-gathered after the
 step: the next forward gathers each block when it needs it. :meth:`param_shard` gives

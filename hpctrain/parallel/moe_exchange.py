@@ -2,7 +2,7 @@
 
 Experts are split over ``topo.ep_comm`` (rank ``r`` holds experts ``[r*E/ep, (r+1)*E/ep)``);
 expert gradients are summed over ``topo.edp_comm`` and dense ones over ``topo.dp_comm`` by
-the gradient sync, ``parallel/grad_sync/layout.py`` (``ParamMeta.expert_dim``).
+the gradient sync, ``parallel/grad_sync/interface.py`` (``ParamMeta.expert_dim``).
 
 One MoE layer's forward on a rank, all collectives in this order on every rank:
 

@@ -75,7 +75,7 @@ class StepState:
     def __init__(self, chunks, microbatches, topo, cfg, loss_scale: float, sched: Schedule,
                  sharded=None):
         self.chunks, self.microbatches, self.topo = chunks, microbatches, topo
-        self.sharded = sharded  # zero 3: grad_sync.zero3.ShardedParams (around backwards)
+        self.sharded = sharded  # zero 3: grad_sync.sharded.ShardedParams (around backwards)
         self.loss_scale, self.sched = loss_scale, sched
         self.rank = topo.pp_rank
         self.deferred = deferred(sched.ranks[self.rank])  # (mb, chunk) whose B is split

@@ -20,7 +20,7 @@ all-reduces and is 0 in the published descriptions. Calls counted per layer and 
 
 And what the gradient hooks and the dp reduction see: a rank's parameter tensors in the
 model's order (:func:`rank_sizes`, from the modules built on the meta device) and the
-buckets ``parallel/grad_sync/layout.py`` cuts from them (:func:`buckets`).
+buckets ``parallel/grad_sync/interface.py`` cuts from them (:func:`buckets`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import math
 
 from ..config import Config, cp_factors, shard_size
 from ..model.moe import is_moe_layer
-from ..parallel.grad_sync.layout import cut
+from ..parallel.grad_sync.interface import cut
 from .cluster import Cluster, Link
 from .memory import DTYPE_BYTES
 
@@ -147,14 +147,16 @@ def context_exposed(cfg: Config, cluster: Cluster, links: dict, rate: float,
 
 def zero3_exposed(cfg: Config, cluster: Cluster, w: dict, link: Link, fwd: float,
                   bwd: float) -> tuple[float, float]:
-    """ZeRO-3 (``parallel/grad_sync/zero3.py``): (forward s, backward s) per microbatch of the
-    parameter all-gathers (every unit before its forward and again before its backward)
-    and the gradient reduce-scatters (every unit, as its backward ends) over dp x cp, not
-    hidden: each unit's gather is prefetched behind the previous unit's compute, except
-    the first unit of each pass. One collective (its latencies and ``call_overhead_s``)
+    """A strategy that ``shards_parameters`` (ZeRO-3, ``parallel/grad_sync/sharded.py``):
+    (forward s, backward s) per microbatch of the parameter all-gathers (every unit before
+    its forward and again before its backward) and the gradient reduce-scatters (every unit,
+    as its backward ends) over dp x cp, not hidden: each unit's gather is prefetched behind
+    the previous unit's compute, except the first unit of each pass. One collective (its latencies and ``call_overhead_s``)
     per unit. HSDP: over the shard group (``link``: its link)."""
+    from ..parallel.grad_sync.factory import strategy_of
+
     d = min(shard_size(cfg.topology), cfg.topology.dp * cfg.topology.cp)
-    if cfg.optim.zero != 3 or d <= 1:
+    if not strategy_of(cfg).shards_parameters or d <= 1:
         return 0.0, 0.0
     ps = DTYPE_BYTES[cfg.model.dtype]
     gs = 8 if cfg.model.dtype == "float64" else 4
@@ -208,5 +210,5 @@ def rank_sizes(cfg: Config, stages: list, ranges: list) -> list[int]:
 
 def buckets(sizes: list, limit: float) -> int:
     """How many reduction buckets the gradient sync cuts from tensors of ``sizes`` bytes (in
-    the model's order): ``parallel/grad_sync/layout.py``'s :func:`cut`."""
+    the model's order): ``parallel/grad_sync/interface.py``'s :func:`cut`."""
     return len(cut(sizes, limit))

@@ -8,8 +8,9 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
   + the attention core's forward with ``"selective"`` (:func:`core_redo_flops`); plus
   ``overhead_s`` per layer and pass and ``pass_overhead_s`` per stage (chunk) and pass,
   over the share too (host work, slowed alike; so are the hook and ring overheads);
-- **hooks** (ZeRO 2/3, ``optim.overlap``, 16-bit models): ``hook_overhead_s`` per
-  parameter tensor and microbatch, in the backward (``grad_sync``'s gradient hooks);
+- **hooks** (where the gradient-sync strategy hooks gradients, ``GradSync.hooks``: ZeRO
+  2/3, ``optim.overlap``, 16-bit models): ``hook_overhead_s`` per parameter tensor and
+  microbatch, in the backward;
 - **tp**: 2 all-reduces (with sequence parallelism 2 all-gathers + 2 reduce-scatters, the
   same ring volume in twice the calls) of one ``(B, T, C)`` activation per layer forward, as
   many backward (again to recompute), plus the small ones of the vocabulary-parallel
@@ -26,8 +27,9 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
   (``collectives.ulysses_exposed``); ``"hybrid"``: the all-to-alls over a Ulysses group
   (on the node's link) and rings of ``cp/u`` ranks over ``h/u`` heads
   (``collectives.context_exposed``);
-- **zero3** (``optim.zero = 3``): the per-unit parameter all-gathers (forward and again
-  backward) and gradient reduce-scatters over dp x cp, exposed beyond the pass's compute
+- **zero3** (a strategy that ``shards_parameters``: ZeRO-3): the per-unit parameter
+  all-gathers (forward and again backward) and gradient reduce-scatters over dp x cp,
+  exposed beyond the pass's compute
   (``collectives.zero3_exposed``); in the passes, hence in the pipeline;
 - **split backward** (zb-h1, zbv; dualpipev's cool-down): B + W cost ``split_b + split_w``
   backwards (the description's; hpctrain's B is all but the weight matmuls, W those matmuls).
@@ -35,23 +37,25 @@ Per pp rank and microbatch (the most loaded rank sets the pace):
 The pipeline's makespan comes from ``pipeline/simulate.py`` fed with these per-rank costs
 (bubble included), or the closed form ``(m + (p-1)/v)(F+B)`` above ``SIMULATED_MAX``
 chunk-microbatches (zbv's V placement and bubble included). Then per step: the gradient
-reduction over the replicas dp x cp (ZeRO 0: all-reduce of float32 gradients, bfloat16 with
-``optim.grad_comm_dtype``; 1:
-reduce-scatter + all-gather of parameters; 2: reduce-scatter per microbatch; FSDP of the
+reduction over the replicas dp x cp as the gradient-sync strategy the config selects prices
+it (``GradSync.dp_seconds`` over :class:`DpNet`; ZeRO 0: all-reduce of float32 gradients,
+bfloat16 with ``optim.grad_comm_dtype``; 1: reduce-scatter + all-gather of parameters; 2:
+reduce-scatter per microbatch; one latency per ``optim.bucket_mb`` bucket); FSDP of the
 published runs (``Extras.fsdp``): two all-gathers of parameters and one reduce-scatter per
-microbatch; one latency per ``optim.bucket_mb`` bucket; the reductions a gradient hook
-posts, ZeRO-2's and overlap's, ``post_overhead_s`` each), exposed beyond
-the backward it overlaps with
-(``optim.overlap``; FSDP prefetch overlaps with all compute); the optimizer step (bytes of
-parameters, gradients and Adam state over ``memory_bandwidth``); ``step_overhead_s``; a
+microbatch; the reductions a gradient hook posts (``GradSync.posts``: ZeRO-2's and
+overlap's) ``post_overhead_s`` each; exposed beyond the backward it overlaps with
+(``GradSync.overlapped``: ``optim.overlap``; FSDP prefetch overlaps with all compute); the
+optimizer step (bytes of parameters, gradients and Adam state, divided as the strategy
+shards it, over ``memory_bandwidth``); ``step_overhead_s``; a
 checkpoint's bytes over the nodes' ``checkpoint_bandwidth``, amortised over
 ``checkpoint.every`` (or the run's steps).
 
 Collectives (alpha-beta, per rank): ring all-reduce ``2(d-1)a + 2(d-1)/d N b``; tree
 ``2 log2(d) a + 2 N b``; hierarchical: reduce-scatter inside the node, a ring all-reduce of
-``N/k`` across nodes, all-gather inside (``topology.dp_reduction = "hierarchical"`` asks for
-it on dp). The link of an axis is the inter-node one when any of its groups spans two nodes
-(``topology.crossing``, ranks packed ``ranks_per_node`` per node). HSDP
+``N/k`` across nodes, all-gather inside (the algorithm of ``HierarchicalBuckets``,
+``topology.dp_reduction = "hierarchical"``). The link of an axis is the inter-node one when
+any of its groups spans two nodes (``topology.crossing``, ranks packed ``ranks_per_node`` per
+node). HSDP
 (``topology.shard_within``): the ZeRO collectives over the shard group on its link, plus
 the shards' all-reduce across groups (``planner/hsdp.py``).
 """
@@ -66,6 +70,8 @@ from dataclasses import dataclass, field
 from ..config import Config, microbatches, shard_size
 from ..model.families import family_of
 from ..model.moe import is_moe_layer
+from ..parallel.grad_sync.factory import strategy_of
+from ..parallel.grad_sync.interface import wire_bytes
 from . import hsdp
 from .cluster import Cluster, Link
 from .collectives import (
@@ -224,8 +230,8 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
     ctx_f, ctx_b = context_exposed(cfg, cluster, links, rate, share)  # per layer
     split = (cluster.split_b + cluster.split_w - 1
              if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0)
-    # gradient hooks (parallel/grad_sync/buffers.py) move every parameter's gradient per microbatch
-    hooked = (cfg.optim.zero >= 2 or cfg.optim.overlap or m.dtype in ("bfloat16", "float16"))
+    # the gradient sync's hooks move every parameter's gradient per microbatch
+    hooked = strategy_of(cfg).hooks(cfg)
     # the overheads are the rank's own (CPU) work too: slowed by the share like its FLOPs
     hooks = cluster.hook_overhead_s / share if hooked else 0.0
     out = []
@@ -295,34 +301,53 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True,
     return res.makespan, res.bubble
 
 
+@dataclass(frozen=True)
+class DpNet:
+    """The dp x cp reduction as a gradient-sync strategy prices it (``GradSync.dp_seconds``):
+    ``d`` replicas on ``link`` (``k`` per node, ``intra`` inside one), shard groups of ``s``
+    on ``shard_link`` (HSDP; else all ``d``), ``cross`` seconds of HSDP's all-reduce across
+    groups, ``M`` microbatches, ``ps`` bytes per parameter, ``gs`` per gradient on the wire."""
+
+    d: int
+    s: int
+    k: int
+    M: int
+    ps: int
+    gs: int
+    link: Link
+    shard_link: Link
+    intra: Link
+    collective: str  # the cluster's all-reduce algorithm
+    cross: float
+
+    def allreduce(self, n: float, algo: str | None = None) -> float:
+        """An all-reduce of ``n`` bytes over the ``d`` replicas (``algo``: the cluster's)."""
+        return allreduce(n, self.d, self.link, algo or self.collective, self.k, self.intra)
+
+    def scatter(self, n: float) -> float:
+        """A reduce-scatter (or all-gather) of ``n`` bytes over a shard group."""
+        return scatter(n, self.s, self.shard_link)
+
+
 def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras,
             nb: int) -> float:
     """Seconds of one step's gradient (and ZeRO parameter) traffic over dp, not overlapped
-    (``nb``: the buckets the busiest rank reduces, :func:`buckets`)."""
-    t, o = cfg.topology, cfg.optim
+    (``nb``: the buckets the busiest rank reduces, :func:`buckets`): the strategy's
+    (``GradSync.dp_seconds``), or FSDP's for a published run."""
+    t = cfg.topology
     d = t.dp * t.cp  # the replicas of a parameter (gradients are summed over dp x cp)
     if d <= 1:
         return 0.0
     s, shard_link, replica_link = hsdp.groups(cfg, cluster, links)
     cross = hsdp.across(cfg, cluster, replica_link, P, nb)  # HSDP: shards across groups
-    if o.zero == 3 and not ex.fsdp:  # zero 3: the gathers are in the passes (zero3_exposed)
-        return cross
-    ps = DTYPE_BYTES[cfg.model.dtype]
-    gs = 8 if cfg.model.dtype == "float64" else 2 if o.grad_comm_dtype else 4  # on the wire
+    ps, gs = DTYPE_BYTES[cfg.model.dtype], wire_bytes(cfg)
     link = links["dp"]
-    algo = "hierarchical" if t.dp_reduction == "hierarchical" else cluster.collective
-    k = max(1, min(d, cluster.ranks_per_node // t.tp))
     M = microbatches(cfg)
-    # hpctrain reduces in buckets of optim.bucket_mb: one collective's latency per bucket
-    extra = (nb - 1) * (d - 1) * link.latency
     if ex.fsdp:  # a gather forward, one backward, a reduce-scatter
         return M * (2 * scatter(P * ps, d, link) + scatter(P * gs, d, link))
-    if o.zero == 0:
-        return allreduce(P * gs, d, link, algo, k, cluster.intra) + 2 * extra
-    rs = M if o.zero == 2 else 1
-    extra = (nb - 1) * (s - 1) * shard_link.latency  # ZeRO: inside the shard groups
-    return (rs * (scatter(P * gs, s, shard_link) + extra) + scatter(P * ps, s, shard_link)
-            + extra + cross)
+    k = max(1, min(d, cluster.ranks_per_node // t.tp))
+    net = DpNet(d, s, k, M, ps, gs, link, shard_link, cluster.intra, cluster.collective, cross)
+    return strategy_of(cfg).dp_seconds(net, P, nb)
 
 
 def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
@@ -341,26 +366,24 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     p2p = links["pp"].p2p(act) if t.pp > 1 else 0
     span, bubble = pipeline(c, costs, p2p, simulated, (cluster.split_b, cluster.split_w))
     mem = estimate(c)
-    P = (mem if c.optim.zero != 3 else estimate(dataclasses.replace(
-        c, optim=dataclasses.replace(c.optim, zero=0)))).params // ps  # unsharded
+    P = mem.elements  # unsharded
+    sync = strategy_of(c)
     M = microbatches(c)
     busiest = max(range(t.pp), key=lambda r: costs[r][0] + costs[r][1])
     parts = {k: M * v for k, v in costs[busiest][2].items()}
     parts["pp"] = span - sum(parts.values())  # bubble and transfers: what compute leaves
     nb = buckets([e * ps for e in work[busiest]["sizes"]], c.optim.bucket_mb * 2**20)
     dp = dp_time(c, cluster, links, P, ex, nb)
-    window = span if ex.fsdp else (costs[busiest][1] if c.optim.overlap else 0.0)
-    # reductions posted from the gradient hooks (ZeRO-2: every bucket every microbatch;
-    # overlap: every bucket once): post_overhead_s each, in the backward
-    posted = c.optim.zero == 2 or (c.optim.overlap and c.optim.zero < 3)
-    calls = nb * (M if c.optim.zero == 2 else 1) if posted and t.dp * t.cp > 1 else 0
+    window = span if ex.fsdp else (costs[busiest][1] if sync.overlapped(c) else 0.0)
+    # reductions posted from the gradient hooks: post_overhead_s each, in the backward
+    calls = sync.posts(c, nb, M) if t.dp * t.cp > 1 else 0
     parts["dp"] = max(0.0, dp - window) + calls * cluster.post_overhead_s
     parts.update(_update_and_save(c, cluster, mem, P, ex))
     step = sum(parts.values())
     tokens = tr.global_batch_size * tr.seq_len
     mfu = train_flops_per_token(m, tr.seq_len) * tokens / (step * world * cluster.peak(m.dtype))
     if ex.fsdp:
-        mem = _fsdp_memory(mem, t.dp, c.optim.zero)
+        mem = _fsdp_memory(mem, t.dp, sync.zero_level)
     return Prediction(step, parts, tokens / step, mfu, mem, world, bubble,
                       {a: ("inter" if ln is cluster.inter else "intra")
                        for a, ln in links.items()})
@@ -373,8 +396,7 @@ def _update_and_save(cfg: Config, cluster: Cluster, mem: Estimate, P: int,
     ss = 8 if cfg.model.dtype == "float64" else 4
     state = 2 * ss + (4 if ps == 2 else 0)
     t = cfg.topology
-    sharded = cfg.optim.zero or ex.fsdp
-    n = P / (shard_size(t) if sharded else 1)
+    n = P / (shard_size(t) if ex.fsdp else strategy_of(cfg).state_shards(cfg))
     optimizer = n * (2 * (ps + state) + ss) / cluster.memory_bandwidth
     world = t.dp * t.tp * t.pp * t.cp
     nodes = max(1, world // cluster.ranks_per_node)
@@ -386,7 +408,8 @@ def _update_and_save(cfg: Config, cluster: Cluster, mem: Estimate, P: int,
 
 
 def _fsdp_memory(mem: Estimate, dp: int, zero: int) -> Estimate:
-    """FSDP (ZeRO-3) keeps 1/dp of parameters, gradients and state between uses."""
+    """FSDP (ZeRO-3) keeps 1/dp of parameters, gradients and state between uses (``zero``:
+    the ZeRO level of the strategy ``mem`` was estimated for)."""
     undo = dp if zero else 1
     return dataclasses.replace(mem, params=mem.params // dp,
                                grads=mem.grads * undo // dp if zero < 2 else mem.grads,

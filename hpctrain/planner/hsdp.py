@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import Config, shard_size
+from ..parallel.grad_sync.interface import wire_bytes
 from .cluster import Cluster, Link
 from .collectives import allreduce
 
@@ -48,7 +49,7 @@ def across(cfg: Config, cluster: Cluster, link: Link, P: int, calls: int) -> flo
     d, s = t.dp * t.cp, shard_size(t)
     if s >= d:
         return 0.0
-    gs = 8 if cfg.model.dtype == "float64" else 2 if cfg.optim.grad_comm_dtype else 4  # wire
+    gs = wire_bytes(cfg)
     r = d // s
     return allreduce(P * gs / s, r, link, cluster.collective) \
         + (calls - 1) * 2 * (r - 1) * link.latency

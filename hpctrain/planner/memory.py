@@ -4,15 +4,16 @@
 
 - parameters: this rank's elements (blocks of its stage, embedding/head on the first/last
   stage, split over tp; expert weights split over ep) x dtype size;
-- gradients, all float32 (float64 for float64; 16-bit models accumulate in float32 "main
-  grads", their transient 16-bit ``p.grad`` is not counted): zero 0/1 a flat buffer; zero 1
-  also a reduced shard of 1/dp; zero 2 only the shard plus one staging bucket; zero 3 the
-  shard plus one block's staging;
-- optimizer state: Adam's two moments (+ a float32 master copy for 16-bit parameters), all
-  divided by dp under ZeRO;
-- HSDP (``topology.shard_within``): "dp" above is the shard group's size, not dp x cp;
-- zero 3: parameters divided by dp too, plus what is gathered at once (:func:`gathered`: the
+- parameters and gradients as the gradient-sync strategy the config selects holds them
+  (``GradSync.memory``, ``parallel/grad_sync/``): gradients all float32 (float64 for
+  float64; 16-bit models accumulate in float32 "main grads", their transient 16-bit
+  ``p.grad`` is not counted): zero 0/1 a flat buffer; zero 1 also a reduced shard of 1/dp;
+  zero 2 only the shard plus one staging bucket; zero 3 the shard plus one block's staging,
+  and parameters divided by dp too, plus what is gathered at once (:func:`gathered`: the
   running unit and the prefetched one: two blocks, or a block and the embedding or head);
+- optimizer state: Adam's two moments (+ a float32 master copy for 16-bit parameters),
+  divided as the strategy shards it (``GradSync.state_shards``: dp under ZeRO);
+- HSDP (``topology.shard_within``): "dp" above is the shard group's size, not dp x cp;
 - activations: what autograd saves per microbatch, times the microbatches in flight on the
   first stage (pp=1: 1; 1f1b/zb-h1/zbv/interleaved: min(pp, microbatches); gpipe: all;
   dualpipev: pp + 1/2 on every rank, i.e. 2pp+1 microbatches of one of its two chunks).
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import Config, cp_factors, microbatches, shard_size
+from ..config import Config, cp_factors, microbatches
 from ..model.families import family_of
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -136,6 +137,7 @@ class Estimate:
     optimizer: int = 0
     activations: int = 0
     comm: dict = field(default_factory=dict)  # axis -> bytes sent per rank per step
+    elements: int = 0  # parameter elements of the most loaded rank, unsharded
 
     @property
     def total(self) -> int:
@@ -144,9 +146,10 @@ class Estimate:
 
 def estimate(cfg: Config) -> Estimate:
     """Per-rank bytes of the most loaded pipeline stage (see the module docstring)."""
+    from ..parallel.grad_sync.factory import strategy_of
     from ..pipeline.placement import chunks_of_rank, partition, style_of, virtual_stages
 
-    m, top, o = cfg.model, cfg.topology, cfg.optim
+    m, top = cfg.model, cfg.topology
     ps = DTYPE_BYTES[m.dtype]
     ss = 8 if m.dtype == "float64" else 4  # shard / state element size
     v = virtual_stages(cfg)
@@ -158,20 +161,11 @@ def estimate(cfg: Config) -> Estimate:
     per_rank = [sum(params[kinds[s]]
                     for s in chunks_of_rank(r, top.pp, v, style)) for r in range(top.pp)]
     P = max(per_rank)
-    d = shard_size(top)  # ZeRO shards over the replicas of a parameter, dp x cp (HSDP: fewer)
-    e = Estimate(params=P * ps)
-    if o.zero == 3:
-        block, at_once = gathered(cfg)
-        e.params = P * ps // d + at_once * ps
-        e.grads = P * ss // d + block * ss
-    elif o.zero == 0:  # gradients accumulate in float32 (float64): ss, not ps
-        e.grads = P * ss
-    elif o.zero == 1:
-        e.grads = P * ss + P * ss // d
-    else:  # buckets are cut at bucket_mb of parameter bytes; staging holds them as ss
-        e.grads = P * ss // d + min(P * ps, int(o.bucket_mb * 2**20)) * ss // ps
+    sync = strategy_of(cfg)  # the gradient sync's parameters, gradients and state sharding
+    e = Estimate(elements=P)
+    e.params, e.grads = sync.memory(cfg, P, ps, lambda: gathered(cfg))
     states = 2 * ss + (4 if ps == 2 else 0)
-    e.optimizer = P * states // (d if o.zero else 1)
+    e.optimizer = P * states // sync.state_shards(cfg)
     B, M, held = cfg.train.micro_batch_size, microbatches(cfg), in_flight(cfg)
     blk = block_activation_bytes(cfg)
     worst, ends_of = 0, {k[1:]: _ends_activation_bytes(cfg, *k[1:]) for k in params}
@@ -186,7 +180,7 @@ def estimate(cfg: Config) -> Estimate:
         flight = held if r == 0 or cfg.schedule.kind == "dualpipev" else max(1, held - r)
         worst = max(worst, int(B * (per_mb + ends) * flight))
     e.activations = worst
-    e.comm = comm_volume(cfg, P, ps, M)
+    e.comm = comm_volume(cfg, P, ps, M, sync)
     return e
 
 
@@ -203,22 +197,20 @@ def gathered(cfg: Config) -> tuple[int, int]:
     return big, big + block
 
 
-def comm_volume(cfg: Config, P: int, ps: int, M: int) -> dict:
+def comm_volume(cfg: Config, P: int, ps: int, M: int, sync=None) -> dict:
     """Bytes each rank sends per step per axis (ring algorithms: an all-reduce of N bytes
-    sends 2N(d-1)/d, a reduce-scatter or all-gather N(d-1)/d)."""
+    sends 2N(d-1)/d, a reduce-scatter or all-gather N(d-1)/d); over dp x cp what the
+    gradient-sync strategy sends (``sync``, else the one the config selects:
+    ``GradSync.dp_bytes``)."""
     top, m, t = cfg.topology, cfg.model, cfg.train
     out = {}
     d = top.dp * top.cp  # the replicas of a parameter: dp x cp
     if d > 1:
-        s = shard_size(top)  # the ZeRO collectives' group; HSDP: shards all-reduced across
-        frac = (s - 1) / s if cfg.optim.zero else (d - 1) / d
-        rs = M if cfg.optim.zero >= 2 else 1  # zero 2/3 reduce every microbatch
-        # zero 3: forward and backward gather the stage per microbatch (a split backward's W
-        # reads no weight: model/weight_grad.py; the embedding, gathered for the forward
-        # only, is counted twice: an upper bound)
-        gathers = 2 * M if cfg.optim.zero == 3 else 1
-        out["dp"] = int(2 * P * ps * frac) if cfg.optim.zero == 0 else int(
-            (rs + gathers) * P * ps * frac + 2 * P * ps / s * (d - s) / d)
+        if sync is None:
+            from ..parallel.grad_sync.factory import strategy_of
+
+            sync = strategy_of(cfg)
+        out["dp"] = sync.dp_bytes(cfg, P, ps, M)
     act = t.micro_batch_size * local_tokens(cfg) * m.d_model * ps  # one (B, T/cp, C)
     layers_here = -(-m.n_layers // top.pp)
     if top.cp > 1:  # the ring of r ranks: k and v blocks forward (r-1 hops), again

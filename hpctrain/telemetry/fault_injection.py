@@ -21,7 +21,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from ..parallel.grad_sync.layout import main_grad
+from ..parallel.grad_sync.interface import main_grad
 
 KINDS = ("kill", "stall", "poison", "slow", "raise")
 ENV = "HPCTRAIN_FAULTS"

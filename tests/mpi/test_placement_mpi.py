@@ -8,7 +8,7 @@ import torch
 
 from hpctrain import comm
 from hpctrain.config import TopologyConfig
-from hpctrain.parallel.grad_sync.hierarchical import build_hierarchy, levels, reduce_hierarchical
+from hpctrain.parallel.grad_sync.buckets import build_hierarchy, levels, reduce_hierarchical
 from hpctrain.topology import Topology
 
 pytestmark = pytest.mark.mpi

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpctrain import comm
-from hpctrain.parallel.grad_sync.hierarchical import build_hierarchy, reduce_hierarchical
+from hpctrain.parallel.grad_sync.buckets import build_hierarchy, reduce_hierarchical
 
 pytestmark = pytest.mark.mpi
 

@@ -263,6 +263,6 @@ def test_edges_that_stay_valid(overrides):
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1", "zbv"])
 def test_zero3_runs_every_pipeline_schedule(kind):
-    """ZeRO-3 steers the split backward's B too (parallel/grad_sync/zero3.py)."""
+    """ZeRO-3 steers the split backward's B too (parallel/grad_sync/sharded.py)."""
     validate(load(TINY, ["topology.dp=2", "topology.pp=2", "optim.zero=3",
                          f'schedule.kind="{kind}"']), 4)

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpctrain.checks.validate import validate
-from hpctrain.comm import wire as comm_wire
+from hpctrain.comm import sum16
 from hpctrain.config import ConfigError, load
-from hpctrain.parallel.grad_sync import wire
+from hpctrain.parallel.grad_sync import interface
 
 TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
 F32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
@@ -30,7 +30,7 @@ def test_sum_op_is_the_rounded_float32_sum(pairs):
     a = torch.tensor([p[0] for p in pairs]).to(torch.bfloat16)
     b = torch.tensor([p[1] for p in pairs]).to(torch.bfloat16)
     inout = bytearray(_bits(b).tobytes())
-    comm_wire.add_bf16(_bits(a).tobytes(), inout)
+    sum16.add_bf16(_bits(a).tobytes(), inout)
     inout = np.frombuffer(inout, dtype=np.uint16)
     expect = (a.float() + b.float()).to(torch.bfloat16)
     finite = torch.isfinite(expect).numpy()
@@ -53,7 +53,7 @@ class Doubling:
 def test_carried_sends_bfloat16_and_keeps_the_float32_buffer():
     flat = torch.tensor([1.0 + 2**-12, -3.0, 1e-30], dtype=torch.float32)
     group = Doubling()
-    wire.carried(group, flat, torch.bfloat16, group.allreduce_)
+    interface.carried(group, flat, torch.bfloat16, group.allreduce_)
     assert group.seen == [(torch.bfloat16, "sum16")]
     assert flat.dtype == torch.float32
     assert torch.equal(flat, torch.tensor([2.0, -6.0, 2e-30]).to(torch.bfloat16).float())
@@ -62,11 +62,11 @@ def test_carried_sends_bfloat16_and_keeps_the_float32_buffer():
 def test_carried_without_a_wire_dtype_or_a_peer_is_the_plain_sum():
     flat = torch.tensor([1.0 + 2**-12])
     group = Doubling()
-    wire.carried(group, flat, None, group.allreduce_)
+    interface.carried(group, flat, None, group.allreduce_)
     assert group.seen == [(torch.float32, "sum (the collective's default)")]
     assert flat.item() == 2 * (1.0 + 2**-12)
     alone = SimpleNamespace(size=1)
-    assert wire.outgoing(flat, alone, torch.bfloat16) is flat
+    assert interface.outgoing(flat, alone, torch.bfloat16) is flat
 
 
 def test_bfloat16_traffic_is_accepted_on_a_data_parallel_layout():

@@ -13,16 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fakes import D, OneRank, Stage
-
-from hpctrain.config import load
-from hpctrain.parallel import grad_sync
-from hpctrain.parallel.grad_sync import factory, hierarchical
 from hpctrain.parallel.grad_sync.blocking import BlockingBuckets
 from hpctrain.parallel.grad_sync.hierarchical import HierarchicalBuckets
 from hpctrain.parallel.grad_sync.nonblocking import NonblockingBuckets, OverlappedBuckets
 from hpctrain.parallel.grad_sync.per_parameter import PerParameter
-from hpctrain.parallel.grad_sync.sharded import Zero1, Zero2
 from hpctrain.parallel.grad_sync.zero3 import Zero3
+
+from hpctrain.config import load
+from hpctrain.parallel import grad_sync
+from hpctrain.parallel.grad_sync import factory, hierarchical
+from hpctrain.parallel.grad_sync.sharded import Zero1, Zero2
 
 
 def _topo(cfg, crosses_nodes: bool = False):

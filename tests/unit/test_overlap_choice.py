@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from fakes import fake_topology
 
+from hpctrain import comm
 from hpctrain.config import OptimConfig
-from hpctrain.parallel.grad_sync import choice
+from hpctrain.parallel.grad_sync import factory
 
 
 def topo(dp_within_node: bool):
@@ -19,7 +20,7 @@ def topo(dp_within_node: bool):
 def multiple(monkeypatch):
     def set_level(ok: bool):
         level = "MPI_THREAD_MULTIPLE" if ok else "MPI_THREAD_SERIALIZED"
-        monkeypatch.setattr(choice.comm, "thread_multiple", lambda: (ok, level))
+        monkeypatch.setattr(comm, "thread_multiple", lambda: (ok, level))
     return set_level
 
 
@@ -33,17 +34,17 @@ def test_auto(multiple, crosses, has_multiple, progress, overlap):
     multiple(has_multiple)
     ocfg, t = OptimConfig(), topo(dp_within_node=not crosses)
     assert ocfg.overlap_progress == "auto"
-    assert choice.progress_for(ocfg, t) == progress
-    assert choice.overlap_on(ocfg, t, "flat", choice.progress_for(ocfg, t)) is overlap
+    assert factory.progress_for(ocfg, t) == progress
+    assert factory.overlap_on(ocfg, t, "flat", factory.progress_for(ocfg, t)) is overlap
 
 
 def test_an_explicit_choice_is_kept(multiple):
     multiple(False)
     ocfg = OptimConfig(overlap_progress="test")
-    assert choice.progress_for(ocfg, topo(False)) == "test"
-    assert choice.overlap_on(ocfg, topo(False), "flat", "test")  # the user asked for test
-    assert not choice.overlap_on(ocfg, topo(True), "flat", "test")  # inside a node: off
-    assert choice.overlap_on(OptimConfig(overlap=True), topo(True), "flat", "test")
+    assert factory.progress_for(ocfg, topo(False)) == "test"
+    assert factory.overlap_on(ocfg, topo(False), "flat", "test")  # the user asked for test
+    assert not factory.overlap_on(ocfg, topo(True), "flat", "test")  # inside a node: off
+    assert factory.overlap_on(OptimConfig(overlap=True), topo(True), "flat", "test")
 
 
 @pytest.mark.parametrize("change, reduction", [({"overlap_across_nodes": False}, "bucketed"),
@@ -51,11 +52,11 @@ def test_an_explicit_choice_is_kept(multiple):
 def test_no_automatic_overlap_when_turned_off_or_naive(multiple, change, reduction):
     multiple(True)
     ocfg = OptimConfig(**change)
-    assert not choice.overlap_on(ocfg, topo(False), "flat", choice.progress_for(ocfg, topo(False)),
-                               reduction)
+    progress = factory.progress_for(ocfg, topo(False))
+    assert not factory.overlap_on(ocfg, topo(False), "flat", progress, reduction)
 
 
 def test_not_with_hierarchical_reduction(multiple):
     multiple(True)
     ocfg = OptimConfig()
-    assert not choice.overlap_on(ocfg, topo(False), "hierarchical", "thread")
+    assert not factory.overlap_on(ocfg, topo(False), "hierarchical", "thread")

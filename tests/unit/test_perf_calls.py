@@ -158,7 +158,7 @@ def test_trimmed_mean_drops_the_tails():
 ])
 def test_bucket_count_is_the_reduction_buckets_cut(overrides):
     """``collectives.buckets`` over ``rank_work``'s tensor sizes: as many buckets as
-    ``parallel/grad_sync/layout.py`` cuts from the same stage's parameters."""
+    ``parallel/grad_sync/interface.py`` cuts from the same stage's parameters."""
     from fakes import fake_topology
 
     from hpctrain.model import DecoderStage

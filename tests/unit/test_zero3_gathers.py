@@ -153,7 +153,7 @@ def test_one_stage_sequence_and_the_root_released_when_unused(monkeypatch, tied)
 def test_the_guard_catches_each_misuse(monkeypatch):
     """The fake group fails a post into a buffer in flight or in use, and a backward that
     reads a released buffer."""
-    from hpctrain.parallel.grad_sync import zero3
+    from hpctrain.parallel.grad_sync import sharded
 
     group = GuardedGroup()
     group.watch(monkeypatch)
@@ -167,6 +167,6 @@ def test_the_guard_catches_each_misuse(monkeypatch):
     x = torch.ones(4, requires_grad=True)
     with group.reads():
         y = (x * buf).sum()  # saves buf for the backward
-        zero3._free(buf)  # released: the group is told
+        sharded._free(buf)  # released: the group is told
         with pytest.raises(AssertionError, match="not gathered"):
             y.backward()
