@@ -11,8 +11,8 @@ Pure, no MPI, imports only ``config``, ``checks.keys`` and the model families' r
 (``parallel.grad_sync.factory``, whose refusals ``_check_layout`` reports):
 :func:`hpctrain.checks.validate.validate` calls :func:`problems` first, on every rank, before
 any collective, and reports everything it finds at once. Types and unknown keys are refused
-earlier, when the config is read (:func:`hpctrain.config.load`); what needs the pipeline split or the schedule builder is asked
-by ``validate`` of a config that passes these.
+earlier, when the config is read (:func:`hpctrain.config.load`); what needs the pipeline
+split or the schedule builder is asked by ``validate`` of a config that passes these.
 """
 
 from __future__ import annotations

@@ -151,8 +151,9 @@ def zero3_exposed(cfg: Config, cluster: Cluster, w: dict, link: Link, fwd: float
     (forward s, backward s) per microbatch of the parameter all-gathers (every unit before
     its forward and again before its backward) and the gradient reduce-scatters (every unit,
     as its backward ends) over dp x cp, not hidden: each unit's gather is prefetched behind
-    the previous unit's compute, except the first unit of each pass. One collective (its latencies and ``call_overhead_s``)
-    per unit. HSDP: over the shard group (``link``: its link)."""
+    the previous unit's compute, except the first unit of each pass. One collective (its
+    latencies and ``call_overhead_s``) per unit. HSDP: over the shard group (``link``: its
+    link)."""
     from ..parallel.grad_sync.factory import strategy_of
 
     d = min(shard_size(cfg.topology), cfg.topology.dp * cfg.topology.cp)
