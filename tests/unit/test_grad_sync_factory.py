@@ -1,28 +1,38 @@
-"""The gradient-sync factory: each configuration gets the strategy the table in
-``parallel/grad_sync/factory.py`` documents, combinations no strategy supports are refused,
-and every strategy implements the one interface (zero, reduce, close, buckets, grad_bytes)
-with the sums of one rank equal to the plain backward's gradients. One process, no MPI: the
-groups are fakes of one rank."""
+"""The gradient-sync factory: each configuration gets the strategy the registry in
+``parallel/grad_sync/factory.py`` (``TABLE``) selects, combinations no strategy supports are
+refused (by the config checks too, with the factory's message), every strategy implements
+the one interface (zero, reduce, close, buckets, grad_bytes) with the sums of one rank equal
+to the plain backward's gradients, and a strategy registered by one row is built, priced by
+the planner and checked. One process, no MPI: the groups are fakes of one rank."""
 
 from __future__ import annotations
 
 import inspect
-import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from fakes import D, OneRank, Stage
-from hpctrain.parallel.grad_sync.blocking import BlockingBuckets
-from hpctrain.parallel.grad_sync.hierarchical import HierarchicalBuckets
-from hpctrain.parallel.grad_sync.nonblocking import NonblockingBuckets, OverlappedBuckets
-from hpctrain.parallel.grad_sync.per_parameter import PerParameter
-from hpctrain.parallel.grad_sync.zero3 import Zero3
 
+from hpctrain.checks.rules import problems
 from hpctrain.config import load
 from hpctrain.parallel import grad_sync
-from hpctrain.parallel.grad_sync import factory, hierarchical
-from hpctrain.parallel.grad_sync.sharded import Zero1, Zero2
+from hpctrain.parallel.grad_sync import buckets, factory
+from hpctrain.parallel.grad_sync.buckets import (
+    BlockingBuckets,
+    HierarchicalBuckets,
+    NonblockingBuckets,
+    OverlappedBuckets,
+    PerParameter,
+)
+from hpctrain.parallel.grad_sync.sharded import Zero1, Zero2, Zero3
+from hpctrain.planner.cluster import load as load_cluster
+from hpctrain.planner.cluster import shipped
+from hpctrain.planner.cost import predict
+from hpctrain.planner.memory import estimate
+
+TINY = str(Path(__file__).resolve().parents[2] / "share/configs/tiny.toml")
 
 
 def _topo(cfg, crosses_nodes: bool = False):
@@ -31,7 +41,7 @@ def _topo(cfg, crosses_nodes: bool = False):
                            within_node={"dp": not crosses_nodes}, cfg=cfg.topology)
 
 
-# (config overrides, dp groups cross nodes, the strategy): factory.py's table, row by row
+# (config overrides, dp groups cross nodes, the strategy): factory.TABLE, row by row
 CASES = [
     ([], False, BlockingBuckets),
     (["optim.overlap=true"], False, OverlappedBuckets),
@@ -51,7 +61,7 @@ def _build(overrides, crosses, monkeypatch):
     cfg = load(None, ['model.dtype="float64"', "optim.bucket_mb=0.0001", *overrides])
     topo = _topo(cfg, crosses)
     if cfg.topology.dp_reduction == "hierarchical":  # the two-level split needs MPI
-        monkeypatch.setattr(hierarchical, "levels", lambda t: {
+        monkeypatch.setattr(buckets, "levels", lambda t: {
             "dp": SimpleNamespace(group=t.dpcp_comm), "edp": SimpleNamespace(group=t.dpcp_comm)})
     torch.manual_seed(0)
     stage = Stage()
@@ -103,13 +113,19 @@ def test_every_strategy_sums_like_one_backward(overrides, crosses, want, monkeyp
     (0, True, "per-parameter", "flat"), (1, False, "bucketed-nonblocking", "flat"),
     (0, False, "per-parameter", "hierarchical"), (0, True, "bucketed", "hierarchical")])
 def test_unsupported_combinations_are_refused(zero, overlap, mode, dp_reduction):
-    with pytest.raises(ValueError):
+    """The factory refuses, and the config checks report its message (the key and the fix)."""
+    with pytest.raises(ValueError) as e:
         grad_sync.choose(zero, overlap, mode, dp_reduction)
+    assert "needs" in str(e.value)
+    cfg = load(TINY, ["topology.dp=2", f"optim.zero={zero}",
+                      f"optim.overlap={str(overlap).lower()}", f'experimental.reduction="{mode}"',
+                      f'topology.dp_reduction="{dp_reduction}"'])
+    assert str(e.value) in problems(cfg, 2)
 
 
 def test_every_strategy_implements_the_interface():
     names = set()
-    for cls in grad_sync.STRATEGIES:
+    for cls in grad_sync.strategies():
         assert issubclass(cls, grad_sync.GradSync) and not inspect.isabstract(cls), cls
         for method in ("zero", "reduce", "close", "grad_bytes", "segments", "sp_ranges"):
             assert callable(getattr(cls, method)), (cls, method)
@@ -120,9 +136,44 @@ def test_every_strategy_implements_the_interface():
         type("Incomplete", (grad_sync.GradSync,), {})(None)
 
 
-def test_the_documented_table_names_every_strategy_and_its_module():
-    rows = re.findall(r"^\S.*?\s{2,}(\w+)\s{2,}(\w+)\.py$", factory.__doc__, re.M)
-    table = {cls: module for cls, module in rows}
-    assert set(table) == {c.__name__ for c in grad_sync.STRATEGIES}
-    for cls in grad_sync.STRATEGIES:
-        assert cls.__module__.rsplit(".", 1)[1] == table[cls.__name__], cls
+def test_every_row_of_the_registry_has_a_case():
+    assert {want for _, _, want in CASES} == set(grad_sync.strategies())
+
+
+# -- a strategy registered by one row: built, priced by the planner, checked -------------
+class Example(BlockingBuckets):
+    """Blocking buckets that price themselves apart: three gradient copies, 7 bytes per
+    parameter over dp, 123 s of reduction."""
+
+    name = "example"
+
+    @classmethod
+    def memory(cls, cfg, P, ps, gathered):
+        return P * ps, 3 * P * ps
+
+    @classmethod
+    def dp_bytes(cls, cfg, P, ps, M):
+        return 7 * P
+
+    @classmethod
+    def dp_seconds(cls, net, P, nb):
+        return 123.0
+
+
+EXAMPLE = factory.Row(f"{__name__}:Example", lambda c: c.mode == "per-parameter",
+                      lambda c: "the example needs optim.zero=0" if c.zero else None)
+
+
+def test_a_registered_strategy_is_built_priced_and_checked(monkeypatch):
+    monkeypatch.setattr(factory, "TABLE", [EXAMPLE, *factory.TABLE])
+    _, _, grads = _build(['experimental.reduction="per-parameter"'], False, monkeypatch)
+    assert type(grads) is Example
+    grads.close()
+    cfg = load(TINY, ["topology.dp=2", 'experimental.reduction="per-parameter"'])
+    assert problems(cfg, 2) == []
+    mem = estimate(cfg)
+    assert mem.grads == 3 * mem.params and mem.comm["dp"] == 7 * mem.elements
+    assert predict(cfg, load_cluster(shipped()[0])).parts["dp"] == 123.0
+    refused = load(TINY, ["topology.dp=2", "optim.zero=1",
+                          'experimental.reduction="per-parameter"'])
+    assert "the example needs optim.zero=0" in problems(refused, 2)
