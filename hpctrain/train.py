@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 from . import comm
-from .checkpoint import Checkpointer, lineage
-from .checkpoint.local import LocalTier
+from .checkpoint import Checkpoints, lineage
 from .checks.validate import validate
 from .comm import gpu
 from .config import Config, dumps_toml
@@ -34,7 +33,7 @@ from .interchange import init_from
 from .job import slurm
 from .optim import NumericGuard, build_optimizer, lr_at
 from .parallel import build_model, grad_sync, named_parameters
-from .parallel.moe_exchange import route_biases, set_loss_scale, step_metrics, update_route_bias
+from .parallel.moe_exchange import MoeStep
 from .pipeline.runner import pipeline_metrics, run_step
 from .planner.cluster import mfu_peak
 from .planner.flops import train_flops_per_token
@@ -61,15 +60,15 @@ class Trainer:
     job: slurm.Job
     chunks: list  # this rank's model pieces, one per (virtual) pipeline stage
     params: list  # [(global name, parameter)]
-    saved: list  # what a checkpoint holds: params, then the MoE selection biases (no grad)
+    saved: list  # what a checkpoint holds: params, then the MoE hook's state (no grad)
+    moe: MoeStep  # the MoE side of a step (nothing on dense models)
     grads: grad_sync.GradSync  # the strategy chosen for this config
     optimizer: object  # AdamW or ZeroAdamW
     sampler: Sampler
     batches: ReadAhead  # the sampler's batches, the next step's read in a thread
     global_tokens: int
     meter: Meter  # measured bytes: metrics mem_*
-    saver: Checkpointer
-    tier: LocalTier  # checkpoint.local_every: node-local and partner copies
+    ckpts: Checkpoints  # the HDF5 file and the node-local tier
     start: int  # steps already done (resumed), else 0
     ckpt_attrs: dict  # what every checkpoint of this run records
     tel: Telemetry  # timers, MFU, stragglers, trace, watchdog
@@ -78,7 +77,6 @@ class Trainer:
     stops: StopRules
     faults: Faults  # tests only
     losses: list = field(default_factory=list)
-    last_saved: Path | None = None
     pipeline_timing: dict = field(default_factory=dict)  # this rank's last step (runner)
 
 
@@ -102,7 +100,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     job = slurm.attach(topo.world, log.info)  # log the SLURM job; SIGUSR1/SIGTERM set a flag
     chunks = build_model(cfg, topo)
     params = named_parameters(chunks)
-    saved = params + route_biases(chunks)
+    moe = MoeStep(chunks, topo)
+    saved = params + moe.state
     if cfg.checkpoint.init_from:  # parameters from another model; a resume overrides them
         log.info(f"parameters from {init_from.load(cfg, topo, params)} (checkpoint.init_from)")
     grads = grad_sync.build(cfg, topo, chunks, params)  # ZeRO-3 shards the parameters here
@@ -127,28 +126,26 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     if cfg.model.device == "cuda":
         log.info(f"device {device}; {gpu.describe()}")
     meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)
-    saver = Checkpointer(cfg.checkpoint, topo, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
-                         warn=log.warn, info=log.info)
-    tier = LocalTier(cfg.checkpoint, topo, saver, log.info, log.warn)
-    start, ckpt_attrs = restore(cfg, topo, log, tier, saved, optimizer, data_lineage,
+    ckpts = Checkpoints(cfg.checkpoint, topo, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
+                        t.steps, info=log.info, warn=log.warn)
+    start, ckpt_attrs = restore(cfg, topo, log, ckpts, saved, optimizer, data_lineage,
                                 run_dir)
     tc = cfg.telemetry  # MFU's denominator: a nominal peak (checked by hpctrain train)
     tel = Telemetry(cfg, topo, run_dir, log, mfu_peak(tc.peak_flops, tc.cluster, cfg.model.dtype),
                     json.loads(ckpt_attrs["lineage"]),
                     flops_per_token=train_flops_per_token(cfg.model, cfg.train.seq_len))
     if tel.watchdog:  # a background write that hangs is reported, although steps go on
-        tel.watchdog.watch(saver.background_write)
-        tel.watchdog.watch(tier.background_write)
-    guard = NumericGuard(cfg.telemetry, functools.partial(tier.roll_back, saved, optimizer))
+        ckpts.watch(tel.watchdog)
+    guard = NumericGuard(cfg.telemetry, functools.partial(ckpts.roll_back, saved, optimizer))
     evaluator = (Evaluator(cfg, topo, chunks, device, log.info) if t.eval_every else None)
     stops = StopRules.from_config(t, topo.world, job.end_time)
     faults = Faults(cfg.experimental.faults, topo.world.rank)
-    return Trainer(cfg, topo, log, job, chunks, params, saved, grads, optimizer, sampler,
-                   ReadAhead(sampler, d.prefetch), global_tokens, meter, saver, tier, start,
+    return Trainer(cfg, topo, log, job, chunks, params, saved, moe, grads, optimizer, sampler,
+                   ReadAhead(sampler, d.prefetch), global_tokens, meter, ckpts, start,
                    ckpt_attrs, tel, guard, evaluator, stops, faults)
 
 
-def restore(cfg: Config, topo, log, tier, params, optimizer, data_lineage: dict,
+def restore(cfg: Config, topo, log, ckpts, params, optimizer, data_lineage: dict,
             run_dir: Path) -> tuple[int, dict]:
     """5 (restore). Continue from a checkpoint if asked (a damaged one falls back to the one
     before; with the local tier, from the freshest complete tier); the data stream follows
@@ -158,8 +155,7 @@ def restore(cfg: Config, topo, log, tier, params, optimizer, data_lineage: dict,
     data seed, global batch size or seq_len unless ``data.allow_changed``) raises a LineageError
     alike on every rank, before any step. Returns (steps already done, the attributes every
     checkpoint of this run records). Collective."""
-    saver = tier.saver
-    resumed = tier.restore(cfg.checkpoint.resume, params, optimizer)
+    resumed = ckpts.restore(cfg.checkpoint.resume, params, optimizer)
     start = 0
     if resumed is not None:
         start = int(resumed["step"])
@@ -168,7 +164,7 @@ def restore(cfg: Config, topo, log, tier, params, optimizer, data_lineage: dict,
             log.info(f"nothing to train: step {start} of train.steps={cfg.train.steps} is "
                      "done; raise train.steps to go on, or use another --run-dir")
     run_lineage = lineage.start(run_dir, cfg, topo, data_lineage, resumed, log.info)
-    folder, set_aside = saver.take_over(resumed, start)  # nothing earlier is overwritten
+    folder, set_aside = ckpts.take_over(resumed, start)  # nothing earlier is overwritten
     if set_aside:
         log.info(set_aside)
     log.continue_at(start, folder)  # metrics.jsonl: one trajectory
@@ -197,7 +193,6 @@ def train_step(tr: Trainer, step: int) -> dict:
     #    every gradient is divided by that scale before the norm (optimizer.grad_norm).
     tr.grads.zero()
     scale = optimizer.loss_scale / tr.global_tokens
-    set_loss_scale(tr.chunks, scale)
     with timers("compute"), tr.meter.step(step + 1):
         loss_sum, tr.pipeline_timing = run_step(tr.chunks, microbatches, topo, cfg, scale,
                                                 timers, tr.grads.sharded)
@@ -218,7 +213,7 @@ def train_step(tr: Trainer, step: int) -> dict:
         applied = optimizer.scaler_admits(grad_norm) and guard.admit(loss, grad_norm, step + 1)
         if applied:
             optimizer.clip_and_step(lr, grad_norm)
-        update_route_bias(tr.chunks, applied)  # aux-loss-free balancing: follows the load
+        tr.moe.after_update(applied)  # aux-loss-free balancing follows the load
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "data_s": data_s, **guard.metrics()}
 
@@ -237,29 +232,17 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
     # 5. Checkpoint. With checkpoint.async the step only copies its pieces and the file is
     #    written in the background; a failure there is raised here, on every rank, one step
     #    later. A stop and the last step wait until the file is committed.
-    tr.saver.poll()
-    tr.tier.poll()  # the local generation in flight
-    if tr.tier.due(done):
-        with timers("checkpoint"):
-            tr.tier.save(done, tr.saved, tr.optimizer,
-                         {**tr.ckpt_attrs, **tr.sampler.position(done)})
-    if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or stop or (
-            done == t.steps and cfg.checkpoint.save_final):
-        with timers("checkpoint"):
-            tr.last_saved = tr.saver.save(done, tr.saved, tr.optimizer,
-                                          {**tr.ckpt_attrs, **tr.sampler.position(done)})
-    if stop or done == t.steps:
-        with timers("checkpoint"):
-            tr.saver.wait()
-            tr.tier.wait()
+    tr.ckpts.after_step(done, tr.saved, tr.optimizer,
+                        lambda: {**tr.ckpt_attrs, **tr.sampler.position(done)},
+                        stop=bool(stop), timers=timers)
 
+    logged = tr.tel.logs(done)  # the metrics ranks exchange: on logging steps only
     tr.tel.end_step({**record, "step_time_s": time.perf_counter() - t0,
-                     **step_metrics(tr.chunks, tr.topo),
-                     **pipeline_metrics(tr.topo, cfg, tr.pipeline_timing),
-                     **tr.saver.take_metrics(), **tr.tier.take_metrics(), **tr.meter.take(),
-                     **tr.optimizer.metrics()})
+                     **tr.moe.metrics(logged),
+                     **pipeline_metrics(tr.topo, cfg, tr.pipeline_timing, logged),
+                     **tr.ckpts.take_metrics(), **tr.meter.take(), **tr.optimizer.metrics()})
     if stop:
-        tr.log.info(f"stopping at step {done}: {stop}; checkpoint {tr.last_saved}")
+        tr.log.info(f"stopping at step {done}: {stop}; checkpoint {tr.ckpts.last_saved}")
     return stop
 
 
@@ -269,7 +252,7 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     t_run = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     tr = setup(cfg, Path(run_dir), world)
-    summary = RunSummary(tr.start, tr.global_tokens, tr.tier.recovery)
+    summary = RunSummary(tr.start, tr.global_tokens, tr.ckpts.recovery)
     stop = (f"finished: train.steps={cfg.train.steps} reached" if tr.start < cfg.train.steps
             else f"nothing to train: step {tr.start} of train.steps={cfg.train.steps} is done")
     for step in range(tr.start, cfg.train.steps):
@@ -281,13 +264,12 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
         if reason:
             stop = reason
             break
-    tr.saver.wait()  # no save left in flight
-    tr.tier.wait()
+    tr.ckpts.wait()  # no save left in flight
     tr.batches.close()  # the read-ahead thread
     tr.grads.close()  # the overlap's progress thread
     tr.tel.close()
-    summary.finish(tr.log, Path(run_dir), stop, str(tr.last_saved) if tr.last_saved else None,
-                   time.perf_counter() - t_run)
+    last = str(tr.ckpts.last_saved) if tr.ckpts.last_saved else None
+    summary.finish(tr.log, Path(run_dir), stop, last, time.perf_counter() - t_run)
     tr.log.close()
     tr.job.exit_if_stopped()  # preempted: exit 75, the job script requeues (slurm.py)
-    return Result(tr.losses, cfg.train.steps, str(tr.last_saved) if tr.last_saved else None)
+    return Result(tr.losses, cfg.train.steps, last)

@@ -1,5 +1,7 @@
 """Stage 5: collective checkpoints in parallel HDF5, whole or absent, any layout back.
 
+- ``tiers.py``: :class:`Checkpoints`, what the training loop talks to: both tiers (the
+  HDF5 file and the node-local generations) restored, saved when due, polled, waited for.
 - ``checkpointer.py``: :class:`Checkpointer` (save: snapshot, then write now or in the background;
   restore: newest sound one, fallback on damage) and :func:`latest`.
 - ``write.py``: the snapshot of this rank's bytes and the :class:`Writer` (create, fill,
@@ -16,12 +18,14 @@
 
 from importlib import import_module
 
-__all__ = ["Checkpointer", "CorruptCheckpoint", "latest"]
+_HOME = {"Checkpointer": ".checkpointer", "CorruptCheckpoint": ".checkpointer",
+         "latest": ".checkpointer", "Checkpoints": ".tiers"}
+__all__ = list(_HOME)
 
 
 def __getattr__(name: str):
-    """``checkpointer.py``'s names, imported when first asked for: the input checks read
-    checkpoints (``integrity``) without importing torch."""
-    if name not in __all__:
+    """``checkpointer.py``'s and ``tiers.py``'s names, imported when first asked for: the
+    input checks read checkpoints (``integrity``) without importing torch."""
+    if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(".checkpointer", __name__), name)
+    return getattr(import_module(_HOME[name], __name__), name)

@@ -300,12 +300,18 @@ class Group:
         return t
 
     def bcast_obj(self, obj, root: int = 0):
-        """Broadcast a small picklable control object (never model data)."""
-        return self.mpi.bcast(obj, root=root) if self.size > 1 else obj
+        """Broadcast a small picklable control object (never model data); recorded with 0
+        bytes (pickled, its size is not known here)."""
+        if self.size == 1:
+            return obj
+        return self._run("bcast_obj", 0, lambda: self.mpi.bcast(obj, root=root))
 
     def allgather_obj(self, obj) -> list:
-        """Gather a small control object (strings, numbers) from every rank."""
-        return self.mpi.allgather(obj) if self.size > 1 else [obj]
+        """Gather a small control object (strings, numbers) from every rank (recorded as
+        :meth:`bcast_obj`)."""
+        if self.size == 1:
+            return [obj]
+        return self._run("allgather_obj", 0, lambda: self.mpi.allgather(obj))
 
     def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
         """Exchange one integer per peer (the sizes before an ``alltoallv``)."""

@@ -171,7 +171,7 @@ class MoE(nn.Module):
         else:
             self.route_bias = None
         # (float16 loss scale) / global tokens, the token loss's factor; set every step by
-        # train.train_step through parallel.moe_exchange.set_loss_scale
+        # the schedule runner (pipeline.runner.run_step, through set_loss_scale)
         self.loss_scale = 0.0
         self.stats = MoEStats(E)
 
@@ -340,3 +340,11 @@ def moe_layers(chunks) -> dict[int, MoE]:
             if isinstance(block.mlp, MoE):
                 out[int(name)] = block.mlp
     return out
+
+
+def set_loss_scale(chunks, loss_scale: float) -> None:
+    """The factor the step applies to the token loss (optimizer loss scale / global tokens;
+    the scale is 1 unless float16); the MoE layers inject their auxiliary-loss gradients with
+    it, so the later division by the loss scale treats both alike. Not collective."""
+    for layer in moe_layers(chunks).values():
+        layer.loss_scale = loss_scale

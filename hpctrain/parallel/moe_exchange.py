@@ -179,6 +179,34 @@ def ffn_factory(model_cfg, topo, ops):
     return make
 
 
+class MoeStep:
+    """The MoE side of a training step, for the loop (a dense model's does nothing): the
+    selection biases a checkpoint holds (:attr:`state`), their move after the update
+    (:meth:`after_update`), and the step's statistics (:meth:`metrics`: collective on logging
+    steps; otherwise this rank's counters restart, nothing is exchanged)."""
+
+    def __init__(self, chunks, topo):
+        self.chunks, self.topo = chunks, topo
+        self.state = route_biases(chunks)  # [(global name, tensor)], saved beside params
+
+    def after_update(self, applied: bool) -> None:
+        """Aux-loss-free balancing: every bias follows the step's load (not when the step
+        was skipped). Not collective."""
+        update_route_bias(self.chunks, applied)
+
+    def metrics(self, logged: bool) -> dict:
+        """``step_metrics`` on a logging step (collective over the world and pp_comm, alike
+        on every rank); {} otherwise, the step's counters dropped locally."""
+        if logged:
+            return step_metrics(self.chunks, self.topo)
+        for layer in moe_layers(self.chunks).values():
+            layer.stats.reset()
+        exchange = exchange_of(self.chunks)
+        if exchange is not None:
+            exchange.take_a2a()
+        return {}
+
+
 def route_biases(chunks) -> list:
     """[(global name, tensor)] of the MoE layers' selection biases on this rank (auxiliary-
     loss-free balancing): state a checkpoint holds beside the parameters, replicated like a
@@ -198,15 +226,6 @@ def update_route_bias(chunks, applied: bool = True) -> None:
     rank holding a layer moves its bias alike; no communication."""
     for layer in moe_layers(chunks).values():
         layer.update_bias(applied)
-
-
-def set_loss_scale(chunks, loss_scale: float) -> None:
-    """The factor train.py applies to the token loss this step (optimizer loss scale / global
-    tokens; the scale is 1 unless float16); the MoE layers inject their auxiliary-loss
-    gradients with it, so the later division by the loss scale treats both alike. Not
-    collective."""
-    for layer in moe_layers(chunks).values():
-        layer.loss_scale = loss_scale
 
 
 def step_metrics(chunks, topo) -> dict:

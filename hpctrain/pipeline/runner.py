@@ -41,6 +41,7 @@ import torch
 
 from ..config import microbatches as microbatch_count
 from ..model import weight_grad
+from ..model.moe import set_loss_scale
 from ..model.stage import DTYPES
 from . import moe_executor, moe_overlap
 from .actions import Action, Schedule, build, deferred
@@ -254,9 +255,12 @@ def run_step(chunks, microbatches, topo, cfg, loss_scale: float,
     """Forward and backward of every microbatch by this rank's schedule; gradients accumulate
     in the parameters' ``.grad``. Returns (the sum of token losses this rank computed, non-zero
     only on the last stage; this rank's timing of the step, see :func:`execute`).
-    ``loss_scale`` = 1 / tokens in the global batch. Point-to-point over ``topo.pp_comm`` only
-    (no collective of its own; tp/ep ops inside the model are, and so are ZeRO-3's gathers:
+    ``loss_scale`` = 1 / tokens in the global batch (times float16's loss scale), applied to
+    the token loss and to the MoE layers' auxiliary losses. Point-to-point over
+    ``topo.pp_comm`` only (no collective of its own; tp/ep ops inside the model are, and so
+    are ZeRO-3's gathers:
     ``sharded``, the ``ShardedParams`` that frees what each backward leaves gathered)."""
+    set_loss_scale(chunks, loss_scale)
     st = _state(chunks, microbatches, topo, cfg, loss_scale,
                 schedule_for(cfg, len(microbatches)), sharded)
     timing = execute(st, timers)
@@ -276,14 +280,15 @@ def run_forward(chunks, microbatches, topo, cfg, timers=None) -> float:
     return st.loss_sum
 
 
-def pipeline_metrics(topo, cfg, timing: dict) -> dict:
+def pipeline_metrics(topo, cfg, timing: dict, logged: bool = True) -> dict:
     """Measured bubble next to the simulator's, for metrics.jsonl. Collective over
-    ``topo.pp_comm``; {} when pp == 1 (every rank agrees).
+    ``topo.pp_comm`` on logging steps (``logged``); {} when pp == 1 or on other steps (every
+    rank agrees).
 
     ``pp_bubble``: mean over pp ranks of (longest rank's step - own compute) / longest step;
     ``pp_bubble_sim``: the simulator's bubble for this schedule with each rank's measured
     mean cost per action kind; ``pp_bubble_ranks``/``pp_idle_s``: per pp rank."""
-    if topo.pp_size == 1:
+    if topo.pp_size == 1 or not logged:
         return {}
     keys = ("pp_F", "pp_B", "pp_W", "pp_step", "pp_peak_inflight")
     mine = [float(timing.get(k, 0.0)) for k in keys]

@@ -179,7 +179,7 @@ class RunLog:
         step = record["step"]
         self._steps_timed += 1
         self._time_sum += record["step_time_s"]
-        if step % self.every == 0 or step == self.total:
+        if logging_step(step, self.every, self.total):
             mean = self._time_sum / self._steps_timed
             eta = (self.total - step) * mean
             line = (f"step {step}/{self.total} | loss {record['loss']:.4f} | "
@@ -192,6 +192,12 @@ class RunLog:
         if self.is_writer:
             self._metrics.close()
             self._log.close()
+
+
+def logging_step(step: int, every: int, total: int) -> bool:
+    """Every ``train.log_every``-th step and the last: the progress line and the metrics
+    that need collectives."""
+    return step % every == 0 or step == total
 
 
 class Telemetry:
@@ -265,6 +271,11 @@ class Telemetry:
                  + (f", watchdog {dog}" if self.watchdog else ", watchdog off")
                  + (f", trace steps {tc.trace_steps}" if self.tracer else ""))
 
+    def logs(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is a logging step: its record carries what ranks
+        must exchange to know (stragglers, pipeline and MoE statistics)."""
+        return logging_step(step, self.every, self.total)
+
     def begin_step(self, step: int) -> None:
         """``step`` is 1-based, as in ``metrics.jsonl``. Not collective. What was timed or
         communicated since the last step ended (set-up, restore, the node's FLOP/s probe) is
@@ -306,7 +317,7 @@ class Telemetry:
         if self.run_start is not None:
             record["run_start"], self.run_start = self.run_start, None
         self.window.append((step_s, busy))
-        if record["step"] % self.every == 0 or record["step"] == self.total:
+        if self.logs(record["step"]):
             record.update(self._stragglers())
         self.log.step(record)
         self.trackers.log(record)

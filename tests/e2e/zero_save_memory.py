@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     world.barrier()
     step = measure(lambda: train_step(tr, 1))
     world.barrier()
-    save = measure(lambda: tr.saver.save(2, tr.params, tr.optimizer, tr.ckpt_attrs))
+    save = measure(lambda: tr.ckpts.saver.save(2, tr.params, tr.optimizer, tr.ckpt_attrs))
     out = {"rank": world.rank, "step": step, "save": save,
            "optimizer_bytes": tr.optimizer.state_bytes(),
            "param_bytes": sum(p.numel() * p.element_size() for _, p in tr.params)}

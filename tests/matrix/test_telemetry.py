@@ -86,3 +86,34 @@ def test_report_renders_pngs_and_summary(traced, capsys):
 def test_report_rejects_a_directory_without_metrics(tmp_path, capsys):
     assert hpctrain_main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_metric_collectives_run_on_logging_steps_only(tmp_path, monkeypatch):
+    """pp=2 x ep=2 with experts, log_every=3: steps 1 and 2 exchange nothing for metrics
+    (no object gathers; the same world operations as each other), step 3 gathers the
+    stragglers, the pipeline timing and the MoE statistics (the recording communicator)."""
+    from hpctrain.telemetry.metrics import Telemetry
+
+    ops: list = []  # (step, op, axis) of every completed operation on this rank
+    begin = Telemetry.begin_step
+
+    def recording_begin(self, step):
+        begin(self, step)
+        if not ops and not getattr(self.topo.recorder, "_test_listening", False):
+            self.topo.recorder._test_listening = True
+            self.topo.recorder.listeners.append(lambda r: ops.append((self._step, r.op,
+                                                                      r.axis)))
+        self._step = step
+
+    monkeypatch.setattr(Telemetry, "begin_step", recording_begin)
+    run = train_layout(tmp_path / "run", 4, "topology.pp=2", "topology.dp=2", "topology.ep=2",
+                       "model.num_experts=4", "model.moe_every=2", "train.steps=3",
+                       "train.log_every=3", "train.eval_every=0")
+    assert [("moe_load" in m, "pp_bubble" in m, "step_s_median" in m) for m in run.metrics] \
+        == [(False, False, False)] * 2 + [(True, True, True)]
+    every = [o for rank_ops in world().allgather(ops) for o in rank_ops]
+    per_step = {s: [(op, axis) for t, op, axis in every if t == s] for s in (1, 2, 3)}
+    assert not [o for o in per_step[1] + per_step[2] if o[0].endswith("_obj")], per_step[1]
+    assert {"allgather_obj"} <= {op for op, _ in per_step[3]}
+    world_ops = {s: sum(axis == "world" for _, axis in per_step[s]) for s in (1, 2, 3)}
+    assert world_ops[1] == world_ops[2] < world_ops[3], world_ops

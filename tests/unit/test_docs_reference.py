@@ -58,7 +58,7 @@ METRIC_BUILDERS = [
     ("telemetry/metrics.py", "Telemetry.end_step", {"record": "", "breakdown": "time_s."}),
     ("telemetry/metrics.py", "Telemetry._stragglers", {"return": ""}),
     ("pipeline/runner.py", "pipeline_metrics", {"return": ""}),
-    ("parallel/moe_exchange.py", "step_metrics", {"return": ""}),
+    ("parallel/moe_exchange.py", "step_metrics", {"return": ""}),  # MoeStep.metrics
     ("evaluate.py", "Evaluator.run", {"return": ""}),
     ("checkpoint/checkpointer.py", "Checkpointer", {"self.metrics": "", "metrics": ""}),
     ("checkpoint/write.py", "Writer.write", {"return": ""}),
@@ -73,8 +73,7 @@ SUMMARY_BUILDERS = [
 ]
 # What train_step and end_of_step merge into a record: the builders' method names. A new one
 # must be listed in METRIC_BUILDERS (and its fields declared) before it joins this set.
-MERGED = {"metrics", "take", "take_metrics", "step_metrics", "pipeline_metrics", "run",
-          "end_step"}
+MERGED = {"metrics", "take", "take_metrics", "pipeline_metrics", "run", "end_step"}
 
 
 def _name(node) -> str | None:
