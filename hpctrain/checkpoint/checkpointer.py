@@ -46,8 +46,6 @@ from .lineage import LineageError
 from .read import read_pieces
 from .trajectory import aside_name, start, trajectory
 from .write import (
-    KILL_RANK_ENV,
-    KILL_STEP_ENV,
     LATEST,
     CorruptCheckpoint,
     IncompleteCheckpoint,
@@ -56,8 +54,8 @@ from .write import (
     step_name,
 )
 
-__all__ = ["KILL_RANK_ENV", "KILL_STEP_ENV", "CheckpointFailed", "Checkpointer",
-           "CorruptCheckpoint", "IncompleteCheckpoint", "latest", "step_name"]
+__all__ = ["CheckpointFailed", "Checkpointer", "CorruptCheckpoint", "IncompleteCheckpoint",
+           "latest", "step_name"]
 
 FORMAT = cv.FORMAT
 COLLECTIVE_MIN_BYTES = 64 << 10  # with collective_io: smaller datasets are independent I/O

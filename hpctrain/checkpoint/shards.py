@@ -25,19 +25,16 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from .. import faults
 from .integrity import fsync_dir, fsync_file
 from .layout import Piece
 
-KILL_RANK_ENV = "HPCTRAIN_FAULT_LOCAL_KILL_RANK"  # tests: world rank killed mid-write
-KILL_STEP_ENV = "HPCTRAIN_FAULT_LOCAL_KILL_STEP"  # ... of this generation (any if unset)
 MARKER_FORMAT = "hpctrain-local-1"
 
 
@@ -85,28 +82,21 @@ def crc_of(bufs) -> tuple[int, int]:
     return crc, n
 
 
-def _killed_here(rank: int, step: int) -> bool:
-    want, when = os.environ.get(KILL_RANK_ENV, ""), os.environ.get(KILL_STEP_ENV, "")
-    return bool(want) and int(want) == rank and (not when or int(when) == step)
-
-
 def write_shard(folder: Path, marker: dict, bufs, killer: int | None = None) -> None:
     """Write one shard (own or a partner's) with the commit protocol of the module
     docstring. ``killer``: this process's world rank, for the fault injection that kills
-    it halfway through the bytes (tests)."""
+    it halfway through the bytes (``local_kill``, hpctrain.faults)."""
     folder.mkdir(parents=True, exist_ok=True)
     name = f"rank_{marker['rank']:05d}"
     tmp, final = folder / f".{name}.bin.tmp", folder / f"{name}.bin"
     (folder / f"{name}.json").unlink(missing_ok=True)  # an older commit of this shard
     with open(tmp, "wb") as fh:
         for i, b in enumerate(bufs):
-            if killer is not None and i == len(bufs) // 2 and _killed_here(killer,
-                                                                          marker["step"]):
+            if killer is not None and i == len(bufs) // 2 and faults.find(
+                    "local_kill", killer, marker["step"]):
                 fh.flush()
                 os.replace(tmp, final)  # the worst case: the bytes half there, final name
-                print(f"[hpctrain] fault injection: rank {killer} killed while writing "
-                      f"local shard {final}", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                faults.die(f"rank {killer} killed while writing local shard {final}")
             fh.write(memoryview(b).cast("B"))
     fsync_file(tmp)
     os.replace(tmp, final)

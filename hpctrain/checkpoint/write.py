@@ -27,8 +27,6 @@ training world, or its duplicate in the background):
 from __future__ import annotations
 
 import os
-import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,14 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import faults
 from . import integrity as cv
 from .layout import Piece, transfer, uncovered
 from .trajectory import LATEST, trajectory
 from .trajectory import append as log_event
-
-KILL_RANK_ENV, KILL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_KILL_RANK", "HPCTRAIN_FAULT_CKPT_KILL_STEP"
-SLOW_ENV = "HPCTRAIN_FAULT_CKPT_SLOW_S"  # tests: seconds a write sleeps before its commit
-FAIL_RANK_ENV, FAIL_STEP_ENV = "HPCTRAIN_FAULT_CKPT_FAIL_RANK", "HPCTRAIN_FAULT_CKPT_FAIL_STEP"
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -58,24 +53,17 @@ def step_name(step: int) -> str:
     return f"step_{step:08d}.h5"
 
 
-def _chosen(rank_env: str, step_env: str, rank: int, step: int) -> bool:
-    want, when = os.environ.get(rank_env, ""), os.environ.get(step_env, "")
-    return bool(want) and int(want) == rank and (not when or int(when) == step)
-
-
 def fault(rank: int, step: int) -> None:
-    """Fault injection for tests: ``HPCTRAIN_FAULT_CKPT_KILL_RANK=r`` (and optionally
-    ``..._KILL_STEP=s``) makes world rank r die (SIGKILL) in the middle of writing a checkpoint."""
-    if _chosen(KILL_RANK_ENV, KILL_STEP_ENV, rank, step):
-        print(f"[hpctrain] fault injection: rank {rank} killed while saving step {step}",
-              file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Fault injection (hpctrain.faults ``ckpt_kill``): this rank dies (SIGKILL) in the
+    middle of writing the checkpoint of ``step``."""
+    if faults.find("ckpt_kill", rank, step):
+        faults.die(f"rank {rank} killed while saving step {step}")
 
 
 def failure(rank: int, step: int) -> None:
-    """Fault injection for tests: ``HPCTRAIN_FAULT_CKPT_FAIL_RANK=r`` (and optionally
-    ``..._FAIL_STEP=s``): rank r's write of the checkpoint fails (an OSError, as a full disk)."""
-    if _chosen(FAIL_RANK_ENV, FAIL_STEP_ENV, rank, step):
+    """Fault injection (``ckpt_fail``): this rank's write of ``step`` fails (an OSError, as a
+    full disk)."""
+    if faults.find("ckpt_fail", rank, step):
         raise OSError(f"fault injection: rank {rank} cannot write step {step}")
 
 
@@ -159,8 +147,9 @@ class Writer:
         t_write = time.perf_counter() - t0
         if self.cfg.verify_write:
             self._verify(tmp, sums)
-        if float(os.environ.get(SLOW_ENV, "0") or 0) > 0:
-            time.sleep(float(os.environ[SLOW_ENV]))  # tests: a long write, still in flight
+        slow = faults.find("ckpt_slow", self.world.rank, snap.step)
+        if slow:
+            time.sleep(slow.seconds)  # a long write, still in flight
         self._commit(tmp, final)
         dt = time.perf_counter() - t0
         if world.rank == 0 and self.on_commit is not None:

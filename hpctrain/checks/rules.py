@@ -8,7 +8,8 @@ and the layout arithmetic.
 
 Pure, no MPI, imports only ``config``, ``checks.keys`` and the model families' registry
 (``model.families``, whose checks ``_check_arch`` runs) and the gradient-sync factory
-(``parallel.grad_sync.factory``, whose refusals ``_check_layout`` reports):
+(``parallel.grad_sync.factory``, whose refusals ``_check_layout`` reports) and the fault
+injector's parser (``faults``):
 :func:`hpctrain.checks.validate.validate` calls :func:`problems` first, on every rank, before
 any collective, and reports everything it finds at once. Types and unknown keys are refused
 earlier, when the config is read (:func:`hpctrain.config.load`); what needs the pipeline
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .. import faults
 from ..config import Config, trace_window
 from ..model import families
 from ..parallel.grad_sync import factory as grad_sync
@@ -309,6 +311,10 @@ def _check_run(cfg: Config, world_size: int, need) -> None:
          "set one of the two (prepare a file with `hpctrain prepare FILES --tokenizer "
          "tokenizer.json --out DATA.h5`)")
     _check_blend(cfg.data, need)
+    try:  # both forms feed one injector: a wrong item is refused before any collective
+        faults.parse(faults.spec(cfg.experimental.faults))
+    except ValueError as e:
+        need(False, f"experimental.faults / ${faults.ENV}: {e}")
 
 
 def _check_blend(d, need) -> None:

@@ -287,8 +287,8 @@ class ExperimentalConfig:
                                  "across nodes, for comparison", choices=("auto", "naive"))
     p2p_wait: str = key("yield", "pipeline receives: yield (poll, then sleep) or spin (MPI_Wait)",
                                  choices=("yield", "spin"))
-    faults: str = key("", "injected faults, e.g. \"kill@1:3;stall@0:2:60\" "
-                          "(hpctrain/telemetry/fault_injection.py)")
+    faults: str = key("", "injected faults, e.g. \"kill@1:3;ckpt_kill@0:4\" (the same "
+                          "as $HPCTRAIN_FAULTS; every kind: hpctrain/faults.py)")
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ def test_killed_save_and_damaged_files_fall_back_to_a_sound_checkpoint(tmp_path)
     args = train_args(run_dir, "topology.dp=2", "train.steps=6", "checkpoint.every=1",
                       config=config)
     proc = mpirun(2, args, check=False, timeout=180, extra_env={
-        "HPCTRAIN_FAULT_CKPT_KILL_RANK": 1, "HPCTRAIN_FAULT_CKPT_KILL_STEP": 6})
+        "HPCTRAIN_FAULTS": "ckpt_kill@1:6"})
     assert proc.returncode != 0
     assert "rank 1 killed while saving step 6" in proc.stderr
     d = run_dir / "checkpoints"

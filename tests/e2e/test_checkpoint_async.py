@@ -78,7 +78,7 @@ def test_rank_killed_during_a_background_write_then_resume(tmp_path, session_dir
     run_dir = tmp_path / "run"
     args = train_args(run_dir, "topology.dp=2", "train.steps=6", "checkpoint.every=1", ASYNC)
     proc = mpirun(2, args, check=False, timeout=180, extra_env={
-        "HPCTRAIN_FAULT_CKPT_KILL_RANK": 1, "HPCTRAIN_FAULT_CKPT_KILL_STEP": 4})
+        "HPCTRAIN_FAULTS": "ckpt_kill@1:4"})
     assert proc.returncode != 0
     assert "rank 1 killed while saving step 4" in proc.stderr
     d = run_dir / "checkpoints"
@@ -98,7 +98,7 @@ def test_failed_background_write_is_reported_on_every_rank(tmp_path):
     run_dir = tmp_path / "run"
     args = train_args(run_dir, "topology.dp=2", "train.steps=6", "checkpoint.every=1", ASYNC)
     proc = mpirun(2, args, check=False, timeout=180, extra_env={
-        "HPCTRAIN_FAULT_CKPT_FAIL_RANK": 1, "HPCTRAIN_FAULT_CKPT_FAIL_STEP": 3})
+        "HPCTRAIN_FAULTS": "ckpt_fail@1:3"})
     assert proc.returncode != 0
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: the background save of step 3 failed on rank 1 "
@@ -118,7 +118,7 @@ def test_preemption_during_a_background_write_commits_the_announced_step(tmp_pat
     run_dir = tmp_path / "run"
     returncode, out = signal_after_steps(
         run_dir, 2, "topology.dp=2", "train.steps=40", "checkpoint.every=1", ASYNC,
-        extra_env={"HPCTRAIN_FAULT_CKPT_SLOW_S": 1})
+        extra_env={"HPCTRAIN_FAULTS": "ckpt_slow@*:*:1"})
     assert returncode == 0, out
     stop = re.search(r"stopping at step (\d+): signal SIGUSR1", out)
     assert stop, out
@@ -140,7 +140,7 @@ def test_a_hanging_background_write_is_reported_by_the_watchdog(tmp_path):
     args = train_args(run_dir, "train.steps=4", "checkpoint.every=2", ASYNC,
                       "telemetry.watchdog_s=1", "telemetry.watchdog_factor=0")
     proc = mpirun(1, args, check=False, timeout=90,  # a hang raises TimeoutExpired
-                  extra_env={"HPCTRAIN_FAULT_CKPT_SLOW_S": 120})
+                  extra_env={"HPCTRAIN_FAULTS": "ckpt_slow@*:*:120"})
     assert proc.returncode != 0
     msg = (run_dir / "watchdog" / "summary.txt").read_text()
     assert "the background write of checkpoint step 2 has run for 1" in msg, msg

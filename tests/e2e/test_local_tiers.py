@@ -87,8 +87,7 @@ def test_half_written_local_copy_is_never_used(tmp_path, session_dir):
     common = ["train.global_batch_size=12", *tiers(tmp_path, 1, 5)]
     run_dir = tmp_path / "run"
     killed = mpirun(2, train_args(run_dir, "topology.dp=2", *common), check=False,
-                    extra_env={"HPCTRAIN_FAULT_LOCAL_KILL_RANK": "1",
-                               "HPCTRAIN_FAULT_LOCAL_KILL_STEP": "2"})
+                    extra_env={"HPCTRAIN_FAULTS": "local_kill@1:2"})
     assert killed.returncode != 0 and "killed while writing local shard" in killed.stderr
     (gen2,) = (tmp_path / "local").glob("*/run_*/step_00000002")
     assert (gen2 / "rank_00001.bin").exists() and not (gen2 / "rank_00001.json").exists()

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2] / "hpctrain"
 ALLOWED = {
     "config": set(),
     "comm": set(),
+    # the fault injector (tests, fault campaigns): standard library only
+    "faults": set(),
     # starting ranks, the relaunch loop, the SLURM job: standard library + comm
     "job": {"comm"},
     "model": {"config"},
@@ -24,10 +26,10 @@ ALLOWED = {
     "pipeline": {"comm", "config", "model"},
     "parallel": {"comm", "config", "model", "pipeline", "topology"},
     "optim": {"comm", "config", "parallel"},
-    "checkpoint": {"comm", "config", "model"},
-    "telemetry": {"comm", "config", "model", "parallel", "topology"},
+    "checkpoint": {"comm", "config", "faults", "model"},
+    "telemetry": {"comm", "config", "faults", "model", "parallel", "topology"},
     "data": set(),
-    "checks": {"config", "data", "interchange", "model", "parallel", "pipeline"},
+    "checks": {"config", "data", "faults", "interchange", "model", "parallel", "pipeline"},
     "evaluate": {"data", "pipeline"},
     "interchange": {"checkpoint", "config", "data", "model"},
     "stopping": {"job"},
