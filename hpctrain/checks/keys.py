@@ -63,10 +63,25 @@ def _section_problems(name: str, body) -> tuple[str, ...]:
     return found
 
 
+def registered() -> dict[str, tuple[str, ...]]:
+    """Keys whose allowed values are the names of a registry, which owns them (a new
+    entry there is allowed here and listed in docs/config.md)."""
+    from ..pipeline.schedules import KINDS
+
+    return {"schedule.kind": KINDS}
+
+
+def _rules(name: str, meta) -> dict:
+    """A key's declared rule, with its registry's names as the choices where it has one."""
+    names = registered().get(name)
+    return {**meta, "choices": names} if names else meta
+
+
 def _problems_of(name: str, body) -> tuple[str, ...]:
     return tuple(why for f in dataclasses.fields(body)
                  if (why := rule_problem(f"{name}.{toml_key(f.name)}", getattr(body, f.name),
-                                         f.metadata)) is not None)
+                                         _rules(f"{name}.{toml_key(f.name)}", f.metadata)))
+                 is not None)
 
 
 def _allowed(meta) -> str:
@@ -129,8 +144,9 @@ def markdown() -> str:
         body = sec.default_factory()  # type: ignore[misc]
         for f in dataclasses.fields(body):
             cell = f.metadata.get("help", "").replace("|", "\\|")
+            rules = _rules(f"{sec.name}.{toml_key(f.name)}", f.metadata)
             out.append(f"| `{toml_key(f.name)}` | {f.type} | `{_literal(getattr(body, f.name))}` "
-                       f"| {cell} | {_allowed(f.metadata)} |")
+                       f"| {cell} | {_allowed(rules)} |")
         out.append("")
     out.append(LEGACY_NOTE + "".join(f"| `{a}` | `{b}` |\n" for a, b in LEGACY.items()))
     return "\n".join(out)

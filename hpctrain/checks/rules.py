@@ -24,6 +24,7 @@ from .. import faults
 from ..config import Config, trace_window
 from ..model import families
 from ..parallel.grad_sync import factory as grad_sync
+from ..pipeline import schedules
 from .keys import key_problems, rule_problem
 
 
@@ -277,10 +278,15 @@ def _check_schedule(cfg: Config, world_size: int, need) -> None:
     """Pipeline arithmetic (whether the microbatch count fits the schedule is asked by
     ``hpctrain.checks.validate`` of an otherwise valid config)."""
     top, m, s = cfg.topology, cfg.model, cfg.schedule
-    need(s.kind == "interleaved" or s.virtual_stages <= 1,
+    if s.kind not in schedules.REGISTRY:
+        return  # refused by its key's rule (checks.keys: the registry's names)
+    kind = schedules.REGISTRY[s.kind]
+    free = [n for n, k in schedules.REGISTRY.items() if not k.chunks]
+    need(not kind.chunks or s.virtual_stages <= 1,
          f"schedule.virtual_stages={s.virtual_stages} is used only by "
-         f"schedule.kind='interleaved', not {s.kind!r}: set it to 1 or use interleaved")
-    v = s.virtual_stages if s.kind == "interleaved" else 2 if s.kind in ("zbv", "dualpipev") else 1
+         f"schedule.kind={' or '.join(map(repr, free))}, not {s.kind!r}: set it to 1 or use "
+         f"{' or '.join(free)}")
+    v = kind.virtual(s.virtual_stages)
     need(not (s.moe_overlap and m.recompute == "full"), "schedule.moe_overlap cannot be "
          "combined with model.recompute='full' (the forward is cut into segments at the "
          "expert all-to-alls); 'selective' can")

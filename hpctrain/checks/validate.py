@@ -10,8 +10,7 @@ valid config. What the config points at (the data file, the run directory) is ch
 from __future__ import annotations
 
 from ..config import Config, ConfigError, microbatches
-from ..pipeline.actions import check_fits
-from ..pipeline.placement import layer_ranges, virtual_stages
+from ..pipeline.schedules import check_fits, layer_ranges, virtual_stages
 from .rules import problems
 
 

@@ -131,8 +131,7 @@ def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
     """The pipeline part of the plan: partition, per-rank actions, simulated bubble (above
     ``SIMULATED_MAX`` chunk-microbatches per rank: the partition and the 1F1B reference)."""
     from ..config import microbatches
-    from ..pipeline.actions import from_config
-    from ..pipeline.placement import layer_ranges, style_of, virtual_stages
+    from ..pipeline.schedules import from_config, layer_ranges, style_of, virtual_stages
     from ..pipeline.simulate import simulate
 
     top, s = cfg.topology, cfg.schedule

@@ -26,7 +26,6 @@ OVERLAP_PROGRESS = ("auto", "test", "thread", "poll", "wait")  # optim.overlap_p
 ARCHS = ("gpt", "llama")  # model.arch: the families' registry's names (a unit test)
 DTYPES = ("float32", "float64", "bfloat16", "float16")  # model.dtype
 RECOMPUTE = ("none", "selective", "full")  # model.recompute
-KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # schedule.kind
 
 
 def key(default: Any, help: str, *, choices: tuple = (), ge: float | None = None,
@@ -213,7 +212,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    kind: str = key("1f1b", "pipeline schedule (zbv, dualpipev: a V of 2 chunks)", choices=KINDS)
+    kind: str = key("1f1b", "pipeline schedule (zbv, dualpipev: a V of 2 chunks); the names of "
+                    "the schedules' registry, hpctrain/pipeline/schedules.py")
     virtual_stages: int = key(1, "chunks per rank for kind = interleaved", ge=1)
     boundaries: str = key("", "\"3,6\": first layer of (virtual) stages 1..S-1; \"\" balanced")
     moe_overlap: bool = key(False, "expert all-to-alls as actions overlapped with compute")

@@ -7,7 +7,8 @@ from __future__ import annotations
 from ..comm import gpu
 from ..config import Config
 from ..model import DecoderStage, LocalOps, init_parameters
-from ..pipeline.placement import chunks_of_rank, layer_ranges, style_of, virtual_stages
+from ..pipeline.placement import chunks_of_rank
+from ..pipeline.schedules import layer_ranges, style_of, virtual_stages
 
 
 def tp_ops(cfg: Config, topo):

@@ -26,9 +26,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .placement import chunks_of_rank, rank_of_stage, style_of, virtual_stages
+from .placement import chunks_of_rank, rank_of_stage
 
-KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 COMPUTE = ("F", "B", "W")
 
 
@@ -68,15 +67,11 @@ class Schedule:
     microbatches: int
     ranks: tuple[tuple[Action, ...], ...]
     forward_only: bool = False  # F and its transfers only: evaluation, no backward
+    style: str = "loop"  # virtual stages on ranks: "loop" or "v" (its registry entry's)
 
     @property
     def stages(self) -> int:
         return self.pp * self.virtual
-
-    @property
-    def style(self) -> str:
-        """Placement of virtual stages on ranks: ``"v"`` for zbv, else ``"loop"``."""
-        return style_of(self.kind)
 
     def stage(self, rank: int, action: Action) -> int:
         """The global virtual stage an action of ``rank`` runs on."""
@@ -109,11 +104,11 @@ def link(action: Action, stage: int, pp: int, style: str = "loop") -> tuple[int,
 
 
 # -- compute orders --------------------------------------------------------------------
-def _gpipe(pp: int, m: int, rank: int) -> list[Action]:
+def gpipe(pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
     return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
 
 
-def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
+def one_f_one_b(pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
     """Warm up with pp-rank-1 forwards, then alternate F and B, then drain the Bs: at most
     pp - rank microbatches in flight."""
     warm = min(pp - rank - 1, m)
@@ -123,9 +118,11 @@ def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
     return out + [Action("B", i) for i in range(m - warm, m)]
 
 
-def _interleaved(pp: int, m: int, rank: int, v: int) -> list[Action]:
+def interleaved(pp: int, m: int, rank: int, v: int) -> list[Action]:
     """Megatron's interleaved 1F1B: microbatches in groups of pp, each group passes through
     chunk 0, 1, ..., v-1 forward and v-1, ..., 0 backward."""
+    if v == 1:  # one chunk per rank: plain 1F1B
+        return one_f_one_b(pp, m, rank)
     total = m * v
 
     def nth(k: int, backward: bool) -> tuple[int, int]:
@@ -143,7 +140,7 @@ def _interleaved(pp: int, m: int, rank: int, v: int) -> list[Action]:
     return out + [act("B", k) for k in range(total - warm, total)]
 
 
-def _zb_h1(pp: int, m: int, rank: int) -> list[Action]:
+def zb_h1(pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
     """Zero-bubble H1 (Qi et al. 2023): 1F1B with the backward split into B (input gradient,
     on the critical path) and W (weight gradient). Rank r warms up with pp - r forwards like
     1F1B, then runs B, W, F per microbatch, but its W passes lag its B passes by r: the
@@ -163,7 +160,7 @@ def _zb_h1(pp: int, m: int, rank: int) -> list[Action]:
     return out + [Action("W", j) for j in range(nw, m)]
 
 
-def _zbv(pp: int, m: int, rank: int) -> list[Action]:
+def zbv(pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
     """ZB-V (Qi et al., zero-bubble paper section 6): two chunks per rank in a V (chunk 0 is
     stage r, chunk 1 stage 2pp-1-r). Warm-up: 2(pp-r)-1 chunk-0 forwards, r pairs (F on
     chunk 1, F on chunk 0), pp-r triples F B W on chunk 1; steady: F B W on chunk 0 then on
@@ -208,7 +205,7 @@ def _zbv(pp: int, m: int, rank: int) -> list[Action]:
     return [a for a in out if a.microbatch < m]
 
 
-def _dualpipev(pp: int, m: int, rank: int) -> list[Action]:
+def dualpipev(pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
     """DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab): the V of zbv (chunk 0 is
     stage r, chunk 1 stage 2pp-1-r), m >= 2pp. Phases: 2(pp-r-1) chunk-0 forwards; r+1
     pairs F0 F1; pp-r-1 triples B1 W F1 (split); the steady state, m-2pp+r+1 times the two
@@ -281,49 +278,6 @@ def fb_pairs(actions) -> list[tuple[int, int]]:
     return pairs
 
 
-def check_fits(kind: str, pp: int, microbatches: int, virtual: int = 1) -> None:
-    """Raise ValueError with the arithmetic when the microbatch count cannot run ``kind``."""
-    if kind not in KINDS:
-        raise ValueError(f"schedule.kind={kind!r}; valid: {', '.join(KINDS)}")
-    if pp < 1 or microbatches < 1 or virtual < 1:
-        raise ValueError(f"pp={pp}, microbatches={microbatches}, virtual_stages={virtual} "
-                         "must all be >= 1")
-    if kind in ("zbv", "dualpipev") and virtual != 2:
-        raise ValueError(f"schedule.kind={kind!r} holds two stages per rank in a V; "
-                         f"virtual_stages={virtual} must be 2")
-    if kind == "dualpipev" and microbatches < 2 * pp:
-        raise ValueError(
-            f"schedule 'dualpipev' needs at least 2*pp = {2 * pp} microbatches per step (its "
-            f"warm-up fills both chunks of the V), but there are {microbatches}; raise "
-            "train.global_batch_size (microbatches = global_batch_size / (dp * "
-            "micro_batch_size)), lower train.micro_batch_size, or use schedule.kind='zbv'")
-    if kind not in ("interleaved", "zbv", "dualpipev") and virtual != 1:
-        raise ValueError(f"schedule.kind={kind!r} holds one stage per rank; "
-                         f"virtual_stages={virtual} needs schedule.kind='interleaved'")
-    if kind == "interleaved" and virtual > 1 and microbatches % pp:
-        raise ValueError(
-            f"schedule 'interleaved' sends microbatches through the chunks in groups of "
-            f"pp={pp}, but there are {microbatches} microbatches ({microbatches} % {pp} = "
-            f"{microbatches % pp}); use a multiple of {pp} (train.global_batch_size = "
-            "microbatches * dp * micro_batch_size) or schedule.kind='1f1b'/'zb-h1'")
-
-
-def compute_order(kind: str, pp: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
-    """Per rank, the F/B/W actions in execution order (no transfers yet)."""
-    check_fits(kind, pp, microbatches, virtual)
-    m = microbatches
-    if kind == "zb-h1":
-        return [_zb_h1(pp, m, r) for r in range(pp)]
-    if kind == "zbv":
-        return [_zbv(pp, m, r) for r in range(pp)]
-    if kind == "dualpipev":
-        return [_dualpipev(pp, m, r) for r in range(pp)]
-    if kind == "interleaved" and virtual > 1:
-        return [_interleaved(pp, m, r, virtual) for r in range(pp)]
-    build = _gpipe if kind == "gpipe" else _one_f_one_b
-    return [build(pp, m, r) for r in range(pp)]
-
-
 def with_comm(orders: list[list[Action]], pp: int, virtual: int,
               style: str = "loop") -> list[list[Action]]:
     """Insert transfers: a send right after the compute that produced its tensor, a receive
@@ -351,29 +305,3 @@ def with_comm(orders: list[list[Action]], pp: int, virtual: int,
             seq += recv_before.get(i, []) + [a] + sends_after.get(i, [])
         out.append(seq)
     return out
-
-
-def build(kind: str, pp: int, microbatches: int, virtual: int | None = None,
-          forward_only: bool = False) -> Schedule:
-    """The schedule ``kind`` for ``pp`` ranks, ``microbatches`` per step and ``virtual``
-    chunks per rank (interleaved: any, zbv and dualpipev: 2, the default; others 1). Pure; raises
-    ValueError when it does not fit.
-
-    ``forward_only``: each rank's forwards in the kind's order, without ``B``/``W`` (an
-    evaluation pass: same placement, same links and tags). Dropping actions from a sound
-    order only removes waits, so the forward-only order cannot deadlock either."""
-    if virtual is None:
-        virtual = 2 if kind in ("zbv", "dualpipev") else 1
-    orders = compute_order(kind, pp, microbatches, virtual)
-    if forward_only:
-        orders = [[a for a in o if a.kind == "F"] for o in orders]
-    if virtual == 1:
-        orders = [[Action(a.kind, a.microbatch) for a in o] for o in orders]
-    ranks = with_comm(orders, pp, virtual, style_of(kind))
-    return Schedule(kind, pp, virtual, microbatches, tuple(tuple(r) for r in ranks),
-                    forward_only)
-
-
-def from_config(cfg, microbatches: int) -> Schedule:
-    """The schedule a config asks for (``cfg.schedule``, ``cfg.topology.pp``)."""
-    return build(cfg.schedule.kind, cfg.topology.pp, microbatches, virtual_stages(cfg))

@@ -35,7 +35,8 @@ import functools
 
 from ..model.moe import is_moe_layer
 from .actions import COMPUTE, Action, Schedule, deferred, fb_pairs
-from .placement import layer_ranges, partition
+from .placement import partition
+from .schedules import kind_of, layer_ranges
 from .simulate import ScheduleError, simulate
 
 SEGMENTS = ("D", "E", "C", "G")  # per MoE layer, after F
@@ -142,7 +143,7 @@ def expand(sched: Schedule, moe_per_stage: list[int]) -> Schedule:
 def _candidates(sched: Schedule, acts) -> list[int]:
     """The computes of one rank to try pairing with the next, in turn: dualpipev's F&B pairs
     first (``actions.fb_pairs``), then every other compute that leaves them whole."""
-    designed = fb_pairs(acts) if sched.kind == "dualpipev" else []
+    designed = fb_pairs(acts) if kind_of(sched.kind).fb_pairs else []
     taken = {k for pair in designed for k in pair}
     computes = [i for i, a in enumerate(acts) if a.kind in COMPUTE]
     rest = [i for i, j in zip(computes, computes[1:] + [None])

@@ -2,7 +2,7 @@
 
 Stage ``s`` of ``S = pp * v`` virtual stages is held by pp rank ``s % pp`` (the interleaved
 placement, style ``"loop"``: rank r holds chunks r, r+pp, r+2pp, ...), or, for the V-shaped
-schedules (``zbv``, ``dualpipev``; style ``"v"``, two chunks per rank), rank r holds stages r and
+schedules (style ``"v"`` in their registry entry, two chunks per rank), rank r holds stages r and
 2pp-1-r, so the model goes down the ranks and back up (rank pp-1 holds the two middle
 stages, rank 0 the first and the last). The first virtual stage owns the embedding, the
 last the final norm, head and loss.
@@ -32,21 +32,6 @@ def partition(n_layers: int, stages: int, boundaries: list[int] | None = None) -
     return out
 
 
-V_KINDS = ("zbv", "dualpipev")  # schedule kinds with the V placement (two chunks per rank)
-
-
-def virtual_of(kind: str, virtual_stages: int) -> int:
-    """Chunks per pp rank of a schedule kind: ``virtual_stages`` for interleaved, 2 for the
-    V-shaped zbv and dualpipev, else 1."""
-    return virtual_stages if kind == "interleaved" else 2 if kind in V_KINDS else 1
-
-
-def style_of(kind: str) -> str:
-    """How a schedule kind places virtual stages on pp ranks: ``"v"`` (zbv, dualpipev) or
-    ``"loop"``."""
-    return "v" if kind in V_KINDS else "loop"
-
-
 def chunks_of_rank(pp_rank: int, pp: int, virtual: int, style: str = "loop") -> list[int]:
     """Virtual stage indices held by one pp rank, in model order (chunk k is the k-th)."""
     if style == "v":
@@ -59,28 +44,6 @@ def rank_of_stage(stage: int, pp: int, style: str = "loop") -> int:
     if style == "v":
         return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
-
-
-def virtual_stages(cfg) -> int:
-    """Chunks per pp rank of a config (see :func:`virtual_of`)."""
-    return virtual_of(cfg.schedule.kind, cfg.schedule.virtual_stages)
-
-
-def layer_ranges(cfg) -> list[range]:
-    """The layers of each of the ``pp * v`` virtual stages of a config: balanced, or cut at
-    ``schedule.boundaries`` ("3,6": the first layer of stages 1, 2)."""
-    s = cfg.schedule
-    v = virtual_stages(cfg)
-    text = s.boundaries.strip()
-    try:
-        cuts = [int(x) for x in text.split(",")] if text else None
-    except ValueError:
-        raise ValueError(f"schedule.boundaries={text!r}: expected layer numbers like "
-                         "\"3,6\"") from None
-    try:
-        return partition(cfg.model.n_layers, cfg.topology.pp * v, cuts)
-    except ValueError as e:
-        raise ValueError(f"schedule.boundaries={text!r}: {e}") from None
 
 
 def activation_shape(cfg, topo) -> tuple[int, int, int]:

@@ -44,8 +44,9 @@ from ..model import weight_grad
 from ..model.moe import set_loss_scale
 from ..model.stage import DTYPES
 from . import moe_executor, moe_overlap
-from .actions import Action, Schedule, build, deferred
-from .placement import activation_shape, virtual_stages
+from .actions import Action, Schedule, deferred
+from .placement import activation_shape
+from .schedules import build, virtual_stages
 from .simulate import simulate
 
 

@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .actions import COMPUTE, Action, Schedule, deferred, fb_pairs
+from .schedules import REGISTRY
 
 DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # unsplit B costs B + W
 
@@ -131,7 +132,8 @@ def match(sched: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
 def _check_order(sched: Schedule) -> None:
     """F before B before W per (microbatch, chunk); transfers after/before their compute."""
     for r, actions in enumerate(sched.ranks):
-        split = any(a.kind == "W" for a in actions) and sched.kind != "dualpipev"
+        split = any(a.kind == "W" for a in actions) and (
+            sched.kind not in REGISTRY or REGISTRY[sched.kind].split)  # every B with its W
         seen: dict[tuple[str, int, int], int] = {}
         for i, a in enumerate(actions):
             key = (a.kind, a.microbatch, a.c)

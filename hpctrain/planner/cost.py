@@ -72,6 +72,7 @@ from ..model.families import family_of
 from ..model.moe import is_moe_layer
 from ..parallel.grad_sync.factory import strategy_of
 from ..parallel.grad_sync.interface import wire_bytes
+from ..pipeline.schedules import kind_of, style_of
 from . import hsdp
 from .cluster import Cluster, Link
 from .collectives import (
@@ -196,7 +197,8 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
     """Per pp rank: forward FLOPs per token on this rank (over tp), its layers, MoE layers,
     stages (chunks), parameter elements (unsharded) and tensors, and ZeRO-3 units (its
     blocks and its root, if any)."""
-    from ..pipeline.placement import chunks_of_rank, layer_ranges, style_of
+    from ..pipeline.placement import chunks_of_rank
+    from ..pipeline.schedules import layer_ranges
 
     m, t = cfg.model, cfg.topology
     ranges, T = layer_ranges(cfg), cfg.train.seq_len
@@ -229,7 +231,7 @@ def pass_costs(cfg: Config, cluster: Cluster, links: dict, work: list[dict]
     tokens = tr.micro_batch_size * tr.seq_len // t.cp  # context parallelism: T/cp each
     ctx_f, ctx_b = context_exposed(cfg, cluster, links, rate, share)  # per layer
     split = (cluster.split_b + cluster.split_w - 1
-             if cfg.schedule.kind in ("zb-h1", "zbv") else 0.0)
+             if kind_of(cfg.schedule.kind).split else 0.0)
     # the gradient sync's hooks move every parameter's gradient per microbatch
     hooked = strategy_of(cfg).hooks(cfg)
     # the overheads are the rank's own (CPU) work too: slowed by the share like its FLOPs
@@ -271,8 +273,8 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True,
              shares: tuple = (SPLIT_B, SPLIT_W)) -> tuple[float, float]:
     """(makespan s, bubble fraction) of one step's pipeline with per-rank pass costs: the
     simulator's, or (``simulated=False``, or too many microbatches) the closed form."""
-    from ..pipeline.actions import build, deferred
-    from ..pipeline.placement import virtual_stages
+    from ..pipeline.actions import deferred
+    from ..pipeline.schedules import build, virtual_stages
     from ..pipeline.simulate import simulate
 
     t, s = cfg.topology, cfg.schedule
@@ -283,7 +285,7 @@ def pipeline(cfg: Config, costs, p2p: float, simulated: bool = True,
         return M * busiest, 0.0
     if M * v > SIMULATED_MAX or not simulated:
         # zbv: only the fill, F/2 per stage; dualpipev: (pp-1)(F&B+B-3W) per chunk
-        fill = (t.pp - 1) * busiest / {"zb-h1": 3, "zbv": 6, "dualpipev": 3}.get(s.kind, v)
+        fill = (t.pp - 1) * busiest / (kind_of(s.kind).fill or v)  # the kind's closed form
         span = M * busiest + fill + 2 * (t.pp - 1) * p2p
         return span, fill / span
     sched = build(s.kind, t.pp, M, v)

@@ -120,14 +120,12 @@ def _ends_activation_bytes(cfg: Config, first: bool, last: bool) -> int:
 
 
 def in_flight(cfg: Config) -> float:
-    """Microbatches whose activations the first stage holds at once (dualpipev: every
-    rank, counted in whole-rank microbatches: 2pp+1 of one chunk's)."""
-    pp, M = cfg.topology.pp, microbatches(cfg)
-    if cfg.schedule.kind == "dualpipev":
-        return pp + 0.5
-    if pp == 1:
-        return 1
-    return M if cfg.schedule.kind == "gpipe" else min(pp, M)
+    """Microbatches whose activations the first stage holds at once: the schedule's
+    registry entry says (dualpipev: every rank, in whole-rank microbatches: 2pp+1 of one
+    chunk's)."""
+    from ..pipeline.schedules import kind_of
+
+    return kind_of(cfg.schedule.kind).in_flight(cfg.topology.pp, microbatches(cfg))
 
 
 @dataclass
@@ -147,7 +145,8 @@ class Estimate:
 def estimate(cfg: Config) -> Estimate:
     """Per-rank bytes of the most loaded pipeline stage (see the module docstring)."""
     from ..parallel.grad_sync.factory import strategy_of
-    from ..pipeline.placement import chunks_of_rank, partition, style_of, virtual_stages
+    from ..pipeline.placement import chunks_of_rank, partition
+    from ..pipeline.schedules import kind_of, style_of, virtual_stages
 
     m, top = cfg.model, cfg.topology
     ps = DTYPE_BYTES[m.dtype]
@@ -177,7 +176,8 @@ def estimate(cfg: Config) -> Estimate:
         else:
             per_mb = layers * blk
         ends = sum(ends_of[kinds[s][1:]] for s in mine)
-        flight = held if r == 0 or cfg.schedule.kind == "dualpipev" else max(1, held - r)
+        flight = held if r == 0 or kind_of(cfg.schedule.kind).flight_everywhere \
+            else max(1, held - r)
         worst = max(worst, int(B * (per_mb + ends) * flight))
     e.activations = worst
     e.comm = comm_volume(cfg, P, ps, M, sync)

@@ -30,14 +30,19 @@ import shlex
 from dataclasses import dataclass
 
 from ..config import RECOMPUTE, Config, ConfigError, ulysses_degrees
+from ..pipeline.schedules import REGISTRY
 from .cluster import Cluster
 from .cost import Prediction, predict
 from .hsdp import on_cluster
 from .memory import estimate, fmt_bytes
 
-SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zbv", 1), ("dualpipev", 1),
-             ("interleaved", 2), ("interleaved", 4))
+SCHEDULES = tuple((k.name, v) for k in REGISTRY.values() for v in k.searched)  # (kind, v)
 ZEROS = (0, 1, 2, 3)
+
+
+def _chunks_free(kind: str) -> bool:
+    """Whether the kind takes its chunks per rank from ``schedule.virtual_stages``."""
+    return not REGISTRY[kind].chunks
 
 
 @dataclass
@@ -58,7 +63,7 @@ class Candidate:
         out += [f'topology.shard_within="{t.shard_within}"'] if t.shard_within else []
         out += [f"train.micro_batch_size={tr.micro_batch_size}",
                 f"schedule.kind={s.kind}" if t.pp > 1 else "schedule.kind=1f1b"]
-        out += [f"schedule.virtual_stages={s.virtual_stages}"] if s.kind == "interleaved" else []
+        out += [f"schedule.virtual_stages={s.virtual_stages}"] if _chunks_free(s.kind) else []
         out += [f"optim.zero={self.cfg.optim.zero}",
                 f"model.recompute={self.cfg.model.recompute}"]
         return out
@@ -80,7 +85,7 @@ class Candidate:
     def label(self) -> str:
         t, s = self.cfg.topology, self.cfg.schedule
         sched = "-" if t.pp == 1 else s.kind + (f" v={s.virtual_stages}"
-                                                if s.kind == "interleaved" else "")
+                                                if _chunks_free(s.kind) else "")
         shard = f" shard={t.shard_within}" if t.shard_within else ""
         cp = f"cp={t.cp}" + (f" {t.cp_kind}" if t.cp > 1 and t.cp_kind != "ring" else "")
         cp += f" {t.cp_ulysses}x{t.cp // t.cp_ulysses}" if t.cp_ulysses else ""
@@ -105,7 +110,7 @@ def layouts(cfg: Config, world: int, max_tp: int = 0, max_cp: int = 0,
     hybrid's Ulysses degree)."""
     m, T, ep = cfg.model, cfg.train.seq_len, cfg.topology.ep
     # dualpipev's F&B pairs hide expert all-to-alls; a dense model gets zbv's bubble from it
-    schedules = [s for s in SCHEDULES if m.num_experts or s[0] != "dualpipev"]
+    schedules = [s for s in SCHEDULES if m.num_experts or not REGISTRY[s[0]].experts_only]
     tps = [d for d in _divisors(world) if m.n_heads % d == 0 and d & (d - 1) == 0
            and (not max_tp or d <= max_tp)]
     cps = [d for d in _divisors(world) if d & (d - 1) == 0 and T % (2 * d) == 0

@@ -13,7 +13,7 @@ import re
 import pytest
 from launch import hpctrain, train_cli
 
-from hpctrain.checkpoint.write import SLOW_ENV
+from hpctrain.faults import ENV as FAULTS
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +27,7 @@ def runs(tmp_path_factory):
     first = train_cli(d, 2, "topology.dp=2", "train.steps=4", "train.eval_every=2",
                       "checkpoint.every=2", "checkpoint.async=true",
                       "telemetry.tensorboard=true", 'telemetry.wandb="offline"',
-                      'telemetry.cluster="cpu-epyc-7763"', extra_env={SLOW_ENV: "1"})
+                      'telemetry.cluster="cpu-epyc-7763"', extra_env={FAULTS: "ckpt_slow@*:*:1"})
     summary = json.loads((d / "summary.json").read_text())
     second = train_cli(d, 1, "train.steps=8", "train.eval_every=2", "checkpoint.every=4",
                        "train.target_val_loss=100")

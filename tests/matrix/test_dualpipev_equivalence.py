@@ -11,7 +11,7 @@ from inprocess import baseline, train_layout
 from launch import TINY, assert_same, assert_tail_equal, ckpt
 
 from hpctrain.config import load, microbatches
-from hpctrain.pipeline.actions import from_config
+from hpctrain.pipeline.schedules import from_config
 from hpctrain.pipeline.simulate import simulate
 
 KIND = 'schedule.kind="dualpipev"'

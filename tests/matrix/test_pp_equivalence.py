@@ -7,7 +7,7 @@ from inprocess import baseline, train_layout
 from launch import TINY, assert_same
 
 from hpctrain.config import load, microbatches
-from hpctrain.pipeline.actions import from_config
+from hpctrain.pipeline.schedules import from_config
 from hpctrain.pipeline.simulate import simulate
 
 SP = "topology.sequence_parallel=true"

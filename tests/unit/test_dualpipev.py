@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from hpctrain.checks.validate import validate
 from hpctrain.config import ConfigError, ModelConfig, load
 from hpctrain.model import weight_grad
-from hpctrain.pipeline.actions import Action, build, deferred, fb_pairs
+from hpctrain.pipeline.actions import Action, deferred, fb_pairs
 from hpctrain.pipeline.moe_overlap import BACK_SEGMENTS, SEGMENTS, expand, moe_layers_per_stage
 from hpctrain.pipeline.runner import run_step
+from hpctrain.pipeline.schedules import build
 from hpctrain.pipeline.simulate import pair_costs, paired, simulate
 from hpctrain.planner import cluster, memory, search
 from hpctrain.planner.cost import predict

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from hpctrain.config import ModelConfig
-from hpctrain.pipeline.actions import KINDS, Action, Schedule, build, link
+from hpctrain.pipeline.actions import Action, Schedule, link
 from hpctrain.pipeline.moe_overlap import expand, moe_layers_per_stage
 from hpctrain.pipeline.runner import run_forward
+from hpctrain.pipeline.schedules import KINDS, build
 from hpctrain.pipeline.simulate import ScheduleError, match, simulate
 
 MPI_MIN_TAG_UB = 32767  # the least MPI_TAG_UB the standard allows
@@ -80,7 +81,7 @@ def test_evaluation_messages_never_meet_training_messages(kind, pp, v, m):
     train, fwd = build(kind, pp, m, v), build(kind, pp, m, v, forward_only=True)
     passes = [_renumbered(train, 0), _renumbered(fwd, m), _renumbered(train, 2 * m)]
     ranks = tuple(tuple(a for p in passes for a in p[r]) for r in range(pp))
-    pairs = match(Schedule(kind, pp, train.virtual, 3 * m, ranks))
+    pairs = match(Schedule(kind, pp, train.virtual, 3 * m, ranks, style=train.style))
     assert len(pairs) == sum(a.kind in ("RF", "RB") for acts in ranks for a in acts)
 
 

@@ -3,13 +3,14 @@
 import pytest
 
 from hpctrain.config import ModelConfig
-from hpctrain.pipeline.actions import Action, Schedule, build
+from hpctrain.pipeline.actions import Action, Schedule
 from hpctrain.pipeline.moe_overlap import (
     SEGMENTS,
     check_ep_order,
     expand,
     moe_layers_per_stage,
 )
+from hpctrain.pipeline.schedules import build
 from hpctrain.pipeline.simulate import ScheduleError, simulate
 
 

@@ -163,7 +163,7 @@ def test_bucket_count_is_the_reduction_buckets_cut(overrides):
 
     from hpctrain.model import DecoderStage
     from hpctrain.parallel import grad_sync
-    from hpctrain.pipeline.placement import layer_ranges
+    from hpctrain.pipeline.schedules import layer_ranges
     cfg = load(TINY, overrides)
     ranges = layer_ranges(cfg)
     topo = fake_topology()

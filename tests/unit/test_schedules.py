@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.pipeline.actions import KINDS, Action, Schedule, build, parse
+from hpctrain.pipeline.actions import Action, Schedule, parse
 from hpctrain.pipeline.runner import HANDLERS
+from hpctrain.pipeline.schedules import KINDS, build
 from hpctrain.pipeline.simulate import ScheduleError, simulate
 
 CASES = [(k, pp, v, m)
@@ -161,7 +162,7 @@ def test_action_strings_round_trip_and_bad_input():
         parse("3F")
     with pytest.raises(ValueError, match="needs schedule.kind='interleaved'"):
         build("1f1b", 2, 4, virtual=2)
-    with pytest.raises(ValueError, match="valid: gpipe, 1f1b, interleaved, zb-h1, zbv"):
+    with pytest.raises(ValueError, match="valid: 1f1b, gpipe, zb-h1, zbv, dualpipev, interl"):
         build("pipedream", 2, 4)
 
 

@@ -9,8 +9,8 @@ from fakes import fake_topology
 
 from hpctrain import comm
 from hpctrain.config import TelemetryConfig
+from hpctrain.faults import ENV, Fault, parse
 from hpctrain.optim.numeric_guard import NumericError, NumericGuard
-from hpctrain.telemetry.fault_injection import Fault, parse
 from hpctrain.telemetry.metrics import Timers
 from hpctrain.telemetry.trace import parse_window
 from hpctrain.telemetry.watchdog import peer_coords, summarise
@@ -119,7 +119,7 @@ def test_watchdog_message_names_the_stuck_and_the_missing():
 
 
 def test_faults_come_from_config_and_environment(monkeypatch):
-    from hpctrain.telemetry.fault_injection import ENV, Faults
+    from hpctrain.telemetry.fault_injection import Faults
 
     monkeypatch.setenv(ENV, "stall@1:2:5;kill@0:4")
     f = Faults("poison@1:3", world_rank=1)
