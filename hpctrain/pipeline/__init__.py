@@ -1,8 +1,12 @@
 """Stage 2's order of work: pipeline schedules as data, checked and executed.
 
-- ``actions.py``: :class:`Action` (``F3``, ``B3``, ``W3``, ``SF3``...) and the schedule
-  builders (gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev; each also forward-only), pure
+- ``schedules.py``: the registry, one entry per schedule kind (its order, placement,
+  chunks, in-flight activations, fill, split, F&B pairs) that the runner, the simulator,
+  the checks, the planner and the memory estimate ask; ``build`` (also forward-only).
+- ``actions.py``: :class:`Action` (``F3``, ``B3``, ``W3``, ``SF3``...), the kinds' compute
+  orders (gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev) and the transfers, pure
   functions.
+- ``placement.py``: which virtual stage sits on which pp rank, layer partitions.
 - ``simulate.py``: all ranks' lists in one process: matching, order, deadlock, bubble
   (dualpipev's F&B pairs as one unit: ``paired``, ``pair_costs``).
 - ``runner.py``: one rank's list executed with nonblocking p2p over ``pp_comm``; a receive

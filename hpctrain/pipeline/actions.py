@@ -14,8 +14,10 @@ stages r and 2pp-1-r). A schedule may split some backwards and not others (``dua
 Receives (``R*``) *post* a nonblocking receive; the compute action that needs the data waits
 for it. Sends (``S*``) post a nonblocking send right after the compute that produced the data.
 Every schedule here is built in two steps: the order of compute actions per rank
-(:func:`compute_order`), then :func:`with_comm` inserts the transfers (receives posted one
-compute action ahead of their use). A *forward-only* schedule (``build(..., forward_only=True)``,
+(the kind's order function, named in its :mod:`~hpctrain.pipeline.schedules` entry), then
+:func:`with_comm` inserts the transfers (receives posted one
+compute action ahead of their use). A *forward-only* schedule
+(``schedules.build(..., forward_only=True)``,
 what evaluation runs) is the same kind's order without ``B``/``W``, with its ``RF``/``SF``.
 New kinds (e.g. expert dispatch ``D``/combine ``C``) are new ``kind`` strings; nothing here
 enumerates kinds except :data:`COMPUTE`.

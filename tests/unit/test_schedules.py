@@ -184,3 +184,35 @@ def test_plan_command_prints_schedule_bubble_and_inflight(capsys):
            "--set", "train.global_batch_size=5"]
     assert main(bad) == 2
     assert "use a multiple of 2" in capsys.readouterr().err
+
+
+def _one_at_a_time(pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
+    """The recipe's example (docs/design.md, "A pipeline schedule"): each microbatch's
+    forward and backward before the next one's, on every rank."""
+    return [Action(kind, mb) for mb in range(m) for kind in ("F", "B")]
+
+
+def test_a_schedule_is_one_registry_line(monkeypatch):
+    """A kind added with one registry entry (and its order function) is accepted by the
+    checks, built with its transfers, simulated, priced by the planner and estimated."""
+    from hpctrain.checks.validate import validate
+    from hpctrain.config import load
+    from hpctrain.pipeline import schedules
+    from hpctrain.planner.cluster import load as load_cluster
+    from hpctrain.planner.cost import predict
+    from hpctrain.planner.memory import estimate
+
+    monkeypatch.setitem(schedules.REGISTRY, "one-at-a-time", schedules.Kind(
+        "one-at-a-time", _one_at_a_time, in_flight=lambda pp, m: 1))
+    sched = build("one-at-a-time", 2, 4)
+    assert sched.text(0) == "RB0 F0 SF0 B0 RB1 F1 SF1 B1 RB2 F2 SF2 B2 RB3 F3 SF3 B3"
+    assert simulate(sched).bubble > simulate(build("1f1b", 2, 4)).bubble  # no overlap at all
+    from launch import TINY
+
+    sets = ["topology.pp=2", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    cfg = load(TINY, [*sets, 'schedule.kind="one-at-a-time"'])
+    validate(cfg, 2)  # the registry's name is a valid schedule.kind
+    ref = load(TINY, [*sets, 'schedule.kind="1f1b"'])
+    assert estimate(cfg).activations < estimate(ref).activations  # 1 in flight, not 2
+    cluster = load_cluster("cpu-epyc-7763")
+    assert predict(cfg, cluster).step_s > predict(ref, cluster).step_s
