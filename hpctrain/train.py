@@ -23,7 +23,7 @@ import torch
 
 from . import comm
 from .checkpoint import Checkpoints, lineage
-from .checks.validate import validate
+from .checks.validate import settled, validate
 from .comm import gpu
 from .config import Config, dumps_toml
 from .data.blend import open_stream
@@ -249,6 +249,7 @@ def end_of_step(tr: Trainer, record: dict, t0: float) -> str | None:
 def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     world = world if world is not None else comm.world()
     validate(cfg, world.size)  # before any collective: every rank fails alike
+    cfg = settled(cfg)  # recorded with its model family named
     t_run = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     tr = setup(cfg, Path(run_dir), world)

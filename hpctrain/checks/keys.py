@@ -26,7 +26,7 @@ def rule_problem(name: str, value, meta) -> str | None:
     choices, ge, gt, within = (meta.get(k) for k in ("choices", "ge", "gt", "within"))
     if choices and value not in choices:
         if all(isinstance(c, str) for c in choices):
-            return f"{name}={value!r}; valid: {', '.join(choices)}"
+            return f"{name}={value!r}; valid: {', '.join(c or repr(c) for c in choices)}"
         listed = ", ".join(map(str, choices[:-1]))
         return f"{name}={value!r} must be {listed} or {choices[-1]}"
     if ge is not None and not value >= ge:
@@ -66,9 +66,10 @@ def _section_problems(name: str, body) -> tuple[str, ...]:
 def registered() -> dict[str, tuple[str, ...]]:
     """Keys whose allowed values are the names of a registry, which owns them (a new
     entry there is allowed here and listed in docs/config.md)."""
+    from ..model.families import names
     from ..pipeline.schedules import REGISTRY
 
-    return {"schedule.kind": tuple(REGISTRY)}
+    return {"schedule.kind": tuple(REGISTRY), "model.family": ("", *names())}
 
 
 def _rules(name: str, meta) -> dict:
@@ -86,7 +87,7 @@ def _problems_of(name: str, body) -> tuple[str, ...]:
 
 def _allowed(meta) -> str:
     if meta.get("choices"):
-        return ", ".join(f"`{c}`" for c in meta["choices"])
+        return ", ".join(f"`{c}`" if c != "" else '`""`' for c in meta["choices"])
     if meta.get("ge") is not None:
         return f">= {meta['ge']}"
     if meta.get("gt") is not None:

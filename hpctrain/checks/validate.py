@@ -1,15 +1,19 @@
 """Whether a config can run on a world size: every problem at once, before any collective.
 
 ``checks.rules.problems`` has the rules of the keys and the arithmetic (layout, model, batch);
-the checks here need the pipeline split (``pipeline.placement``) or the schedule builder
-(``pipeline.actions``), so they live above those modules, and are asked only of an otherwise
-valid config. What the config points at (the data file, the run directory) is checked by
-``hpctrain train`` and ``hpctrain plan`` after this (``hpctrain.checks.inputs``).
+the checks here need the pipeline split or the schedule's arithmetic
+(``pipeline.schedules``), so they live above those modules, and are asked only of an
+otherwise valid config. :func:`settled` is the config as a run records it. What the config
+points at (the data file, the run directory) is checked by ``hpctrain train`` and ``hpctrain
+plan`` after this (``hpctrain.checks.inputs``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import Config, ConfigError, microbatches
+from ..model.families import resolved
 from ..pipeline.schedules import check_fits, layer_ranges, virtual_stages
 from .rules import problems
 
@@ -28,3 +32,9 @@ def validate(cfg: Config, world_size: int) -> None:
             errors.append(str(e))
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def settled(cfg: Config) -> Config:
+    """``cfg`` as a run records it (config.toml, every checkpoint): its model family named
+    (``model.family``; a config without one gets the family read from its flags, once)."""
+    return dataclasses.replace(cfg, model=resolved(cfg.model))

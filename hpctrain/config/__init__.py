@@ -67,6 +67,9 @@ class ModelConfig:
                            "configs and checkpoints) or llama (rotary positions, SwiGLU, "
                            "grouped-query attention; every preset; with num_experts > 0 the "
                            "Mixtral form); see docs/models.md")
+    family: str = key("", "the model family (hpctrain/model/families; docs/models.md), which "
+                          "decides the layers and the Hugging Face form; \"\": read from "
+                          "model.arch and the flags, then recorded by train and import")
     n_layers: int = key(4, "transformer blocks", ge=1)
     d_model: int = key(128, "hidden size", ge=1)
     n_heads: int = key(4, "attention (query) heads", ge=1)

@@ -40,20 +40,20 @@ class Entry:
 def check_exportable(m: ModelConfig) -> None:
     """Refuse models transformers would load as something else (a family without a Hugging
     Face form), or forms the family's HF class cannot express (its ``hf_refusal``)."""
-    refusal = family_of(m).hf_refusal(m)
+    refusal = family_of(m).hf.refusal(m)
     if refusal is not None:
         raise InterchangeError(refusal)
 
 
 def entries(m: ModelConfig) -> list[Entry]:
     """Every HF tensor of the model, in HF's order (the family's ``hf_names``)."""
-    return [Entry(name, key, expert) for name, key, expert in family_of(m).hf_names(m)]
+    return [Entry(name, key, expert) for name, key, expert in family_of(m).hf.names(m)]
 
 
 def hf_config(m: ModelConfig, max_positions: int, dtype: str, special: dict) -> dict:
     """config.json for transformers (``special``: bos/eos ids the tokenizer has)."""
     check_exportable(m)
-    return family_of(m).hf_config(m, max_positions, dtype, special)
+    return family_of(m).hf.config(m, max_positions, dtype, special)
 
 
 def _family_of_hf(hf: dict) -> Family:
@@ -62,11 +62,11 @@ def _family_of_hf(hf: dict) -> Family:
     kind = hf.get("model_type")
     family = by_hf_model_type(kind)
     if family is None:
-        known = " and ".join(f'"{f.hf_model_type}" ({f.hf_architecture})' for f in FAMILIES
-                             if f.hf_model_type is not None)
+        known = " and ".join(f'"{f.hf.model_type}" ({f.hf.architecture})' for f in FAMILIES
+                             if f.hf.model_type is not None)
         raise InterchangeError(f"model_type {kind!r} is not supported: hpctrain imports "
                                f"{known} only")
-    refusal = family.hf_import_refusal(hf)
+    refusal = family.hf.import_refusal(hf)
     if refusal is not None:
         raise InterchangeError(refusal)
     return family
@@ -76,6 +76,6 @@ def model_section(hf: dict) -> dict:
     """The hpctrain ``[model]`` keys an HF config.json describes (refusing what hpctrain
     cannot express)."""
     try:
-        return _family_of_hf(hf).hf_section(hf)
+        return _family_of_hf(hf).hf.section(hf)
     except KeyError as e:
         raise InterchangeError(f"config.json has no {e.args[0]!r}") from None

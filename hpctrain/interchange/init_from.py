@@ -65,14 +65,23 @@ def source_model(kind: str, path: Path) -> ModelConfig:
     return from_dict(tomllib.loads(str(text))).model
 
 
+def _named(m: ModelConfig) -> ModelConfig:
+    """``m`` with its family named, where it has one (an unknown one stays as it is)."""
+    from ..model.families import find, resolved
+
+    return resolved(m) if find(m) is not None else m
+
+
 # keys whose 0 means a default, and the property that says what they mean
 MEANS = {"d_ff": "ffn_dim", "n_kv_heads": "kv_heads", "d_head": "head_dim",
          "expert_d_ff": "expert_dim", "shared_expert_d_ff": "shared_dim"}
 
 
 def differences(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
-    """model.* keys (besides how it trains) where this run's model is another model."""
+    """model.* keys (besides how it trains) where this run's model is another model (the
+    family compared as each resolves: named, or read from the flags)."""
     out = []
+    mine, theirs = _named(mine), _named(theirs)
     for key in sorted(set(vars(mine)) - IGNORED):
         a, b = getattr(mine, key), getattr(theirs, key, None)
         if key in MEANS:  # 0 means "the default": compare what it means

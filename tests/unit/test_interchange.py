@@ -46,7 +46,7 @@ def test_unsupported_hf_features_are_refused(change, words):
 
 
 def test_export_refuses_what_hf_cannot_load():
-    with pytest.raises(hf_map.InterchangeError, match="model.arch = 'gpt'"):
+    with pytest.raises(hf_map.InterchangeError, match="model.family = 'gpt'"):
         hf_map.check_exportable(ModelConfig())
     llama = dict(arch="llama", num_experts=4, top_k=2)
     with pytest.raises(hf_map.InterchangeError, match="moe_every"):

@@ -181,12 +181,12 @@ def test_flops_count_the_active_routed_and_shared_experts():
 
 def test_mixtral_export_refuses_what_it_cannot_express():
     assert family_of(replace(DEEPSEEK, n_layers=2)).name == "mixtral"
-    refusal = family_of(DEEPSEEK).hf_refusal(DEEPSEEK)
+    refusal = family_of(DEEPSEEK).hf.refusal(DEEPSEEK)
     for key in ("shared_experts", "router_score", "routed_scaling_factor", "bias_update_rate",
                 "route_top_groups", "expert_d_ff"):
         assert f"model.{key} = " in refusal
     plain = ModelConfig(arch="llama", num_experts=4, norm_topk_prob="true", route_groups=2)
-    assert family_of(plain).hf_refusal(plain) is None
+    assert family_of(plain).hf.refusal(plain) is None
 
 
 def test_init_from_reads_the_default_expert_sizes_as_what_they_mean():

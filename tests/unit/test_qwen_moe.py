@@ -51,15 +51,16 @@ def test_every_config_has_one_family(kw, name):
 def test_hf_config_maps_to_model_keys_and_back(hf, m):
     section = hf_map.model_section(hf)
     got = ModelConfig(**section)
+    assert got.family == hf["model_type"]  # the import names the family
     assert replace(got, rope_theta=m.rope_theta, norm_eps=m.norm_eps, init_std=m.init_std,
-                   d_ff=0, norm_topk_prob="auto") == replace(m, d_ff=0)
+                   d_ff=0, norm_topk_prob="auto", family="") == replace(m, d_ff=0)
     assert got.ffn_dim == 64 and got.norm_topk_prob == str(hf["norm_topk_prob"]).lower()
     back = hf_map.hf_config(got, 64, "float32", {})
     for key, value in hf.items():
         if key != "rope_parameters":
             assert back[key] == value, key
     assert back["rope_parameters"]["rope_theta"] == 1e6
-    assert back["architectures"] == [families.family_of(got).hf_architecture]
+    assert back["architectures"] == [families.family_of(got).hf.architecture]
 
 
 @pytest.mark.parametrize("m", [QWEN3, QWEN2, replace(QWEN3, moe_every=2, tie_embeddings=True)])
@@ -103,10 +104,10 @@ def test_what_transformers_cannot_express_is_refused_on_export(m, words):
 
 def test_norm_topk_prob_is_exported_as_the_router_uses_it():
     fam = families.family_of(QWEN2)
-    assert fam.hf_config(QWEN2, 64, "float32", {})["norm_topk_prob"] is True  # auto, k=2
+    assert fam.hf.config(QWEN2, 64, "float32", {})["norm_topk_prob"] is True  # auto, k=2
     for value in ("true", "false"):
         m = replace(QWEN2, norm_topk_prob=value)
-        assert fam.hf_config(m, 64, "float32", {})["norm_topk_prob"] is (value == "true")
+        assert fam.hf.config(m, 64, "float32", {})["norm_topk_prob"] is (value == "true")
 
 
 def test_head_size_key():

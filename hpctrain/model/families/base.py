@@ -1,15 +1,18 @@
 """What a model family decides (:class:`Family`): its layer choices, its FLOP and memory
-terms, its Hugging Face form and its config checks. The layers (``model/layers.py``), the
-stage, the FLOP and memory estimates (``telemetry``), the interchange and the config checks
-read these and hold no family knowledge of their own. Imports only ``config``.
+terms, its config checks and its Hugging Face form (``hf.py``: one mapping object). The
+layers (``model/layers.py``), the stage, the FLOP and memory estimates (``planner``), the
+interchange and the config checks read these and hold no family knowledge of their own.
+Imports only ``config``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...config import Config, ModelConfig
+from .hf import HFForm
 
 if TYPE_CHECKING:  # torch is imported by the layers that call a family, not by its checks
     import torch
@@ -53,17 +56,18 @@ class Family:
     gated: bool
     router_float32: tuple = ("bfloat16",)
     renormalize_top1: bool = False
-    hf_model_type: str | None = None  # None: no Hugging Face form
-    hf_architecture: str | None = None
+    experts: bool | None = None  # True: only with model.num_experts > 0; False: only without
+    HF: type[HFForm] = HFForm  # its Hugging Face form (the base: none)
 
     def __repr__(self) -> str:
         return f"<model family {self.name} (model.arch={self.arch!r})>"
 
-    # -- selection and layers ---------------------------------------------------------------
-    def claims(self, m: ModelConfig) -> bool:
-        """Whether this family is the one for ``m`` among the families of ``m.arch``."""
-        return True
+    @functools.cached_property
+    def hf(self) -> HFForm:
+        """The Hugging Face form: names, config.json, refusals (``hf.py``)."""
+        return self.HF(self)
 
+    # -- layers -------------------------------------------------------------------------------
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP's (and experts') activation."""
         raise NotImplementedError
@@ -118,6 +122,11 @@ class Family:
     def check(self, cfg: Config, need) -> None:
         """Report what this family cannot run through ``need(ok, message)``."""
         top, m = cfg.topology, cfg.model
+        if self.experts is not None:
+            need((m.num_experts > 0) == self.experts,
+                 f"model.family={self.name!r} is a family "
+                 f"{'with' if self.experts else 'without'} experts, but model.num_experts = "
+                 f"{m.num_experts}; set model.num_experts, or another model.family")
         if self.grouped_query:
             kv = self.kv_heads(m)
             need(kv <= 0 or m.n_heads % kv == 0,
@@ -131,28 +140,5 @@ class Family:
             hd = m.d_head or m.d_model // max(m.n_heads, 1)
             size = (f"model.d_head = {hd}" if m.d_head else
                     f"model.d_model/model.n_heads = {m.d_model}/{m.n_heads} = {hd}")
-            need(hd % 2 == 0, f"{size} must be even for model.arch={m.arch!r} (rotary "
+            need(hd % 2 == 0, f"{size} must be even for the {self.name} family (rotary "
                  "embeddings rotate pairs of channels)")
-
-    # -- Hugging Face form ------------------------------------------------------------------
-    def hf_refusal(self, m: ModelConfig) -> str | None:
-        """Why ``m`` cannot be exported to Hugging Face (None: it can)."""
-        return (f"model.arch = {m.arch!r} cannot be exported with --format hf: the "
-                f"{self.name} family has no Hugging Face form; export --format safetensors")
-
-    def hf_names(self, m: ModelConfig) -> list[tuple[str, str, int | None]]:
-        """Every HF tensor in HF's order: (hpctrain parameter, HF key, expert slice)."""
-        raise NotImplementedError
-
-    def hf_config(self, m: ModelConfig, max_positions: int, dtype: str,
-                  special: dict) -> dict:
-        """config.json for transformers."""
-        raise NotImplementedError
-
-    def hf_import_refusal(self, hf: dict) -> str | None:
-        """Why an HF config.json of this family cannot be imported (None: it can)."""
-        return None
-
-    def hf_section(self, hf: dict) -> dict:
-        """The hpctrain ``[model]`` keys an HF config.json of this family describes."""
-        raise NotImplementedError

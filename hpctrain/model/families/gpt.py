@@ -6,11 +6,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...config import Config, ModelConfig
+from ...config import Config
 from .base import Family
+from .hf import HFForm
 
 if TYPE_CHECKING:
     import torch
+
+
+class GPTForm(HFForm):
+    missing = ("transformers has no architecture with hpctrain's {name} blocks (no rotary "
+               "positions, GELU MLP); train with model.family = \"llama\", or export "
+               "--format safetensors")
 
 
 class GPT(Family):
@@ -22,6 +29,7 @@ class GPT(Family):
     gated = False
     router_float32 = ("bfloat16",)
     renormalize_top1 = False
+    HF = GPTForm
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F
@@ -32,10 +40,5 @@ class GPT(Family):
         super().check(cfg, need)
         m = cfg.model
         need(m.n_kv_heads in (0, m.n_heads),
-             f"model.n_kv_heads={m.n_kv_heads} needs model.arch='llama' ({self.name} "
+             f"model.n_kv_heads={m.n_kv_heads} needs model.family='llama' ({self.name} "
              "attention has as many key/value heads as query heads); set it to 0")
-
-    def hf_refusal(self, m: ModelConfig) -> str | None:
-        return (f"model.arch = {m.arch!r} cannot be exported with --format hf: transformers "
-                f"has no architecture with hpctrain's {self.name} blocks (no rotary positions, "
-                f"GELU MLP); train with model.arch = \"llama\", or export --format safetensors")

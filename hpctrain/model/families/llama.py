@@ -2,7 +2,7 @@
 weights map 1:1: RMSNorm, rotary position embeddings (``rotate_half`` form), grouped-query
 attention (``n_kv_heads``; query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``),
 SwiGLU MLP ``w2(silu(w1 x) * w3 x)`` (``w1`` gate, ``w3`` up, ``w2`` down), no biases.
-``model.arch = "llama"`` without experts (with experts: ``mixtral.py``)."""
+``model.family = "llama"``: no experts (with experts: ``mixtral.py``, ``qwen_moe.py``)."""
 
 from __future__ import annotations
 
@@ -10,40 +10,28 @@ from typing import TYPE_CHECKING
 
 from ...config import ModelConfig
 from .base import Family
+from .hf import HFForm
 
 if TYPE_CHECKING:
     import torch
 
 
-class Llama(Family):
-    name = "llama"
-    arch = "llama"
-    norm = "rmsnorm"
-    rotary = True
-    grouped_query = True
-    gated = True
-    hf_model_type = "llama"
-    hf_architecture = "LlamaForCausalLM"
+class LlamaForm(HFForm):
+    """Hugging Face's ``LlamaForCausalLM``."""
 
-    def claims(self, m: ModelConfig) -> bool:
-        return m.num_experts == 0
+    model_type = "llama"
+    architecture = "LlamaForCausalLM"
 
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.nn.functional as F
-
-        return F.silu(x)
-
-    # -- Hugging Face form ------------------------------------------------------------------
-    def hf_refusal(self, m: ModelConfig) -> str | None:
+    def refusal(self, m: ModelConfig) -> str | None:
         for key, what in (("qk_norm", "q/k norms"), ("qkv_bias", "q/k/v biases only")):
             if getattr(m, key):
-                return (f"model.{key} = true: Hugging Face's {self.hf_architecture} has no "
+                return (f"model.{key} = true: Hugging Face's {self.architecture} has no "
                         f"{what}; a model with experts, q/k norms and no shared experts "
                         f"exports as Qwen3-MoE, one with q/k/v biases and shared experts as "
                         f"Qwen2-MoE; otherwise export --format safetensors")
         return None
 
-    def hf_names(self, m: ModelConfig) -> list[tuple[str, str, int | None]]:
+    def names(self, m: ModelConfig) -> list[tuple[str, str, int | None]]:
         out = [("embed", "model.embed_tokens.weight", None)]
         for i in range(m.n_layers):
             b, L = f"blocks.{i}.", f"model.layers.{i}."
@@ -57,23 +45,23 @@ class Llama(Family):
             out += [(b + f"attn.{x}_norm.weight", L + f"self_attn.{x}_norm.weight", None)
                     for x in "qk" if m.qk_norm]
             out.append((b + "norm2.weight", L + "post_attention_layernorm.weight", None))
-            out += self.hf_ffn_names(m, b, L, i)
+            out += self.ffn_names(m, b, L, i)
         out.append(("norm_f.weight", "model.norm.weight", None))
         if not m.tie_embeddings:
             out.append(("head", "lm_head.weight", None))
         return out
 
-    def hf_ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
+    def ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """The feed-forward tensors of block ``i`` (prefix ``b``; HF layer prefix ``L``)."""
         return [(b + "mlp.w1", L + "mlp.gate_proj.weight", None),
                 (b + "mlp.w3", L + "mlp.up_proj.weight", None),
                 (b + "mlp.w2", L + "mlp.down_proj.weight", None)]
 
-    def hf_config(self, m: ModelConfig, max_positions: int, dtype: str,
+    def config(self, m: ModelConfig, max_positions: int, dtype: str,
                   special: dict) -> dict:
         n_kv = getattr(m, "n_kv_heads", 0) or m.n_heads
         theta = float(getattr(m, "rope_theta", 10000.0))
-        out = {"architectures": [self.hf_architecture], "model_type": self.hf_model_type,
+        out = {"architectures": [self.architecture], "model_type": self.model_type,
                "hidden_size": m.d_model, "intermediate_size": m.ffn_dim,
                "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
                "num_key_value_heads": n_kv, "head_dim": m.head_dim, "hidden_act": "silu",
@@ -84,14 +72,14 @@ class Llama(Family):
                "initializer_range": m.init_std, "use_cache": True,
                "bos_token_id": special.get("bos"), "eos_token_id": special.get("eos"),
                "pad_token_id": None}
-        out.update(self.hf_config_extra(m))
+        out.update(self.config_extra(m))
         return out
 
-    def hf_config_extra(self, m: ModelConfig) -> dict:
+    def config_extra(self, m: ModelConfig) -> dict:
         """The config.json fields only this family's HF class has."""
         return {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
 
-    def hf_import_refusal(self, hf: dict) -> str | None:
+    def import_refusal(self, hf: dict) -> str | None:
         rope = hf.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if hf.get("rope_scaling") or rope_type != "default":
@@ -107,9 +95,9 @@ class Llama(Family):
             return f"hidden_act = {hf['hidden_act']!r} is not supported (silu)"
         if (hf.get("pretraining_tp") or 1) != 1:
             return "pretraining_tp != 1 is not supported"
-        return self.hf_head_dim_refusal(hf)
+        return self.head_dim_refusal(hf)
 
-    def hf_head_dim_refusal(self, hf: dict) -> str | None:
+    def head_dim_refusal(self, hf: dict) -> str | None:
         """Why the config's ``head_dim`` cannot be imported (None: it can)."""
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         head_dim = hf.get("head_dim")
@@ -118,9 +106,10 @@ class Llama(Family):
                     f"hpctrain's llama import needs head_dim = hidden_size / heads")
         return None
 
-    def hf_section(self, hf: dict) -> dict:
+    def section(self, hf: dict) -> dict:
         rope = hf.get("rope_parameters") or {}
-        return {"arch": self.arch, "n_layers": int(hf["num_hidden_layers"]),
+        return {"arch": self.family.arch, "family": self.family.name,
+                "n_layers": int(hf["num_hidden_layers"]),
                 "d_model": int(hf["hidden_size"]), "n_heads": int(hf["num_attention_heads"]),
                 "n_kv_heads": int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
                 "d_ff": int(hf["intermediate_size"]), "vocab_size": int(hf["vocab_size"]),
@@ -128,3 +117,19 @@ class Llama(Family):
                 "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
                 "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
                 "init_std": float(hf.get("initializer_range", 0.02))}
+
+
+class Llama(Family):
+    name = "llama"
+    arch = "llama"
+    norm = "rmsnorm"
+    rotary = True
+    grouped_query = True
+    gated = True
+    experts = False
+    HF = LlamaForm
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        return F.silu(x)

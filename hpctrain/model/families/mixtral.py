@@ -1,14 +1,14 @@
 """The mixtral family: the llama form (``llama.py``) with mixture-of-experts feed-forward
 layers, as Hugging Face's ``MixtralForCausalLM`` / ``MixtralSparseMoeBlock``: the router's
 softmax in float32 for 16-bit models, the top-k gates renormalised to sum to 1 for every k,
-SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down). Selected by ``model.arch = "llama"``
-with ``num_experts > 0``, no q/k norms, and not both gated shared experts and q/k/v biases
-(those: ``qwen_moe.py``)."""
+SwiGLU experts (``w1`` gate, ``w3`` up, ``w2`` down). ``model.family = "mixtral"`` (read from
+older configs with ``model.arch = "llama"``, ``num_experts > 0``, no q/k norms, and not both
+gated shared experts and q/k/v biases)."""
 
 from __future__ import annotations
 
 from ...config import ModelConfig
-from .llama import Llama
+from .llama import Llama, LlamaForm
 
 
 def deepseek_refusal(m: ModelConfig, name: str) -> str | None:
@@ -27,20 +27,14 @@ def deepseek_refusal(m: ModelConfig, name: str) -> str | None:
             "logits would differ; export --format safetensors") if set_ else None
 
 
-class Mixtral(Llama):
-    name = "mixtral"
-    arch = "llama"
-    router_float32 = ("bfloat16", "float16")
-    renormalize_top1 = True
-    hf_model_type = "mixtral"
-    hf_architecture = "MixtralForCausalLM"
+class MixtralForm(LlamaForm):
+    """Hugging Face's ``MixtralForCausalLM``."""
 
-    def claims(self, m: ModelConfig) -> bool:
-        return m.num_experts > 0 and not m.qk_norm and not (m.shared_expert_gate and
-                                                             m.qkv_bias)
+    model_type = "mixtral"
+    architecture = "MixtralForCausalLM"
 
-    def hf_refusal(self, m: ModelConfig) -> str | None:
-        refusal = super().hf_refusal(m)
+    def refusal(self, m: ModelConfig) -> str | None:
+        refusal = super().refusal(m)
         if refusal is not None:
             return refusal
         if m.moe_every != 1:
@@ -49,22 +43,31 @@ class Mixtral(Llama):
         if m.capacity_factor > 0:
             return (f"model.capacity_factor = {m.capacity_factor}: Mixtral routes every token "
                     f"(dropless); hpctrain would drop tokens, so the logits would differ")
-        return deepseek_refusal(m, self.name)
+        return deepseek_refusal(m, self.family.name)
 
-    def hf_ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
+    def ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """The router, then one entry per expert slice ``[e]`` of the stacked (E, ...)
         tensors."""
         return [(b + "mlp.router", L + "block_sparse_moe.gate.weight", None)] + [
             (b + f"mlp.{w}", L + f"block_sparse_moe.experts.{e}.{w}.weight", e)
             for e in range(m.num_experts) for w in ("w1", "w2", "w3")]
 
-    def hf_config_extra(self, m: ModelConfig) -> dict:
+    def config_extra(self, m: ModelConfig) -> dict:
         return {"num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k,
                 "router_aux_loss_coef": m.aux_loss_coef, "router_jitter_noise": 0.0,
                 "sliding_window": None, "output_router_logits": False}
 
-    def hf_section(self, hf: dict) -> dict:
-        out = super().hf_section(hf)
+    def section(self, hf: dict) -> dict:
+        out = super().section(hf)
         out.update(num_experts=int(hf["num_local_experts"]),
                    top_k=int(hf["num_experts_per_tok"]), moe_every=1, capacity_factor=0.0)
         return out
+
+
+class Mixtral(Llama):
+    name = "mixtral"
+    arch = "llama"
+    router_float32 = ("bfloat16", "float16")
+    renormalize_top1 = True
+    experts = True
+    HF = MixtralForm

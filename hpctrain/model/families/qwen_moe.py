@@ -8,12 +8,12 @@ models; the top-k gates are renormalised as ``norm_topk_prob`` says ("auto": alw
 Mixtral).
 
 - ``qwen3_moe``: RMSNorm over each query and key head before rotary (``model.qk_norm``), no
-  attention biases, heads of any size (``model.d_head``), no shared experts. Selected by
-  ``model.arch = "llama"`` with ``num_experts > 0`` and ``qk_norm``.
+  attention biases, heads of any size (``model.d_head``), no shared experts
+  (``model.family = "qwen3_moe"``; older configs: ``num_experts > 0`` and ``qk_norm``).
 - ``qwen2_moe``: biases on the query, key and value projections (``model.qkv_bias``), one
   shared expert of ``shared_expert_d_ff`` beside the routed ones, its output scaled by
-  ``sigmoid(x @ shared_gate.T)``. Selected by ``model.arch = "llama"`` with
-  ``num_experts > 0``, ``shared_expert_gate``, ``qkv_bias`` and no q/k norms.
+  ``sigmoid(x @ shared_gate.T)`` (``model.family = "qwen2_moe"``; older configs:
+  ``num_experts > 0``, ``shared_expert_gate``, ``qkv_bias`` and no q/k norms).
 
 What HF can express and these families cannot (an ``mlp_only_layers`` list, sliding windows,
 rope scaling, an output-projection bias) is refused on import; what hpctrain's experts can do
@@ -24,8 +24,8 @@ bias, group-limited routing) is refused on export.
 from __future__ import annotations
 
 from ...config import ModelConfig
-from .llama import Llama
-from .mixtral import Mixtral
+from .llama import LlamaForm
+from .mixtral import Mixtral, MixtralForm
 
 HF_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # hpctrain -> HF MLP
 
@@ -35,28 +35,23 @@ def moe_block(m: ModelConfig, i: int) -> bool:
     return m.num_experts > 0 and (i + 1) % m.moe_every == 0
 
 
-class Qwen3Moe(Mixtral):
-    """Mixtral's layers and routing; its own Hugging Face form (llama's, where dense)."""
+class Qwen3MoeForm(MixtralForm):
+    """Hugging Face's ``Qwen3MoeForCausalLM`` (llama's form where a block is dense)."""
 
-    name = "qwen3_moe"
-    hf_model_type = "qwen3_moe"
-    hf_architecture = "Qwen3MoeForCausalLM"
+    model_type = "qwen3_moe"
+    architecture = "Qwen3MoeForCausalLM"
 
-    def claims(self, m: ModelConfig) -> bool:
-        return m.num_experts > 0 and m.qk_norm
-
-    # -- Hugging Face form ------------------------------------------------------------------
-    def hf_refusal(self, m: ModelConfig) -> str | None:
+    def refusal(self, m: ModelConfig) -> str | None:
         if m.qkv_bias:
-            return (f"model.qkv_bias = true: {self.hf_architecture}'s attention_bias also "
+            return (f"model.qkv_bias = true: {self.architecture}'s attention_bias also "
                     f"puts a bias on the output projection, which hpctrain has not; export "
                     f"--format safetensors")
         if m.shared_experts:
-            return (f"model.shared_experts = {m.shared_experts}: {self.hf_architecture} has "
+            return (f"model.shared_experts = {m.shared_experts}: {self.architecture} has "
                     f"no shared experts (Qwen2-MoE has one, gated, without q/k norms)")
-        return self.hf_moe_refusal(m)
+        return self.moe_refusal(m)
 
-    def hf_moe_refusal(self, m: ModelConfig) -> str | None:
+    def moe_refusal(self, m: ModelConfig) -> str | None:
         """What the experts of ``m`` do that the HF class cannot express."""
         groups = 0 < m.route_top_groups < m.route_groups
         for bad, what in ((m.capacity_factor > 0, f"model.capacity_factor = "
@@ -70,25 +65,25 @@ class Qwen3Moe(Mixtral):
                           (groups, f"model.route_top_groups = {m.route_top_groups} (HF "
                            f"routes over all experts)")):
             if bad:
-                return (f"{what}: {self.hf_architecture} would route differently, so the "
+                return (f"{what}: {self.architecture} would route differently, so the "
                         f"logits would differ; export --format safetensors")
         return None
 
     def renormalises(self, m: ModelConfig) -> bool:
         """Whether the top-k gates are renormalised (HF ``norm_topk_prob``)."""
         return {"true": True, "false": False}.get(m.norm_topk_prob,
-                                                  m.top_k > 1 or self.renormalize_top1)
+                                                  m.top_k > 1 or self.family.renormalize_top1)
 
-    def hf_ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
+    def ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """A dense block's MLP as llama's; an expert block's router, then one entry per
         expert slice ``[e]`` of the stacked (E, ...) tensors."""
         if not moe_block(m, i):
-            return Llama.hf_ffn_names(self, m, b, L, i)
+            return LlamaForm.ffn_names(self, m, b, L, i)
         return [(b + "mlp.router", L + "mlp.gate.weight", None)] + [
             (b + f"mlp.{w}", L + f"mlp.experts.{e}.{HF_EXPERT[w]}.weight", e)
             for e in range(m.num_experts) for w in ("w1", "w3", "w2")]
 
-    def hf_config_extra(self, m: ModelConfig) -> dict:
+    def config_extra(self, m: ModelConfig) -> dict:
         return {"attention_bias": False, "attention_dropout": 0.0,
                 "num_experts": m.num_experts, "num_experts_per_tok": m.top_k,
                 "moe_intermediate_size": m.expert_dim, "decoder_sparse_step": m.moe_every,
@@ -96,18 +91,18 @@ class Qwen3Moe(Mixtral):
                 "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False,
                 "use_sliding_window": False, "sliding_window": None}
 
-    def hf_head_dim_refusal(self, hf: dict) -> str | None:
+    def head_dim_refusal(self, hf: dict) -> str | None:
         return None  # heads of any size: model.d_head
 
-    def hf_import_refusal(self, hf: dict) -> str | None:
-        refusal = super().hf_import_refusal(hf)
+    def import_refusal(self, hf: dict) -> str | None:
+        refusal = super().import_refusal(hf)
         if refusal is None and hf.get("mlp_only_layers"):
             refusal = (f"mlp_only_layers = {hf['mlp_only_layers']} is not supported: "
                        f"hpctrain puts experts in every decoder_sparse_step-th layer only")
         return refusal
 
-    def hf_section(self, hf: dict) -> dict:
-        out = Llama.hf_section(self, hf)
+    def section(self, hf: dict) -> dict:
+        out = LlamaForm.section(self, hf)
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or hidden // heads)
         out.update(num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
@@ -117,44 +112,42 @@ class Qwen3Moe(Mixtral):
                    norm_topk_prob=str(bool(hf.get("norm_topk_prob", False))).lower())
         if head_dim * heads != hidden:
             out["d_head"] = head_dim
-        out.update(self.hf_own_section(hf))
+        out.update(self.own_section(hf))
         return out
 
-    def hf_own_section(self, hf: dict) -> dict:
+    def own_section(self, hf: dict) -> dict:
         """The [model] keys only this family's HF config.json gives."""
         return {"qk_norm": True}
 
 
-class Qwen2Moe(Qwen3Moe):
-    name = "qwen2_moe"
-    hf_model_type = "qwen2_moe"
-    hf_architecture = "Qwen2MoeForCausalLM"
+class Qwen2MoeForm(Qwen3MoeForm):
+    """Hugging Face's ``Qwen2MoeForCausalLM``."""
 
-    def claims(self, m: ModelConfig) -> bool:
-        return m.num_experts > 0 and m.shared_expert_gate and m.qkv_bias and not m.qk_norm
+    model_type = "qwen2_moe"
+    architecture = "Qwen2MoeForCausalLM"
 
-    def hf_refusal(self, m: ModelConfig) -> str | None:
-        return self.hf_moe_refusal(m)
+    def refusal(self, m: ModelConfig) -> str | None:
+        return self.moe_refusal(m)
 
-    def hf_ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
+    def ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """Qwen3-MoE's, and in an expert block the shared expert and its gate."""
-        out = super().hf_ffn_names(m, b, L, i)
+        out = super().ffn_names(m, b, L, i)
         if moe_block(m, i):
             out += [(b + f"mlp.shared.{w}", L + f"mlp.shared_expert.{HF_EXPERT[w]}.weight",
                      None) for w in ("w1", "w3", "w2")]
             out.append((b + "mlp.shared_gate", L + "mlp.shared_expert_gate.weight", None))
         return out
 
-    def hf_config_extra(self, m: ModelConfig) -> dict:
-        out = super().hf_config_extra(m)
+    def config_extra(self, m: ModelConfig) -> dict:
+        out = super().config_extra(m)
         del out["attention_bias"]
         out.update(qkv_bias=True, shared_expert_intermediate_size=m.shared_dim,
                    sliding_window=0, max_window_layers=m.n_layers,
                    layer_types=["full_attention"] * m.n_layers)
         return out
 
-    def hf_import_refusal(self, hf: dict) -> str | None:
-        refusal = super().hf_import_refusal(hf)
+    def import_refusal(self, hf: dict) -> str | None:
+        refusal = super().import_refusal(hf)
         kinds = set(hf.get("layer_types") or ["full_attention"])
         if refusal is None and kinds != {"full_attention"}:
             refusal = (f"layer_types {sorted(kinds)} are not supported: hpctrain attends to "
@@ -167,7 +160,21 @@ class Qwen2Moe(Qwen3Moe):
                        "Qwen2-MoE has one gated shared expert")
         return refusal
 
-    def hf_own_section(self, hf: dict) -> dict:
+    def own_section(self, hf: dict) -> dict:
         return {"qkv_bias": True, "shared_experts": 1,
                 "shared_expert_d_ff": int(hf["shared_expert_intermediate_size"]),
                 "shared_expert_gate": True}
+
+
+class Qwen3Moe(Mixtral):
+    """Mixtral's layers and routing; its own Hugging Face form."""
+
+    name = "qwen3_moe"
+    HF = Qwen3MoeForm
+
+
+class Qwen2Moe(Qwen3Moe):
+    """Qwen3-MoE's layers with q/k/v biases and a gated shared expert (config flags)."""
+
+    name = "qwen2_moe"
+    HF = Qwen2MoeForm
