@@ -177,7 +177,7 @@ def test_refusals_are_one_clear_message(hf_llama, tmp_path, cli):
     ckpt = write_checkpoint(tmp_path / "gpt.h5", Config(model=gpt.cfg),
                             file_arrays(arrays, "float32"), {})
     rc, _, err = cli("export", ckpt, "--format", "hf", "--out", tmp_path / "x")
-    assert rc == 2 and "model.arch = 'gpt'" in err, err
+    assert rc == 2 and "model.family = 'gpt'" in err, err
     assert not (tmp_path / "x").exists()
 
     bad = tmp_path / "scaled"
