@@ -19,6 +19,7 @@ COMMANDS = {
     "train": "train a model (under mpirun/srun, one process per rank)",
     "plan": "predict memory and step time of a layout; search layouts",
     "launch": "start a command on N ranks with this machine's launcher",
+    "submit": "check a SLURM batch job on the login node, then sbatch it",
     "prepare": "text files or a tokenized corpus -> a token dataset",
     "tokenizer": "train a byte-level BPE tokenizer (tokenizer.json)",
     "inspect": "a checkpoint's tensors and lineage; --verify checksums",
@@ -59,6 +60,9 @@ def reference() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if getattr(args._module, "VERBATIM", False):  # the words after the command, untouched
+        words = sys.argv[1:] if argv is None else list(argv)
+        return args._module.run(words[words.index(args.command) + 1:])
     trailing = getattr(args._module, "TRAILING", None)  # an optional positional that may
     if extra and trailing and getattr(args, trailing) is None:  # follow the options
         setattr(args, trailing, extra.pop(0))

@@ -1,24 +1,35 @@
 # jobs/env.sh -- sourced by every jobs/*.sbatch (and jobs/dry-run.sh): the site file, the MPI
-# environment, and how a template turns its arguments and variables into hpctrain's.
-# Site settings (account, partition, modules, scratch) belong in jobs/site.sh, not here.
+# environment, and how a template turns its arguments and variables into hpctrain's. A
+# template finds this file through the interpreter (`python -m hpctrain.cli.batch env-sh`:
+# the installed hpctrain), so it may be submitted from any directory; the job runs in the
+# directory it was submitted from, where a config's relative paths resolve.
 #
 # A template's command line: sbatch [SBATCH OPTIONS] jobs/T.sbatch [CONFIG] [ARGS...]
 #   CONFIG     TOML preset (else the CONFIG variable, else share/configs/demo.toml)
 #   ARGS       more hpctrain arguments, each kept whole (a value may hold spaces), e.g.
 #              --set train.steps=20 --set "checkpoint.dir=/scratch/my runs/ckpt";
-#              --run-dir DIR sets RUN_DIR
-# Arguments reach the job even where SBATCH_EXPORT=NONE drops the submitting environment.
+#              --run-dir DIR sets RUN_DIR, --run-name NAME sets RUN_NAME
+# Arguments reach the job where SBATCH_EXPORT=NONE drops the submitting environment.
 #
-# Variables (set them in the environment of `sbatch`, which exports it to the job, or in
-# jobs/site.sh, which every job reads):
-#   LAYOUT         topology overrides, space separated (default "topology.dp=$SLURM_NTASKS");
-#                  the product must equal the task count
+# Variables (set them in the environment of `sbatch`, which exports it to the job, or in the
+# site file, which every job reads):
+#   RUN_NAME       the run's identity (default: the config's stem, demo for demo.toml): it
+#                  names the run directory, so a resubmission or the next job of a chain
+#                  (sbatch --dependency=afterany:JOBID) continues the run
+#   RUN_DIR        metrics, logs, checkpoints (default: see hpctrain_run_dir below)
+#   LAYOUT         topology overrides, space separated, e.g. "topology.tp=2 topology.dp=4".
+#                  Default: the config's own layout when it multiplies to the task count,
+#                  topology.dp filled in when the config leaves it open; anything else is
+#                  refused (exit 2; jobs/dry-run.sh and `hpctrain submit` refuse it before
+#                  the queue)
 #   OVERRIDES      more section.key=value overrides, split like a shell line: quote a value
 #                  that holds spaces, e.g. OVERRIDES='train.steps=20 "checkpoint.dir=/a b"'
-#   RUN_DIR        metrics, logs, checkpoints (default: see hpctrain_run_dir below)
-#   HPCTRAIN_SITE  the site file (default $HPCTRAIN_ROOT/jobs/site.sh)
-#   HPCTRAIN_ROOT  the hpctrain checkout (default: the directory sbatch was called from)
-#   PYTHON         interpreter with hpctrain, mpi4py and h5py (default $HPCTRAIN_ROOT/.venv)
+#   HPCTRAIN_SITE  the site file (default ~/.config/hpctrain/site.sh, i.e.
+#                  ${XDG_CONFIG_HOME:-$HOME/.config}/hpctrain/site.sh; jobs/site.example.sh
+#                  is a commented example to copy there)
+#   HPCTRAIN_ROOT  the hpctrain checkout (default: the one holding this file)
+#   PYTHON         interpreter with hpctrain, mpi4py and h5py (default: python3 on the PATH
+#                  when it imports hpctrain, else $HPCTRAIN_ROOT/.venv/bin/python)
 #   SRUN_MPI       srun's PMI plugin (default: pmix for Open MPI, pmi2 for the MPICH family,
 #                  cray_shasta for Cray MPICH; `srun --mpi=list` shows the site's)
 #   CPU_BIND       srun --cpu-bind value (default cores: each rank pinned to the cores of
@@ -27,15 +38,15 @@
 #   DEVICE         cpu or cuda (default: cuda when the job has GPUs (--gpus-per-node), else
 #                  cpu; cuda: one rank per GPU, see docs/slurm.md)
 
-HPCTRAIN_ROOT=${HPCTRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
-HPCTRAIN_SITE=${HPCTRAIN_SITE:-$HPCTRAIN_ROOT/jobs/site.sh}
-# shellcheck source=site.sh
+HPCTRAIN_ROOT=${HPCTRAIN_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+HPCTRAIN_SITE=${HPCTRAIN_SITE:-${XDG_CONFIG_HOME:-$HOME/.config}/hpctrain/site.sh}
+# shellcheck source=site.example.sh
 if [ -f "$HPCTRAIN_SITE" ]; then source "$HPCTRAIN_SITE"; fi
 
 # -- 1. Modules and MPI ----------------------------------------------------------------
 # Load the MPI that mpi4py and h5py were built against, and its parallel HDF5: the same
 # modules as when `make setup` ran (docs/slurm.md has a row per family). Put them
-# in jobs/site.sh (`module load ...` or HPCTRAIN_MODULES). Examples; names differ by site:
+# in the site file (`module load ...` or HPCTRAIN_MODULES). Examples; names differ by site:
 #   Open MPI:    module load openmpi/4.1 hdf5/1.14-parallel python/3.11     (SRUN_MPI=pmix)
 #   MPICH:       module load mpich/4.1 hdf5/1.14-parallel python/3.11       (SRUN_MPI=pmi2)
 #   Cray MPICH:  module load PrgEnv-gnu cray-mpich cray-hdf5-parallel cray-python
@@ -58,7 +69,10 @@ export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}  # Lustre/GPFS: no 
 #   any:         export HPCTRAIN_GPU_AWARE_MPI=0   (force host staging)
 
 # -- 2. Shared plumbing (templates call these; sites need not edit) ---------------------
-PYTHON=${PYTHON:-$HPCTRAIN_ROOT/.venv/bin/python}
+if [ -z "${PYTHON:-}" ]; then
+  if python3 -c 'import hpctrain' 2>/dev/null; then PYTHON=$(command -v python3)
+  else PYTHON=$HPCTRAIN_ROOT/.venv/bin/python; fi
+fi
 hpctrain_pmi_default() {  # srun's PMI plugin for the MPI PYTHON's mpi4py is built with
   "$PYTHON" - 2>/dev/null <<'PY' || echo pmix
 import mpi4py
@@ -75,13 +89,12 @@ HPCTRAIN_GPUS=${HPCTRAIN_GPUS##*:}  # "a100:4" -> 4
 [[ "$HPCTRAIN_GPUS" =~ ^[0-9]+$ ]] || HPCTRAIN_GPUS=0
 if [ "$HPCTRAIN_GPUS" -gt 0 ]; then DEVICE=${DEVICE:-cuda}; else DEVICE=${DEVICE:-cpu}; fi
 HPCTRAIN_EXIT_REQUEUE=75  # hpctrain/job/slurm.py EXIT_REQUEUE: checkpointed, run me again
-cd "$HPCTRAIN_ROOT"
 
 hpctrain_log() { echo "[job ${SLURM_JOB_ID:-?}] $*"; }
 
 # hpctrain_run_dir NAME: where a run named NAME goes: RUN_DIR when set, else scratch
-# ($SCRATCH/hpctrain-runs/NAME, else $HPCTRAIN_SCRATCH/hpctrain-runs/NAME from jobs/site.sh),
-# else runs/NAME in the checkout, with a warning (home quotas are small).
+# ($SCRATCH/hpctrain-runs/NAME, else $HPCTRAIN_SCRATCH/hpctrain-runs/NAME from the site
+# file), else runs/NAME in the submit directory, with a warning (home quotas are small).
 hpctrain_run_dir() {
   if [ -n "${RUN_DIR:-}" ]; then
     echo "$RUN_DIR"
@@ -90,23 +103,23 @@ hpctrain_run_dir() {
   elif [ -n "${HPCTRAIN_SCRATCH:-}" ]; then
     echo "$HPCTRAIN_SCRATCH/hpctrain-runs/$1"
   else
-    hpctrain_log "warning: neither SCRATCH nor HPCTRAIN_SCRATCH (jobs/site.sh) is set: the" \
-                 "run goes to runs/$1 in the checkout ($HPCTRAIN_ROOT); set RUN_DIR or" \
+    hpctrain_log "warning: neither SCRATCH nor HPCTRAIN_SCRATCH (site file) is set: the" \
+                 "run goes to runs/$1 in $PWD; set RUN_DIR or" \
                  "HPCTRAIN_SCRATCH for a file system with room for checkpoints" >&2
     echo "runs/$1"
   fi
 }
 
-# hpctrain_resolve [CONFIG] [ARGS...]: sets CONFIG and HPCTRAIN_ARGS, hpctrain's arguments
-# after the config: --set for each word of LAYOUT, each OVERRIDES item (split like a shell
-# line: quotes keep spaces), model.device=$DEVICE, then ARGS unchanged (the last --set of a
-# key wins) except `--run-dir DIR`, which sets RUN_DIR. jobs/dry-run.sh resolves a line
-# the same way.
+# hpctrain_resolve [CONFIG] [ARGS...]: sets CONFIG, RUN_NAME and HPCTRAIN_ARGS, hpctrain's
+# arguments after the config: --set for each word of LAYOUT, each OVERRIDES item (split like
+# a shell line: quotes keep spaces), model.device=$DEVICE, then ARGS unchanged (the last --set
+# of a key wins) except `--run-dir DIR` (sets RUN_DIR) and `--run-name NAME` (RUN_NAME); then
+# the layout's topology.dp when the config leaves it open (hpctrain.cli.batch layout, for
+# HPCTRAIN_TASKS ranks, default SLURM_NTASKS). A layout that cannot fit exits 2.
 hpctrain_resolve() {
   if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then CONFIG=$1; shift; fi
-  CONFIG=${CONFIG:-share/configs/demo.toml}
-  LAYOUT=${LAYOUT:-topology.dp=$SLURM_NTASKS}
-  local kv words
+  CONFIG=${CONFIG:-$HPCTRAIN_ROOT/share/configs/demo.toml}
+  local kv words fill
   words=$("$PYTHON" -c '
 import shlex, sys
 try:
@@ -116,19 +129,25 @@ except ValueError as e:
              "OVERRIDES=\x27train.steps=20 \"checkpoint.dir=/a b\"\x27")' "${OVERRIDES:-}") \
     || exit 2
   HPCTRAIN_ARGS=()
-  for kv in $LAYOUT; do HPCTRAIN_ARGS+=(--set "$kv"); done
+  for kv in ${LAYOUT:-}; do HPCTRAIN_ARGS+=(--set "$kv"); done
   while IFS= read -r kv; do
     if [ -n "$kv" ]; then HPCTRAIN_ARGS+=(--set "$kv"); fi
   done <<<"$words"
   HPCTRAIN_ARGS+=(--set "model.device=$DEVICE")
-  while [ $# -gt 0 ]; do  # ARGS; --run-dir DIR becomes RUN_DIR (the template passes it)
+  while [ $# -gt 0 ]; do  # ARGS; --run-dir/--run-name set RUN_DIR/RUN_NAME
     case "$1" in
       --run-dir) RUN_DIR=${2:?--run-dir needs a directory}; shift ;;
       --run-dir=*) RUN_DIR=${1#*=} ;;
+      --run-name) RUN_NAME=${2:?--run-name needs a name}; shift ;;
+      --run-name=*) RUN_NAME=${1#*=} ;;
       *) HPCTRAIN_ARGS+=("$1") ;;
     esac
     shift
   done
+  RUN_NAME=$("$PYTHON" -m hpctrain.cli.batch run-name "$CONFIG" --name "${RUN_NAME:-}") || exit 2
+  fill=$("$PYTHON" -m hpctrain.cli.batch layout --tasks "${HPCTRAIN_TASKS:-$SLURM_NTASKS}" \
+           "$CONFIG" "${HPCTRAIN_ARGS[@]}") || exit 2
+  for kv in $fill; do HPCTRAIN_ARGS+=(--set "$kv"); done
   hpctrain_check_gpus
 }
 
@@ -155,7 +174,32 @@ hpctrain_check_gpus() {
 HPCTRAIN_SRUN=(srun --export=ALL --mpi="$SRUN_MPI" --kill-on-bad-exit=1
                ${CPU_BIND:+--cpu-bind="$CPU_BIND"})
 hpctrain_srun() {
+  [ -z "${HPCTRAIN_DRY_RUN:-}" ] || hpctrain_dry_run "$@"
   "${HPCTRAIN_SRUN[@]}" "$PYTHON" -m mpi4py -m hpctrain "$@"
+}
+
+# hpctrain_dry_run train CONFIG --run-dir DIR ARGS...: what jobs/dry-run.sh runs in place of
+# the job step (HPCTRAIN_DRY_RUN=1): says what the job resolved, runs the checks the step's
+# `hpctrain train` would make at start (hpctrain.cli.batch preflight), then `hpctrain plan`
+# (PLAN_ARGS); exits with their status. The template itself runs up to here unchanged.
+hpctrain_dry_run() {
+  shift 2  # train CONFIG
+  hpctrain_log "account ${SBATCH_ACCOUNT:-(site default)}, partition" \
+               "${SBATCH_PARTITION:-(site default)}, modules ${HPCTRAIN_MODULES:-(none)}," \
+               "python $PYTHON"
+  hpctrain_log "$SLURM_NTASKS tasks on $SLURM_JOB_NUM_NODES node(s), device $DEVICE," \
+               "run $RUN_NAME: $CONFIG"
+  local sets=() plan_args i args=("$@")
+  for ((i = 0; i < ${#args[@]}; i++)); do
+    if [ "${args[i]}" = --set ]; then sets+=(--set "${args[i + 1]}"); ((i += 1)); fi
+  done
+  "$PYTHON" -m hpctrain.cli.batch preflight --tasks "${HPCTRAIN_TASKS:-$SLURM_NTASKS}" \
+    "$CONFIG" "$@" || exit $?
+  read -r -a plan_args <<<"${PLAN_ARGS:-}"
+  "$PYTHON" -m hpctrain plan "$CONFIG" --world-size "${HPCTRAIN_TASKS:-$SLURM_NTASKS}" \
+    --nodes "$SLURM_JOB_NUM_NODES" --ranks-per-node "${SLURM_NTASKS_PER_NODE%%(*}" \
+    "${plan_args[@]}" "${sets[@]}"
+  exit $?
 }
 
 # hpctrain_srun_forwarding ARGS...: hpctrain_srun in the background with SIGUSR1/SIGTERM sent
@@ -179,6 +223,7 @@ hpctrain_run_forwarding() {  # COMMAND...: in the background, signals forwarded;
   trap - USR1 TERM
 }
 hpctrain_srun_forwarding() {
+  [ -z "${HPCTRAIN_DRY_RUN:-}" ] || hpctrain_dry_run "$@"
   hpctrain_run_forwarding "${HPCTRAIN_SRUN[@]}" "$PYTHON" -m mpi4py -m hpctrain "$@"
 }
 
@@ -192,6 +237,7 @@ hpctrain_srun_forwarding() {
 #   HPCTRAIN_PROBE_TIMEOUT seconds a node may take to run `srun -N1 true` (default 30)
 #   HPCTRAIN_PLAN_CLUSTER  cluster description the re-plan ranks layouts on (plan --cluster)
 hpctrain_srun_relaunching() {
+  [ -z "${HPCTRAIN_DRY_RUN:-}" ] || hpctrain_dry_run "$@"
   hpctrain_run_forwarding "$PYTHON" -m hpctrain launch \
     --relaunch "${HPCTRAIN_RELAUNCHES:-2}" --spare "${HPCTRAIN_SPARE_NODES:-0}" \
     --probe-timeout "${HPCTRAIN_PROBE_TIMEOUT:-30}" --program "${HPCTRAIN_SRUN[*]}" \

@@ -309,9 +309,8 @@ def special(args) -> int | None:
     cands = search.search(load(args.config, args.overrides), cluster, args.nodes)
     lines = search.report(cands, args.top, 2, sets=bool(args.memory_per_rank))
     if cands and cands[0].prediction:
-        lines += ["best as --set arguments:", "  " + " ".join(f"--set {x}" for x in
-                                                         cands[0].sets),
-                  "as a SLURM job (jobs/dry-run.sh in place of sbatch plans it):",
+        lines += ["best as --set arguments:", "  " + search.set_line(cands[0].sets),
+                  "as a SLURM job (`hpctrain submit` in place of sbatch checks it first):",
                   "  " + search.slurm_line(cands[0], args.nodes, cluster, args.config,
                                            args.overrides)]
     print("\n".join(lines))

@@ -74,6 +74,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     if isinstance(default, str):
         if isinstance(value, str):
             return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # a size or a name that a shell unquoted: --set k="4" is k=4
         raise ConfigError(f"{where} must be a string, got {value!r}")
     if isinstance(default, tuple):
         return sources(where, value)

@@ -20,6 +20,7 @@ Three things, used by the CLI and ``train.py``:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,19 @@ LAUNCH_HELP = (
     "launch one process per rank with srun (or mpirun inside the allocation), e.g.\n"
     "    srun --mpi={pmi} python -m mpi4py -m hpctrain train CONFIG --run-dir DIR\n"
     "  (see jobs/*.sbatch; `srun --mpi=list` shows the PMI plugins of this site)")
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+def run_name(config: str | None, given: str = "") -> str:
+    """A batch run's identity across submissions, which names its run directory (never the
+    job id, so a resubmission or the next job of a chain continues the run): ``given``, else
+    the config file's stem (``demo`` for demo.toml). ValueError for a name unfit for a path."""
+    name = given or (os.path.splitext(os.path.basename(config))[0] if config else "hpctrain")
+    if not RUN_NAME.match(name):
+        raise ValueError(f"run name {name!r}: use letters, digits and . _ + - (it names the "
+                         "run directory); set RUN_NAME or --run-name")
+    return name
 
 
 def srun_pmi(library: str) -> str:

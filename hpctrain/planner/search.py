@@ -30,6 +30,7 @@ import shlex
 from dataclasses import dataclass
 
 from ..config import RECOMPUTE, Config, ConfigError, ulysses_degrees
+from ..job.slurm import run_name
 from ..pipeline.schedules import REGISTRY
 from .cluster import Cluster
 from .cost import Prediction, predict
@@ -238,15 +239,22 @@ def slurm_line(c: Candidate, nodes: int, cluster: Cluster, config: str,
     """The ``sbatch`` line that trains this layout: the nodes, one task per rank (and per GPU
     on a ``device = "cuda"`` cluster, with ``jobs/gpu.sbatch``), then the config, the user's
     ``overrides`` (``--set`` values, in order), the layout's and the device as arguments
-    (they reach the job where ``SBATCH_EXPORT=NONE``). ``jobs/dry-run.sh`` in place of
-    ``sbatch`` plans the same config."""
+    (they reach the job where ``SBATCH_EXPORT=NONE``), and the run's name (the config's stem:
+    the run directory, which a resubmission continues). ``hpctrain submit`` in place of
+    ``sbatch`` checks the job first."""
     rpn, gpu = cluster.ranks_per_node, cluster.device == "cuda"
     opts = [f"--nodes={nodes}", f"--ntasks-per-node={rpn}"]
     opts += [f"--gpus-per-node={rpn}"] if gpu else []
     sets = [*overrides, *c.sets, f"model.device={cluster.device}"]
-    words = ["sbatch", *opts, "jobs/gpu.sbatch" if gpu else "jobs/multi-node.sbatch", config]
+    words = ["sbatch", *opts, "jobs/gpu.sbatch" if gpu else "jobs/multi-node.sbatch", config,
+             "--run-name", run_name(config)]
     words += [w for kv in sets for w in ("--set", kv)]
     return " ".join(shlex.quote(w) for w in words)
+
+
+def set_line(sets: list[str]) -> str:
+    """``--set`` arguments as a shell reads them back: each value quoted where needed."""
+    return " ".join(f"--set {shlex.quote(x)}" for x in sets)
 
 
 def report(cands: list[Candidate], top: int = 10, rejected: int = 20,
@@ -262,7 +270,7 @@ def report(cands: list[Candidate], top: int = 10, rejected: int = 20,
                      f"{p.tokens_per_s_per_rank:,.0f} tok/s/rank, MFU {100 * p.mfu:.1f}%, "
                      f"bubble {100 * p.bubble:.1f}%, memory {fmt_bytes(p.memory.total)}")
         if sets:
-            lines.append("       " + " ".join(f"--set {x}" for x in c.sets))
+            lines.append("       " + set_line(c.sets))
     groups: dict[str, list[Candidate]] = {}
     for c in bad:  # by the reason's rule, its numbers left out
         groups.setdefault(_rule(c.reason), []).append(c)

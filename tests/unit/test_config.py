@@ -78,7 +78,7 @@ def test_int_accepted_for_float():
     (["train.steps=true"], "train.steps must be an integer"),
     (["optim.lr=\"fast\""], "optim.lr must be a number"),
     (["topology.sequence_parallel=3"], "must be true or false"),
-    (["model.dtype=3"], "model.dtype must be a string"),
+    (["model.dtype=true"], "model.dtype must be a string"),  # a number reads as its text
     (["steps=3"], "must look like section.key=value"),
 ])
 def test_bad_keys_and_types(overrides, message):

@@ -119,7 +119,7 @@ def test_old_presets_and_overrides_load_and_the_later_setting_wins(tmp_path):
 
 def test_a_wrong_value_under_an_old_name_is_refused_under_the_new_name():
     with pytest.raises(ConfigError, match="experimental.p2p_wait must be a string"):
-        load(None, ["schedule.p2p_wait=3"])
+        load(None, ["schedule.p2p_wait=[3]"])
 
 
 def _help(*argv) -> str:

@@ -37,8 +37,8 @@ ALLOWED = {
               "job", "optim", "parallel", "pipeline", "planner", "stopping", "telemetry",
               "topology"},
     # the performance model: pure Python except planner/calibrate.py, which measures through comm
-    "planner": {"checks", "comm", "config", "model", "parallel", "pipeline", "telemetry",
-                "topology"},
+    "planner": {"checks", "comm", "config", "job", "model", "parallel", "pipeline",
+                "telemetry", "topology"},
     "cli": {"checkpoint", "checks", "comm", "config", "data", "interchange", "job", "model",
             "telemetry", "topology", "train", "parallel", "pipeline", "planner"},
     "__main__": {"cli"},
