@@ -1,8 +1,9 @@
 """The ``hpctrain`` command: ``hpctrain COMMAND ...`` (``python -m hpctrain`` is the same).
 
 Each subcommand lives in ``hpctrain/cli/<name>.py`` with ``add_arguments(parser)`` and
-``run(args) -> int``; add a new one to COMMANDS (one line of help each). What the top-level
-``--help`` says to users is ``cli/about.py``.
+``run(args) -> int`` (``VERBATIM = True``: ``run`` takes the words after the command as they
+are, for ``submit``'s sbatch line); add a new one to COMMANDS (one line of help each).
+What the top-level ``--help`` says to users is ``cli/about.py``.
 
 Under MPI an exception on any rank aborts the whole job, never a hang
 (``comm.abort_on_exception``, installed by each subcommand that uses MPI;
@@ -19,7 +20,7 @@ COMMANDS = {
     "train": "train a model (under mpirun/srun, one process per rank)",
     "plan": "predict memory and step time of a layout; search layouts",
     "launch": "start a command on N ranks with this machine's launcher",
-    "submit": "check a SLURM batch job on the login node, then sbatch it",
+    "submit": "check a batch job before the queue, then sbatch it",
     "prepare": "text files or a tokenized corpus -> a token dataset",
     "tokenizer": "train a byte-level BPE tokenizer (tokenizer.json)",
     "inspect": "a checkpoint's tensors and lineage; --verify checksums",

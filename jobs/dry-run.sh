@@ -70,7 +70,7 @@ first=${array%%[-,:%]*}  # the array's first element stands for the others
 export SLURM_JOB_NUM_NODES=$nodes SLURM_NTASKS_PER_NODE=$per_node
 export SLURM_NTASKS=${ntasks:-$((nodes * per_node))} SLURM_GPUS_PER_NODE=${gpus:-0}
 export SLURM_JOB_NAME=${name:-$(directive job-name)} SLURM_JOB_ID=dry-run
-export SLURM_JOB_NODELIST="(dry run)" SLURM_SUBMIT_DIR=$PWD SRUN_MPI=${SRUN_MPI:-none}
+export SLURM_JOB_NODELIST=dry-run SLURM_SUBMIT_DIR=$PWD SRUN_MPI=${SRUN_MPI:-none}
 export HPCTRAIN_DRY_RUN=1
 if [ -n "$array" ]; then export SLURM_ARRAY_TASK_ID=$first SLURM_ARRAY_JOB_ID=dry-run; fi
 exec bash "$template" "$@"

@@ -185,8 +185,7 @@ hpctrain_srun() {
 hpctrain_dry_run() {
   shift 2  # train CONFIG
   hpctrain_log "account ${SBATCH_ACCOUNT:-(site default)}, partition" \
-               "${SBATCH_PARTITION:-(site default)}, modules ${HPCTRAIN_MODULES:-(none)}," \
-               "python $PYTHON"
+               "${SBATCH_PARTITION:-(site default)}, modules ${HPCTRAIN_MODULES:-(none)}"
   hpctrain_log "$SLURM_NTASKS tasks on $SLURM_JOB_NUM_NODES node(s), device $DEVICE," \
                "run $RUN_NAME: $CONFIG"
   local sets=() plan_args i args=("$@")

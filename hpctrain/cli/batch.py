@@ -98,8 +98,8 @@ def preflight(config: str | None, sets: list[str], tasks: int, run_dir: str) -> 
     machine, with the layout :func:`layout` resolves; the run directory's state."""
     from ..checks.inputs import check_inputs
     from ..checks.validate import validate
-    from .train import check_peak
     from ..config import load
+    from .train import check_peak
 
     cfg = load(config, [*sets, *layout(config, sets, tasks)])
     validate(cfg, tasks)

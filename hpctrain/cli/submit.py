@@ -21,10 +21,11 @@ the same line. A job that would be refused exits 2 here instead of after the que
 
 EPILOG = """\
 examples:
-  hpctrain submit --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 jobs/gpu.sbatch \\
-      share/configs/llama3-8b.toml
-  hpctrain submit jobs/single-node.sbatch share/configs/tiny.toml --set train.steps=20
-  hpctrain submit --dependency=afterany:1234 jobs/preemptible.sbatch CONFIG   (a chain)
+  hpctrain submit --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 \\
+      jobs/gpu.sbatch share/configs/llama3-8b.toml
+  hpctrain submit jobs/single-node.sbatch share/configs/tiny.toml \\
+      --set train.steps=20
+  hpctrain submit --dependency=afterany:1234 jobs/preemptible.sbatch CONFIG
 
 The run directory is named by the run (RUN_NAME or --run-name, default the config's
 stem), never by the job id: submitting the same line again, or chaining jobs with

@@ -127,6 +127,15 @@ def submitted(slurm, tmp_path_factory):
     jobs["singletons"] = (d / "singletons", str(_singletons_script(d / "singletons")),
                           ["--ntasks=2"], {})
     out = {}
+    chain = d / "chain"  # two jobs of a chain, one run: named, no RUN_DIR, no job id in it
+    first = sbatch(chain, "jobs/single-node.sbatch", "--ntasks-per-node=2",
+                   after=(TINY, "--run-name", "chained"), RUN_DIR="", SCRATCH=chain / "scratch",
+                   OVERRIDES=f"train.steps={STEPS // 2} optim.decay_steps={STEPS}")
+    second = sbatch(chain, "jobs/single-node.sbatch", f"--dependency=afterany:{first}",
+                    "--ntasks-per-node=2", after=(TINY, "--run-name", "chained"), RUN_DIR="",
+                    SCRATCH=chain / "scratch",
+                    OVERRIDES=f"train.steps={STEPS} optim.decay_steps={STEPS}")
+    out["chain"] = ((first, second), chain)
     for name, (jd, script, args, variables) in jobs.items():
         variables.setdefault("RUN_DIR", str(jd / "run"))
         if name == "no_export":  # the job's own environment finds the checkout's .venv only
@@ -230,6 +239,25 @@ def test_preemption_requeues_and_resumes_exactly(submitted, tmp_path):
     assert_same(run, read_run(ref_dir / "run"), 1e-9, "preempted + requeued vs uninterrupted")
 
 
+@pytest.mark.slow(reason="two chained SLURM jobs, the second after the first")
+def test_a_job_chain_continues_one_run(submitted):
+    """sbatch --dependency=afterany: the second job of the chain continues the first's run
+    from its last checkpoint (the run directory is the run's name, not a job id): together
+    they equal the uninterrupted run (float64, rel 1e-9)."""
+    (first, second), d = submitted["chain"]
+    assert_completed(wait_for(first), d)
+    assert_completed(wait_for(second, timeout=300), d)
+    run_dir = d / "scratch/hpctrain-runs/chained"
+    log = (run_dir / "train.log").read_text()
+    assert re.search(rf"resumed from \S+step_{STEPS // 2:08d}.h5 at step {STEPS // 2}\b",
+                     log), log
+    run = read_run(run_dir)
+    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1)), "a step lost/redone"
+    ref_id, ref_dir = submitted["single"]
+    assert_completed(wait_for(ref_id), ref_dir)
+    assert_same(run, read_run(ref_dir / "run"), 1e-9, "a chain of two jobs vs one job")
+
+
 def test_single_node_trains(submitted):
     job_id, d = submitted["single"]
     assert_completed(wait_for(job_id), d)
@@ -292,15 +320,15 @@ def test_sweep_array_runs_each_value(submitted):
 
 
 def test_dry_run_template_plans():
-    """jobs/dry-run.sh on the login node (no job): the plan of the world a template's line
-    would start, with the template's LAYOUT resolution."""
+    """jobs/dry-run.sh on the login node (no job): the template runs up to its job step,
+    then the checks and the plan of the world its line would start, with LAYOUT."""
     proc = subprocess.run(["bash", "jobs/dry-run.sh", "--ntasks-per-node=4",
                            "jobs/single-node.sbatch", TINY], cwd=ROOT, capture_output=True,
                           text=True, env=job_env(LAYOUT="topology.tp=2 topology.dp=2"),
                           timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "plan for 4 ranks" in out, out
+    assert "4 tasks on 1 node(s)" in out, out
     assert "4 ranks: dp=2 (ep=1) x tp=2 x pp=1" in out, out  # the job's world size, LAYOUT
 
 
@@ -325,7 +353,7 @@ def test_site_file_account_scratch_and_spaced_override(submitted):
     assert_completed(records, d)
     assert records[0]["Account"] == "hpctrain-test" and records[0]["Partition"] == "debug"
     assert "module load fake-mpi/1.0 fake-hdf5/1.14" in (d / "modules.txt").read_text()
-    run_dir = d / "scratch/hpctrain-runs" / f"hpctrain-gpu-{job_id}"
+    run_dir = d / "scratch/hpctrain-runs" / Path(TINY).stem  # the run's name, not the job's
     assert len(read_run(run_dir).metrics) == 2
     assert list((d / "my ckpts").glob("step_*.h5")), "checkpoint.dir with a space was split"
     out = output_of(d, job_id)

@@ -92,6 +92,9 @@ def problems(args: list[str]) -> list[str]:
         if args[0] not in subs:
             return [f"{name}: no command {args[0]!r}"]
         name, parser, args = f"{name} {args[0]}", subs[args[0]], args[1:]
+    if getattr(parser.get_default("_module"), "VERBATIM", False):  # submit: an sbatch line
+        at = next((i for i, w in enumerate(args) if w.endswith(".sbatch")), len(args))
+        return problems(["train", *args[at + 1:]])  # after the template: train's arguments
     options = {o: a for a in parser._actions for o in a.option_strings}
     found, i = [], 0
     while i < len(args):
