@@ -6,7 +6,7 @@ Three things, used by the CLI and ``train.py``:
   tasks SLURM allocated (``SLURM_NTASKS``): typically ``python -m hpctrain train`` started
   without ``srun`` (one singleton world per process, each believing it is alone).
 * :func:`attach` -- reads the job (id, array index, tasks, node-local id, restart count, end
-  time), logs it, and installs SIGUSR1/SIGTERM handlers that only set a flag (a handler
+  time), logs it, and installs SIGUSR1/SIGTERM/SIGINT handlers that only set a flag (a handler
   may run in the middle of an MPI call).
 * :meth:`Job.stop_reason` -- at a step boundary all ranks agree (one 8-byte all-reduce of
   the flag over the world, through ``comm``) whether any rank was signalled; if so the loop
@@ -29,7 +29,12 @@ import time
 from dataclasses import dataclass, field
 
 EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL: "try again later"
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+WHY = {  # what each stop signal usually means, for the log
+    signal.SIGUSR1: "preemption or time limit (sbatch --signal)",
+    signal.SIGTERM: "preemption, time limit, scancel, or Ctrl-C passed on by mpirun",
+    signal.SIGINT: "interrupted: Ctrl-C",
+}
 LAUNCH_HELP = (
     "launch one process per rank with srun (or mpirun inside the allocation), e.g.\n"
     "    srun --mpi={pmi} python -m mpi4py -m hpctrain train CONFIG --run-dir DIR\n"
@@ -91,6 +96,7 @@ class Job:
     requeue: bool = False  # exit with EXIT_REQUEUE (True) or 0 when asked to stop
     _flag: int = 0  # signal number that asked us to stop (set by the handler)
     stopped: bool = False  # a signal ended the loop (all ranks agreed)
+    interrupted: bool = False  # ... and it was SIGINT (Ctrl-C): no requeue
     rank: int = 0  # world rank (rank 0 prints)
     _previous: dict = field(default_factory=dict)  # signal -> handler before install
 
@@ -109,12 +115,14 @@ class Job:
 
     def describe(self) -> str:
         if not self.job_id:
-            return "not a SLURM job; SIGUSR1/SIGTERM checkpoint and stop at a step boundary"
+            return ("not a SLURM job; SIGUSR1/SIGTERM/SIGINT (Ctrl-C) checkpoint and stop at "
+                    "a step boundary")
         array = f" (array element {self.array})" if self.array else ""
         on_stop = f"exit {EXIT_REQUEUE} -> requeue" if self.requeue else "exit 0"
         return (f"SLURM job {self.job_id}{array}: {self.ntasks} tasks on {self.nnodes} "
                 f"node(s), restart count {self.restart_count}, ends {self.end_time or '?'}; "
-                f"on SIGUSR1/SIGTERM: checkpoint, {on_stop}")
+                f"on SIGUSR1/SIGTERM: checkpoint, {on_stop}; on SIGINT (Ctrl-C): "
+                "checkpoint, exit 0")
 
     # -- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -140,14 +148,15 @@ class Job:
         if not signum:
             return None
         self.stopped = True
-        return f"signal {signal.Signals(signum).name} (preemption or time limit)"
+        self.interrupted = signum == signal.SIGINT  # checkpointed, but not requeued
+        return f"signal {signal.Signals(signum).name} ({WHY[signal.Signals(signum)]})"
 
     def exit_if_stopped(self) -> None:
         """After the loop and its checkpoint: when a signal stopped the run and a requeue is
         wanted, finalise MPI and end the process with EXIT_REQUEUE (a non-zero ``sys.exit``
         under ``python -m mpi4py`` would MPI_Abort instead). Otherwise restore the previous
         signal handlers and return. Collective."""
-        if not (self.stopped and self.requeue):
+        if not (self.stopped and self.requeue) or self.interrupted:
             self.restore_handlers()
             return
         from .. import comm
