@@ -14,6 +14,7 @@ the environment (``HPCTRAIN_FAULTS``, the same syntax; both are read, ``;``-sepa
 ``ckpt_fail``      its write of that checkpoint fails (OSError, as a full disk)
 ``ckpt_slow``      that write sleeps SECONDS before its commit (still in flight)
 ``local_kill``     it dies halfway through a node-local shard of generation STEP
+``local_fail``     its node-local write of generation STEP fails (OSError, a full disk)
 =================  ==========================================================================
 
 The first five act in the training step (:mod:`hpctrain.telemetry.fault_injection`), the
@@ -28,7 +29,7 @@ import sys
 from dataclasses import dataclass
 
 KINDS = ("kill", "stall", "poison", "slow", "raise", "ckpt_kill", "ckpt_fail", "ckpt_slow",
-         "local_kill")
+         "local_kill", "local_fail")
 ENV = "HPCTRAIN_FAULTS"
 USAGE = ("KIND@RANK:STEP[:SECONDS] (RANK, STEP: a number or *), e.g. \"kill@1:3\" or "
          "\"ckpt_slow@*:*:1\"; kinds: " + ", ".join(KINDS))

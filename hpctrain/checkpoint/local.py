@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .. import comm
-from .background import InFlight
+from .background import CheckpointFailed, InFlight
 from .shards import (
     MARKER_FORMAT,
     crc_of,
@@ -38,6 +38,7 @@ from .shards import (
     node_dir,
     prune,
     run_dir,
+    run_identity,
     write_shard,
 )
 from .write import snapshot
@@ -76,7 +77,7 @@ class LocalWriter:
             prune(tier.folder, done[-tier.keep])
         table, bufs = encode(snap.pieces, snap.bufs, snap.writes)
         crc, nbytes = crc_of(bufs)
-        marker = {"format": MARKER_FORMAT, "step": snap.step, "rank": g.rank,
+        marker = {"format": MARKER_FORMAT, "run": tier.run_id, "step": snap.step, "rank": g.rank,
                   "world": g.size, "dims": list(tier.dims), "node": tier.host,
                   "crc32": crc, "bytes": nbytes, "pieces": table, "meta": snap.meta}
         received = self._exchange(marker, bufs) if tier.partner_of is not None else []
@@ -124,7 +125,11 @@ class LocalTier:
         self.sync_writer: LocalWriter | None = None
         self.partner_of: list | None = None
         self.metrics: dict = {}
+        self.stale_after: int | None = None  # generations past it go at the next save
+        self.run_id = ""
         if self.every:
+            self.run_id = topo.world.bcast_obj(
+                run_identity(saver.dir) if topo.world.rank == 0 else None)
             self._start(topo.world, topo.node_comm)
 
     def _start(self, world, node) -> None:
@@ -153,7 +158,7 @@ class LocalTier:
             return restore(self, named_params, optimizer)
         t0 = time.perf_counter()
         resumed = self.saver.restore(how, named_params, optimizer)
-        if self.every:  # generations past the start belong to another line of training
+        if self.every:  # an explicit start: the generations past it are another line
             drop_newer(self.folder, int(resumed["step"]) if resumed else 0)
         self.recovery = {"tier": "hdf5" if resumed else "none",
                          "step": int(resumed["step"]) if resumed else 0,
@@ -173,11 +178,24 @@ class LocalTier:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
+    def disable(self, why: str) -> None:
+        """A local write failed (alike on every rank): the tier is off for the rest of the
+        run, said once; the HDF5 checkpoints carry on."""
+        self.every, self.flight = 0, None
+        if self.world_rank == 0:
+            self.warn(f"local checkpoint tier disabled for the rest of this run: {why}; the "
+                      "HDF5 checkpoints (checkpoint.every) carry on")
+
     def save(self, step: int, named_params, optimizer, attrs: dict) -> None:
         """Snapshot every piece of this rank for generation ``step`` and hand it to the
         writer thread (after the previous generation is written). Collective."""
         t0 = time.perf_counter()
         self.wait()
+        if not self.every:  # the wait found the previous generation failed
+            return
+        if self.stale_after is not None:  # superseded now: the restart abandoned them
+            drop_newer(self.folder, self.stale_after)
+            self.stale_after = None
         pieces = self.saver.pieces(named_params, optimizer)
         writes = {path: p.writes for path, p in pieces.items()}
         for p in pieces.values():
@@ -188,18 +206,38 @@ class LocalTier:
         if self.flight is not None:
             self.flight.start(snap)
         else:
-            self.metrics.update(self.sync_writer.write(snap))
+            self._write_here(snap)
         self.metrics["local_blocked_s"] = time.perf_counter() - t0
+
+    def _write_here(self, snap) -> None:
+        """The write in the step (no MPI_THREAD_MULTIPLE): a failure on any rank, agreed by
+        every rank, disables the tier."""
+        why = ""
+        try:
+            self.metrics.update(self.sync_writer.write(snap))
+        except OSError as e:
+            why = f"rank {self.world_rank}: {e}"
+        failed = [w for w in self.topo.world.allgather_obj(why) if w]
+        if failed:
+            self.disable(f"the local write of step {snap.step} failed on {failed[0]}")
 
     def poll(self) -> None:
         """Once per step while a generation is in flight: its end joins the metrics, a
         failure on any rank raises on every rank. Collective."""
         if self.flight is not None and self.flight.busy:
-            self._finished(self.flight.poll(block=False))
+            self._finished(self._polled(block=False))
 
     def wait(self) -> None:
         if self.flight is not None and self.flight.busy:
-            self._finished(self.flight.poll(block=True))
+            self._finished(self._polled(block=True))
+
+    def _polled(self, block: bool) -> dict | None:
+        """The flight's poll; a failed generation disables the tier (every rank alike)."""
+        try:
+            return self.flight.poll(block=block)
+        except CheckpointFailed as e:
+            self.disable(str(e))
+            return None
 
     def background_write(self) -> tuple[float, str] | None:
         """(start, what) while this rank writes a generation (for ``Watchdog.watch``)."""

@@ -2,20 +2,25 @@
 tier on).
 
 1. Every rank lists the shards its node holds (shards.inventory: its own node's copies and
-   the partner copies written there for others); rank 0 adds the newest HDF5 checkpoint of
-   the run's trajectory. One ``allgather`` gives every rank every list.
+   the partner copies written there for others, of this run only: a marker names the run's
+   id; another run's shards are removed, torn ones named once in the log); rank 0 adds the
+   newest HDF5 checkpoint of the run's trajectory. One ``allgather`` gives every rank every
+   list.
 2. :func:`agree` (pure, the same answer on every rank): the newest generation for which
    every saved rank's shard is held by some rank, if it is newer than the HDF5 file (or as
    new and loadable by each rank from its own file); which rank reads which shard.
 3. The ranks check the CRC-32 of the shards they were given (one more ``allgather``); a bad
    one is dropped and step 2 repeated, so a half-written copy is never used.
-4. Load. The same layout, every rank holding its own saved rank's shard: each rank reads
-   its own file into its tensors. Otherwise (fewer ranks, another layout, a shard from a
+4. Load. The same layout, every rank holding its own saved rank's shard with the very
+   pieces it has now (every rank agrees): each rank reads its own file into its tensors.
+   Otherwise (fewer ranks, another layout, a shard from a
    partner copy): the holders write the shards' pieces into one HDF5 checkpoint of the
    run's directory, in global shapes (the Writer of any save: checksums, commit), and every
    rank loads it the way any checkpoint loads on any layout.
 
-Generations newer than the step restored are deleted: they belong to an abandoned line.
+When the newest HDF5 file turns out damaged (the restore falls back to an older one), the
+local generations are asked again against the step actually restored. Generations newer than
+the restart point are deleted when the next local generation is written, not before.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from .layout import Piece
 from .lineage import LineageError
-from .shards import drop_newer, inventory, load_shard, sound
+from .shards import inventory, load_shard, remove, sound
 from .write import Snapshot
 
 
@@ -118,6 +123,16 @@ def fit(world, saved: dict, current: dict) -> list[str]:
     return out
 
 
+def _own_fits(file: str, pieces: dict[str, Piece]) -> bool:
+    """Whether this rank's own shard holds exactly the pieces it has now (the same grid
+    can cut them otherwise: pipeline boundaries, schedule, virtual stages, buckets)."""
+    marker, _ = load_shard(file)
+    saved = {p["path"]: p["boxes"] for p in marker["pieces"]}
+    return all(piece.parts == [] or saved.get(path) == [[list(s), list(c)] for _, (s, c) in
+                                                         piece.parts]
+               for path, piece in pieces.items()) and "rng/torch" in saved
+
+
 def load_own(file: str, pieces: dict[str, Piece]) -> dict:
     """Same layout: copy this rank's own shard into its tensors (the RNG state too);
     returns the marker."""
@@ -178,19 +193,24 @@ def restore(tier, named_params, optimizer) -> dict | None:
     h5 = candidates("auto", saver.dir) if world.rank == 0 else []
     h5 = world.bcast_obj([str(p) for p in h5])
     h5_step = int(Path(h5[0]).stem[5:]) if h5 else None
-    mine = inventory(tier.folder, tier.host)
+    mine = _inventory(tier)
     choice, dropped = choose(world, mine, h5_step, tier.dims)
+    resumed, what = None, choice["tier"] if choice else "hdf5"
+    if choice is None:
+        resumed = saver.restore("auto", named_params, optimizer)
+        got = int(resumed["step"]) if resumed else None
+        if h5_step is not None and got != h5_step:  # the newest file was damaged
+            choice, more = choose(world, mine, got, tier.dims)
+            dropped += more
+            what = choice["tier"] if choice else what
+            h5 = [resumed["path"]] if resumed else []  # what the trajectory goes on from
     if dropped and world.rank == 0:
         tier.warn(f"local tier: {len(dropped)} shard(s) fail their check and are not used "
                   f"({'; '.join(dropped[:3])})")
-    if choice is None:
-        resumed = saver.restore("auto", named_params, optimizer)
-        what = "hdf5"
-    else:
+    if choice is not None:
         resumed = _from_local(tier, choice, mine, h5, named_params, optimizer)
-        what = choice["tier"]
     step = int(resumed["step"]) if resumed else 0
-    drop_newer(tier.folder, step)
+    tier.stale_after = step  # newer generations go when the next one is written
     dt = time.perf_counter() - t0
     tier.recovery = {"tier": what if resumed else "none", "step": step, "recovery_s": dt,
                      "path": resumed["path"] if resumed else None,
@@ -199,6 +219,23 @@ def restore(tier, named_params, optimizer) -> dict | None:
         tier.info(f"restart: tier {what}, step {step}, from {resumed['path']}, "
                   f"{dt:.2f} s to recover")
     return resumed
+
+
+def _inventory(tier) -> list[dict]:
+    """This node's shards of this run (shards.inventory); another run's are removed and
+    the torn ones named, once in the log (rank 0, every node's). Collective."""
+    mine, torn, foreign = inventory(tier.folder, tier.host, tier.run_id)
+    remove(foreign)
+    parts = tier.topo.world.allgather_obj((torn, len(foreign)))
+    if tier.topo.world.rank == 0:
+        torn = sorted({t for part, _ in parts for t in part})
+        if torn:
+            tier.warn(f"local tier: {len(torn)} torn shard(s) not used: {'; '.join(torn[:4])}")
+        n = sum(k for _, k in parts)
+        if n:
+            tier.info(f"local tier: removed {n} file(s) of another run from {tier.folder} "
+                      f"(their markers name another run id than this run's {tier.run_id})")
+    return mine
 
 
 def _from_local(tier, choice, mine, h5, named_params, optimizer) -> dict:
@@ -214,6 +251,8 @@ def _from_local(tier, choice, mine, h5, named_params, optimizer) -> dict:
                             f"({len(problems)} problem(s): {'; '.join(problems[:3])})")
     metas = [m for m in world.allgather_obj(meta_of(files)) if m is not None]
     meta = metas[0]
+    if choice["fast"]:  # only when every rank's own shard holds its very pieces
+        choice["fast"] = world.allreduce(float(_own_fits(files[0], pieces)), "min") == 1.0
     if choice["fast"]:
         load_own(files[0], pieces)
         if hasattr(optimizer, "step_count"):

@@ -21,11 +21,13 @@ No MPI here.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import socket
+import uuid
 import zlib
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from .integrity import fsync_dir, fsync_file
 from .layout import Piece
 
 MARKER_FORMAT = "hpctrain-local-1"
+RUN_ID = "run_id"  # in the checkpoint directory: the run's identity (run_identity)
 
 
 def node_dir(template: str, host: str | None = None) -> Path:
@@ -86,6 +89,9 @@ def write_shard(folder: Path, marker: dict, bufs, killer: int | None = None) -> 
     """Write one shard (own or a partner's) with the commit protocol of the module
     docstring. ``killer``: this process's world rank, for the fault injection that kills
     it halfway through the bytes (``local_kill``, hpctrain.faults)."""
+    if killer is not None and faults.find("local_fail", killer, marker["step"]):
+        raise OSError(errno.ENOSPC, f"fault injection: rank {killer} cannot write its local "
+                      f"shard of step {marker['step']}")
     folder.mkdir(parents=True, exist_ok=True)
     name = f"rank_{marker['rank']:05d}"
     tmp, final = folder / f".{name}.bin.tmp", folder / f"{name}.bin"
@@ -116,22 +122,69 @@ def read_marker(path: Path) -> dict | None:
     return m if isinstance(m, dict) and m.get("format") == MARKER_FORMAT else None
 
 
-def inventory(folder: Path, host: str) -> list[dict]:
-    """Every committed shard this node holds: ``{step, rank, world, dims, own, file}``
-    (markers whose ``.bin`` has the recorded size; the CRC is checked by :func:`sound`)."""
-    out = []
+def inventory(folder: Path, host: str, run: str) -> tuple[list[dict], list[str], list[str]]:
+    """What this node holds of run ``run``: (every committed shard ``{step, rank, world,
+    dims, own, file}``: a marker of this run whose ``.bin`` has the recorded size, the CRC is
+    checked by :func:`sound`; the shards that are torn, each as "step S rank R: why"; the
+    shard files of another run, whose markers name another run id or none)."""
+    out: list[dict] = []
+    torn: list[str] = []
+    foreign: list[str] = []
     if not folder.is_dir():
-        return out
+        return out, torn, foreign
     for gen in sorted(folder.glob("step_*")):
-        for mpath in sorted(gen.glob("rank_*.json")):
-            m = read_marker(mpath)
-            bin_ = mpath.with_suffix(".bin")
-            if m is None or not bin_.is_file() or bin_.stat().st_size != m["bytes"]:
-                continue
-            out.append({"step": int(m["step"]), "rank": int(m["rank"]),
-                        "world": int(m["world"]), "dims": list(m["dims"]),
-                        "own": m.get("node") == host, "file": str(bin_)})
-    return out
+        for name in sorted({p.name.lstrip(".").split(".")[0] for p in gen.glob("*rank_*")}):
+            shard = _shard(gen, name, host, run)
+            if isinstance(shard, dict):
+                out.append(shard)
+            elif shard.startswith("another run"):
+                foreign += [str(p) for p in gen.glob(f"*{name}.*")]
+            else:
+                torn.append(f"step {int(gen.name[5:])} rank {int(name[5:])}: {shard}")
+    return out, torn, foreign
+
+
+def _shard(gen: Path, name: str, host: str, run: str) -> dict | str:
+    """The inventory row of shard ``name`` (``rank_R``) of one generation folder, or why it
+    is not one."""
+    mpath, bin_ = gen / f"{name}.json", gen / f"{name}.bin"
+    m = read_marker(mpath)
+    if m is None:
+        return ("no committed marker (the write was cut short)" if bin_.exists() or
+                (gen / f".{name}.bin.tmp").exists() else "a marker that cannot be read")
+    if m.get("run") != run:
+        return f"another run ({m.get('run') or 'no run id'})"
+    if not bin_.is_file() or bin_.stat().st_size != m["bytes"]:
+        size = bin_.stat().st_size if bin_.is_file() else 0
+        return f"{size} bytes, the marker records {m['bytes']}"
+    return {"step": int(m["step"]), "rank": int(m["rank"]), "world": int(m["world"]),
+            "dims": list(m["dims"]), "own": m.get("node") == host, "file": str(bin_)}
+
+
+def remove(files: list[str]) -> None:
+    """Delete shard files (of another run), then the generation folders left empty."""
+    for f in files:
+        Path(f).unlink(missing_ok=True)
+    for gen in {Path(f).parent for f in files}:
+        if gen.is_dir() and not any(gen.iterdir()):
+            gen.rmdir()
+
+
+def run_identity(ckpt_dir: Path) -> str:
+    """The id of the run whose checkpoints go to ``ckpt_dir``, created with it (rank 0
+    only): every local marker carries it, so a new run in a reused path never takes an
+    earlier run's generations."""
+    path = Path(ckpt_dir) / RUN_ID
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{RUN_ID}.tmp")
+        tmp.write_text(uuid.uuid4().hex + "\n")
+        fsync_file(tmp)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        return path.read_text().strip()
 
 
 def sound(file: str) -> str:

@@ -87,13 +87,17 @@ def test_agreement_refuses_mixed_layouts_at_one_step():
     assert recover.agree(invs, None, 2, [2]) is None
 
 
-def shard(folder, step, rank, data: np.ndarray, world=1, killer=None):
+RUN = "run-a"
+
+
+def shard(folder, step, rank, data: np.ndarray, world=1, killer=None, run=RUN):
     piece = Piece("model/w", data.shape, data.dtype, torch.from_numpy(data), True)
     piece.parts.append((lambda t: t, ((0,) * data.ndim, data.shape)))
     table, bufs = shards.encode({"model/w": piece}, {"model/w": data.reshape(-1)},
                                 {"model/w": True})
     crc, n = shards.crc_of(bufs)
-    marker = {"format": shards.MARKER_FORMAT, "step": step, "rank": rank, "world": world,
+    marker = {"format": shards.MARKER_FORMAT, "run": run, "step": step, "rank": rank,
+              "world": world,
               "dims": [world], "node": "here", "crc32": crc, "bytes": n, "pieces": table,
               "meta": {"step": step}}
     shards.write_shard(folder / shards.gen_name(step), marker, bufs, killer=killer)
@@ -103,28 +107,47 @@ def test_a_shard_is_listed_only_once_committed_and_sound(tmp_path):
     data = np.arange(12, dtype=np.float64).reshape(3, 4)
     shard(tmp_path, 2, 0, data)
     shard(tmp_path, 4, 0, data)
-    listed = shards.inventory(tmp_path, "here")
+    listed, torn, foreign = shards.inventory(tmp_path, "here", RUN)
     assert [(e["step"], e["rank"], e["own"]) for e in listed] == [(2, 0, True), (4, 0, True)]
-    assert shards.inventory(tmp_path, "elsewhere")[0]["own"] is False
+    assert torn == [] and foreign == []
+    assert shards.inventory(tmp_path, "elsewhere", RUN)[0][0]["own"] is False
     gen4 = tmp_path / "step_00000004"
     # killed between the bytes and the marker: bytes there, no marker -> not listed
     (gen4 / "rank_00000.json").unlink()
-    assert [e["step"] for e in shards.inventory(tmp_path, "here")] == [2]
+    listed, torn, _ = shards.inventory(tmp_path, "here", RUN)
+    assert [e["step"] for e in listed] == [2]
+    assert torn == ["step 4 rank 0: no committed marker (the write was cut short)"]
     # the marker there but other bytes of the same size: listed, refused by its CRC
     shard(tmp_path, 4, 0, data)
     raw = bytearray((gen4 / "rank_00000.bin").read_bytes())
     raw[5] ^= 0xFF
     (gen4 / "rank_00000.bin").write_bytes(bytes(raw))
     assert "CRC-32" in shards.sound(str(gen4 / "rank_00000.bin"))
-    choice, dropped = recover.choose(OneRank(), shards.inventory(tmp_path, "here"), None, [1])
+    choice, dropped = recover.choose(OneRank(), shards.inventory(tmp_path, "here", RUN)[0],
+                                     None, [1])
     assert choice["step"] == 2 and len(dropped) == 1  # the previous generation
     # truncated: not listed at all
     (gen4 / "rank_00000.bin").write_bytes(bytes(raw[:10]))
-    assert [e["step"] for e in shards.inventory(tmp_path, "here")] == [2]
+    listed, torn, _ = shards.inventory(tmp_path, "here", RUN)
+    assert [e["step"] for e in listed] == [2] and "10 bytes, the marker records" in torn[0]
     assert shards.sound(str(tmp_path / "step_00000002" / "rank_00000.bin")) == ""
     marker, arrays = shards.load_shard(str(tmp_path / "step_00000002" / "rank_00000.bin"))
     assert marker["meta"] == {"step": 2}
     np.testing.assert_array_equal(arrays["model/w"].reshape(3, 4), data)
+
+
+def test_another_runs_shards_are_never_listed_and_are_removed(tmp_path):
+    """A run directory deleted and its path reused: the new run (another id) finds the old
+    run's generations, lists none of them and removes them."""
+    data = np.zeros(3)
+    shard(tmp_path, 6, 0, data, run="old-run")
+    shard(tmp_path, 2, 0, data)
+    listed, torn, foreign = shards.inventory(tmp_path, "here", RUN)
+    assert [e["step"] for e in listed] == [2] and torn == [] and len(foreign) == 2
+    shards.remove(foreign)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+    ids = {shards.run_identity(tmp_path / "ckpt") for _ in range(2)}
+    assert len(ids) == 1 and (tmp_path / "ckpt" / shards.RUN_ID).is_file()  # made once
 
 
 def test_newer_generations_are_dropped_and_old_ones_pruned(tmp_path):
