@@ -28,8 +28,8 @@
 #                  ${XDG_CONFIG_HOME:-$HOME/.config}/hpctrain/site.sh; jobs/site.example.sh
 #                  is a commented example to copy there)
 #   HPCTRAIN_ROOT  the hpctrain checkout (default: the one holding this file)
-#   PYTHON         interpreter with hpctrain, mpi4py and h5py (default: python3 on the PATH
-#                  when it imports hpctrain, else $HPCTRAIN_ROOT/.venv/bin/python)
+#   PYTHON         interpreter with hpctrain, mpi4py, h5py and torch (default: python3 on the
+#                  PATH when it has them, an active venv, else $HPCTRAIN_ROOT/.venv/bin/python)
 #   SRUN_MPI       srun's PMI plugin (default: pmix for Open MPI, pmi2 for the MPICH family,
 #                  cray_shasta for Cray MPICH; `srun --mpi=list` shows the site's)
 #   CPU_BIND       srun --cpu-bind value (default cores: each rank pinned to the cores of
@@ -69,8 +69,12 @@ export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}  # Lustre/GPFS: no 
 #   any:         export HPCTRAIN_GPU_AWARE_MPI=0   (force host staging)
 
 # -- 2. Shared plumbing (templates call these; sites need not edit) ---------------------
+hpctrain_has_stack() {  # PYTHON: whether it finds hpctrain, mpi4py, h5py and torch
+  "$1" -c 'import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ("hpctrain", "mpi4py", "h5py", "torch")))' 2>/dev/null
+}
 if [ -z "${PYTHON:-}" ]; then
-  if python3 -c 'import hpctrain' 2>/dev/null; then PYTHON=$(command -v python3)
+  if hpctrain_has_stack python3; then PYTHON=$(command -v python3)
   else PYTHON=$HPCTRAIN_ROOT/.venv/bin/python; fi
 fi
 hpctrain_pmi_default() {  # srun's PMI plugin for the MPI PYTHON's mpi4py is built with
