@@ -225,6 +225,8 @@ def _inventory(tier) -> list[dict]:
     """This node's shards of this run (shards.inventory); another run's are removed and
     the torn ones named, once in the log (rank 0, every node's). Collective."""
     mine, torn, foreign = inventory(tier.folder, tier.host, tier.run_id)
+    if tier.topo.node_comm.rank != 0:
+        foreign = []  # the node's folder: its first rank removes them
     remove(foreign)
     parts = tier.topo.world.allgather_obj((torn, len(foreign)))
     if tier.topo.world.rank == 0:

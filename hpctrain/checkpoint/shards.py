@@ -167,7 +167,7 @@ def remove(files: list[str]) -> None:
         Path(f).unlink(missing_ok=True)
     for gen in {Path(f).parent for f in files}:
         if gen.is_dir() and not any(gen.iterdir()):
-            gen.rmdir()
+            shutil.rmtree(gen, ignore_errors=True)
 
 
 def run_identity(ckpt_dir: Path) -> str:

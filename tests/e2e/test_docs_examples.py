@@ -52,7 +52,7 @@ def test_search_sbatch_line_dry_runs_to_the_same_plan(outputs):
     assert proc.returncode == 0, proc.stderr
     plan = proc.stdout
     dp, tp, pp = best.group(2, 3, 4)
-    assert "plan for 256 ranks on 64 node(s), device cuda" in plan, plan
+    assert "256 tasks on 64 node(s), device cuda" in plan, plan
     assert re.search(rf"^256 ranks: dp={dp} \(ep=1\) x tp={tp} x pp={pp}\b", plan, re.M), plan
     step = re.search(r"^  step (\S+) s:", plan, re.M)
     assert step and step.group(1) == best.group(5), (best.group(0), plan[-2000:])

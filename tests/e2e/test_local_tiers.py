@@ -150,15 +150,17 @@ def test_a_damaged_newest_file_keeps_the_fresher_local_generation(tmp_path, sess
     """HDF5 files and local generations at steps 2 and 4; step 4's file damaged; a restart on
     another layout cannot read its own shards: it restores the sound local generation of
     step 4 (assembled), not the older file of step 2, and equals one rank's straight run."""
-    common = ["train.global_batch_size=12", "checkpoint.every=2", *tiers(tmp_path, 2, 4)]
+    common = ["train.global_batch_size=12", "optim.decay_steps=6", "checkpoint.every=2",
+              *tiers(tmp_path, 2, 4)]
     run_dir = tmp_path / "run"
     mpirun(2, train_args(run_dir, "topology.dp=2", *common))
     _flip_in_data(run_dir / "checkpoints/step_00000004.h5", "model/blocks.0.attn.wq")
-    common[2] = "train.steps=6"
+    common[3] = "train.steps=6"
     proc = mpirun(2, train_args(run_dir, "topology.pp=2", *common))
     got = recovery(run_dir)
     assert got["tier"] == "local" and got["step"] == 4 and got["reshard"], got
-    same_losses(read_run(run_dir, proc.stdout), baseline(session_dir, *common[:3]))
+    same_losses(read_run(run_dir, proc.stdout), baseline(session_dir, *common[:2],
+                                                         "train.steps=6"))
 
 
 def test_a_failing_local_write_disables_the_tier_and_training_goes_on(tmp_path):
