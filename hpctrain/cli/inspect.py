@@ -66,6 +66,25 @@ def run(args) -> int:
     return 1 if problems else 0
 
 
+def lineage_lines(text: str) -> list[str]:
+    """What the run was made from (the ``lineage`` attribute): its data, the checkpoint it
+    resumed from, a forced data change and the learning-rate horizon."""
+    try:
+        lineage = json.loads(text) if text else {}
+    except ValueError:
+        return [f"lineage            unreadable ({str(text)[:60]}...)"]
+    data = lineage.get("data", {})
+    out = []
+    if data:
+        keys = ("source", "tokenizer", "tokenizer_hash", "content_hash", "seq_len")
+        out.append("lineage data       " + ", ".join(f"{k}={data[k]}" for k in keys if k in data))
+    for key, label in (("resumed_from", "resumed from"), ("forced_data_change", "forced data"),
+                       ("decay_steps", "decay_steps")):
+        if lineage.get(key) not in (None, ""):
+            out.append(f"{label:18s} {lineage[key]}")
+    return out
+
+
 def io_settings(info: dict) -> list[str]:
     """How the file was written: the MPI-IO hints passed at open (verbatim), those MPI
     applied (``MPI_File_get_info``; absent in files written before it was recorded), the
@@ -99,6 +118,8 @@ def _print(info: dict, with_config: bool) -> None:
     for key in LINEAGE:
         if key in attrs:
             print(f"  {key:18s} {attrs[key]}")
+    for line in lineage_lines(attrs.get("lineage", "")):
+        print(f"  {line}")
     for line in io_settings(info):
         print(f"  {line}")
     total = 0

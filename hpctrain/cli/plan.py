@@ -73,8 +73,12 @@ def add_arguments(p) -> None:
                         "(default: not measured)")
     p.add_argument("--published", action="store_true",
                    help="published runs (Megatron-LM, torchtitan) against the model")
+    p.add_argument("--schedules", action="store_true",
+                   help="print each pp rank's action list too (default: its stages and "
+                        "bubble only)")
     p.add_argument("--width", type=int, default=100,
-                   help="wrap each rank's action list at this many columns; 0: no wrap")
+                   help="--schedules: wrap each rank's action list at this many columns; 0: "
+                        "no wrap")
 
 
 EMIT_CLUSTER = "cpu-epyc-7763"  # --emit-overrides without --cluster
@@ -128,8 +132,9 @@ SIMULATED_MAX = 256  # microbatches x virtual stages per rank; the simulation gr
 
 
 def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
-    """The pipeline part of the plan: partition, per-rank actions, simulated bubble (above
-    ``SIMULATED_MAX`` chunk-microbatches per rank: the partition and the 1F1B reference)."""
+    """The pipeline part of the plan: partition, per-rank actions (``width`` < 0: none),
+    simulated bubble (above ``SIMULATED_MAX`` chunk-microbatches per rank: the partition and
+    the 1F1B reference)."""
     from ..config import microbatches
     from ..pipeline.schedules import from_config, layer_ranges, style_of, virtual_stages
     from ..pipeline.simulate import simulate
@@ -152,7 +157,7 @@ def schedule_section(cfg, width: int = 100, costs=None) -> list[str]:
         lines.append(f"{_stages_line(r, p, v, ranges, style)}; "
                      f"bubble {result.bubble_per_rank[r]:.3f}, "
                      f"peak in-flight microbatches {result.peak_inflight[r]}")
-        lines += _wrap(sched.text(r), width, "    ")
+        lines += _wrap(sched.text(r), width, "    ") if width >= 0 else []
     shown = " ".join(f"{k}={x:g}" for k, x in (costs or {"F": 1, "B": 1, "W": 1}).items())
     lines.append(f"simulated (costs {shown}): makespan {result.makespan:g}, "
                  f"bubble fraction {result.bubble:.4f} of the total time ({reference}); "
@@ -218,7 +223,8 @@ def performance_section(cfg, cluster) -> list[str]:
     fit = "fits" if p.memory.total <= cluster.memory else "DOES NOT FIT"
     return [f"performance on {cluster.name} ({cluster.ranks_per_node} ranks per node, "
             f"{cluster.efficiency:.3g} x {cluster.peak(dtype):.4g} FLOP/s {dtype} per rank):",
-            f"  step {p.step_s:.4g} s: {parts} (seconds; pp = bubble and transfers)",
+            f"  step {p.step_s:.4g} s: {parts} (seconds the step spends on each; "
+            "communication: the part compute does not hide; pp = bubble and transfers)",
             f"  {p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_rank:,.0f} per rank), "
             f"MFU {100 * p.mfu:.1f}%, memory {fmt_bytes(p.memory.total)} of "
             f"{fmt_bytes(cluster.memory)}: {fit}"]
@@ -365,21 +371,15 @@ def run(args) -> int:
              f"dp={t.dp} (ep={t.ep}) x "
              f"{f'cp={t.cp} x ' if t.cp > 1 else ''}tp={t.tp} x pp={t.pp}"
              f"{' + sequence parallel' if t.sequence_parallel else ''}"]
-    lines += schedule_section(cfg, args.width, costs)
-    lines += memory_section(cfg, args.memory_per_rank)
+    try:  # the verdict first (memory, speed, what crosses nodes), the schedule after
+        lines += memory_section(cfg, args.memory_per_rank)
+        lines += performance_section(cfg, cluster) if cluster else []
+        if args.nodes:  # topology.crossing: the nodes must hold the world
+            lines += plan_section(cfg, args.nodes, args.ranks_per_node or world // args.nodes)
+    except ValueError as e:
+        print(f"hpctrain plan: {e}", file=sys.stderr)
+        return 2
     lines += data_section(cfg)
-    if args.nodes:
-        try:  # topology.crossing: the nodes must hold the world
-            lines += plan_section(cfg, args.nodes,
-                                  args.ranks_per_node or world // args.nodes)
-        except ValueError as e:
-            print(f"hpctrain plan: {e}", file=sys.stderr)
-            return 2
-    if cluster:
-        try:
-            lines += performance_section(cfg, cluster)
-        except ValueError as e:
-            print(f"hpctrain plan: {e}", file=sys.stderr)
-            return 2
+    lines += schedule_section(cfg, args.width if args.schedules else -1, costs)
     print("\n".join(lines))
     return 0

@@ -184,7 +184,7 @@ class RunLog:
             eta = (self.total - step) * mean
             line = (f"step {step}/{self.total} | loss {record['loss']:.4f} | "
                     f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | "
-                    f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step "
+                    f"{record['tokens_per_s']:,.0f} tok/s | step {record['step_time_s']:.3f} s "
                     f"| MFU {_fmt_mfu(record.get('mfu'))} | ETA {_fmt_eta(eta)}")
             self.info(line)
 
@@ -323,7 +323,8 @@ class Telemetry:
         self.trackers.log(record)
         if "straggler" in record and self.topo.world.size > 1:
             s = record["straggler"]
-            self.log.info(f"  step time min/median/max {record['step_s_min']:.3f}/"
+            self.log.info(f"  per-rank mean step since the last line, min/median/max "
+                          f"{record['step_s_min']:.3f}/"
                           f"{record['step_s_median']:.3f}/{record['step_s_max']:.3f} s | "
                           f"slowest {s['name']}: busy {s['busy_s']:.3f} s (median "
                           f"{s['median_busy_s']:.3f} s, fastest {s['min_busy_s']:.3f} s)")

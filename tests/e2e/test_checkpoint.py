@@ -130,6 +130,9 @@ def test_inspect_and_export_safetensors(tmp_path, session_dir):
     assert info["problems"] == [] and info["attrs"]["step"] == 5
     names = {t["name"] for t in info["tensors"]}
     assert "model/embed" in names and "optim/embed/exp_avg" in names
+    text = hpctrain(["inspect", str(d), "--verify"]).stdout  # the lineage in text too
+    assert "lineage data       source=embedded" in text and "content_hash=" in text, text
+    assert "decay_steps" in text and text.rstrip().endswith("match their checksums")
     out = tmp_path / "export" / "model.safetensors"
     hpctrain(["export", str(d), "--format", "safetensors", str(out)])
     tensors = load_file(str(out))
