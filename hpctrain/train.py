@@ -127,7 +127,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
         log.info(f"device {device}; {gpu.describe()}")
     meter = Meter(params, grads, optimizer, cfg.telemetry.activations_every)
     ckpts = Checkpoints(cfg.checkpoint, topo, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
-                        t.steps, info=log.info, warn=log.warn)
+                        t.steps, info=log.info, warn=log.warn, model=cfg.model)
     start, ckpt_attrs = restore(cfg, topo, log, ckpts, saved, optimizer, data_lineage,
                                 run_dir)
     tc = cfg.telemetry  # MFU's denominator: a nominal peak (checked by hpctrain train)
@@ -156,14 +156,13 @@ def restore(cfg: Config, topo, log, ckpts, params, optimizer, data_lineage: dict
     alike on every rank, before any step. Returns (steps already done, the attributes every
     checkpoint of this run records). Collective."""
     resumed = ckpts.restore(cfg.checkpoint.resume, params, optimizer)
-    start = 0
-    if resumed is not None:
-        start = int(resumed["step"])
+    start = int(resumed["step"]) if resumed is not None else 0
+    run_lineage = lineage.start(run_dir, cfg, topo, data_lineage, resumed, log.info)
+    if resumed is not None:  # accepted (lineage.start refuses another sample stream)
         log.info(f"resumed from {resumed['path']} at step {start}")
         if start >= cfg.train.steps:  # a finished run submitted again
             log.info(f"nothing to train: step {start} of train.steps={cfg.train.steps} is "
                      "done; raise train.steps to go on, or use another --run-dir")
-    run_lineage = lineage.start(run_dir, cfg, topo, data_lineage, resumed, log.info)
     folder, set_aside = ckpts.take_over(resumed, start)  # nothing earlier is overwritten
     if set_aside:
         log.info(set_aside)

@@ -42,7 +42,7 @@ from . import integrity as cv
 from .background import CheckpointFailed, InFlight
 from .files import Opener
 from .layout import Piece, misfits, pieces_of, transfer, unknown_params
-from .lineage import LineageError
+from .lineage import LineageError, model_changes
 from .read import read_pieces
 from .trajectory import aside_name, start, trajectory
 from .write import (
@@ -107,8 +107,9 @@ class Checkpointer:
     dataset)."""
 
     def __init__(self, ccfg: CheckpointConfig, topo, directory: str | Path, warn=None,
-                 collective_min_bytes: int | None = None, info=None):
+                 collective_min_bytes: int | None = None, info=None, model=None):
         cv.disable_file_locking()
+        self.model = model  # the run's [model], to name what a refused checkpoint differs in
         if collective_min_bytes is None:
             collective_min_bytes = COLLECTIVE_MIN_BYTES if ccfg.collective_io else NEVER
         self.cfg, self.topo = ccfg, topo
@@ -347,9 +348,12 @@ class Checkpointer:
             paths = sorted(set().union(*(p[0] for p in parts)))
             errors = [e for p in parts for e in p[1]] or unknown_params(f, paths)
             if errors:  # before anything is read: every rank refuses alike
+                changed = model_changes(attrs.get("config", ""), self.model)
                 raise CheckpointMismatch(
-                    f"refusing to resume from {path}: it does not fit this model "
-                    f"({len(errors)} problem(s): {'; '.join(errors[:3])})")
+                    f"refusing to resume from {path}: " + (
+                        f"another model ({'; '.join(changed)})" if changed else
+                        f"it does not fit this model ({len(errors)} problem(s): "
+                        f"{'; '.join(errors[:3])})"))
             nbytes = read_pieces(f, path, paths, pieces, self.collective_min_bytes,
                                  self._reads_mpio)
             attrs["rng_restored"] = self._load_rng(f, attrs)

@@ -76,14 +76,27 @@ STREAM = (("data_seed", "seed", "data seed (train.seed)"),
           ("seq_len", "seq_len", "train.seq_len"))
 
 
-def _changes(ckpt_attrs: dict, data_hash: str, run: dict, info) -> list:
+def data_changes(ckpt_attrs: dict, data: dict) -> list[str]:
+    """What differs between the data the checkpoint's lineage records and ``data`` (this
+    run's data lineage): source, tokenizer, sequence length... besides the content hash."""
+    try:
+        old = json.loads(str(ckpt_attrs.get("lineage", "") or "{}")).get("data", {})
+    except ValueError:
+        old = {}
+    return [f"{k} {old[k]!r} -> {data[k]!r}" for k in sorted(set(old) & set(data))
+            if k != "content_hash" and str(old[k]) != str(data[k])]
+
+
+def _changes(ckpt_attrs: dict, data_hash: str, run: dict, info, data=None) -> list:
     """[(key, checkpoint's value, this run's, description)] for each input that differs;
     an input the checkpoint does not record is named in one warning and not checked."""
     out, unknown = [], []
     old = str(ckpt_attrs.get("data_hash", "") or "")
     if old and old != data_hash:
-        out.append(("data_hash", old, data_hash, f"the checkpoint was trained on data "
-                    f"{old[:16]} (content hash), this run's data is {data_hash[:16]}"))
+        what = data_changes(ckpt_attrs, data or {})
+        out.append(("data_hash", old, data_hash, "the checkpoint was trained on other data ("
+                    + ("; ".join(what[:4]) + "; " if what else "the same description, other "
+                       "contents: ") + f"content hash {old[:16]} -> {data_hash[:16]})"))
     for attr, key, name in STREAM:
         saved, new = recorded(ckpt_attrs, attr, "train", key), run.get(attr)
         if new is None:
@@ -99,15 +112,38 @@ def _changes(ckpt_attrs: dict, data_hash: str, run: dict, info) -> list:
     return out
 
 
+SHAPE_KEYS = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_head", "d_ff",
+              "vocab_size", "tie_embeddings", "num_experts", "moe_every", "expert_d_ff",
+              "shared_experts", "shared_expert_d_ff", "qk_norm", "qkv_bias")
+
+
+def model_changes(config_toml: str, model) -> list[str]:
+    """The model keys that shape the parameters where the checkpoint's config (TOML) and
+    ``model`` differ, as "model.KEY: A in the checkpoint, B in the config"; [] when either is
+    missing or unreadable."""
+    from ..config import ConfigError, from_dict
+    from ..model.families import find, resolved
+
+    try:
+        saved = from_dict(tomllib.loads(config_toml)).model if config_toml else None
+    except (ValueError, ConfigError):
+        return []
+    if saved is None or model is None:
+        return []
+    pair = [resolved(m) if find(m) is not None else m for m in (saved, model)]
+    return [f"model.{k}: {getattr(pair[0], k)!r} in the checkpoint, {getattr(pair[1], k)!r} in "
+            "the config" for k in SHAPE_KEYS if getattr(pair[0], k) != getattr(pair[1], k)]
+
+
 def check_resume(ckpt_attrs: dict, data_hash: str, force: bool, info, seed=None,
-                 global_batch=None, seq_len=None) -> dict | None:
+                 global_batch=None, seq_len=None, data=None) -> dict | None:
     """Refuse to resume when the sample stream would change: the data's content hash, the
     data seed, the global batch size or the sequence length differ from the checkpoint's,
     unless forced; returns the recorded override when forced (``from``/``to``: the content
     hash; ``data_seed``, ``global_batch_size``, ``seq_len``: ``{"from", "to"}``). Pure:
     every rank reaches the same verdict."""
     run = {"data_seed": seed, "global_batch_size": global_batch, "seq_len": seq_len}
-    changes = _changes(ckpt_attrs, data_hash, run, info)
+    changes = _changes(ckpt_attrs, data_hash, run, info, data)
     if not changes:
         return None
     what = "; ".join(c[3] for c in changes)
@@ -167,7 +203,8 @@ def start(run_dir: Path, cfg, topo, data_lineage: dict, resumed: dict | None, in
         t = cfg.train
         forced = check_resume(resumed, str(data_lineage.get("content_hash", "")),
                               cfg.data.allow_changed, info, seed=t.seed,
-                              global_batch=t.global_batch_size, seq_len=t.seq_len)
+                              global_batch=t.global_batch_size, seq_len=t.seq_len,
+                              data=data_lineage)
         if forced:
             record["forced_data_change"] = forced
     record["decay_steps"], moved = decay_horizon(cfg, resumed, info)

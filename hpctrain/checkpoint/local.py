@@ -156,6 +156,8 @@ class LocalTier:
             from .recover import restore
 
             return restore(self, named_params, optimizer)
+        from .recover import resharded
+
         t0 = time.perf_counter()
         resumed = self.saver.restore(how, named_params, optimizer)
         if self.every:  # an explicit start: the generations past it are another line
@@ -163,7 +165,8 @@ class LocalTier:
         self.recovery = {"tier": "hdf5" if resumed else "none",
                          "step": int(resumed["step"]) if resumed else 0,
                          "recovery_s": time.perf_counter() - t0,
-                         "path": resumed["path"] if resumed else None, "reshard": False}
+                         "path": resumed["path"] if resumed else None,
+                         "reshard": resharded(resumed, self.dims)}
         return resumed
 
     def roll_back(self, named_params, optimizer) -> str | None:

@@ -37,6 +37,12 @@ from .shards import inventory, load_shard, remove, sound
 from .write import Snapshot
 
 
+def resharded(resumed: dict | None, dims) -> bool:
+    """Whether a checkpoint restored from HDF5 was written on another grid."""
+    saved = str((resumed or {}).get("topology", "") or "")
+    return bool(saved) and saved != str(tuple(dims))
+
+
 class LocalMismatch(LineageError):
     """A local generation that does not fit this model (refused like an HDF5 one)."""
 
@@ -214,7 +220,8 @@ def restore(tier, named_params, optimizer) -> dict | None:
     dt = time.perf_counter() - t0
     tier.recovery = {"tier": what if resumed else "none", "step": step, "recovery_s": dt,
                      "path": resumed["path"] if resumed else None,
-                     "reshard": bool(choice and not choice["fast"])}
+                     "reshard": (not choice["fast"]) if choice else resharded(resumed,
+                                                                               tier.dims)}
     if resumed and world.rank == 0:
         tier.info(f"restart: tier {what}, step {step}, from {resumed['path']}, "
                   f"{dt:.2f} s to recover")

@@ -17,9 +17,10 @@ class Checkpoints:
     """Restore, save when due, poll, wait and the metrics of both tiers. Collective where
     the tiers are (every call but :meth:`watch` and :attr:`recovery`)."""
 
-    def __init__(self, cfg, topo, directory: Path, total_steps: int, info=None, warn=None):
+    def __init__(self, cfg, topo, directory: Path, total_steps: int, info=None, warn=None,
+                 model=None):
         self.cfg, self.total = cfg, total_steps  # the [checkpoint] section, train.steps
-        self.saver = Checkpointer(cfg, topo, directory, warn=warn, info=info)
+        self.saver = Checkpointer(cfg, topo, directory, warn=warn, info=info, model=model)
         self.tier = LocalTier(cfg, topo, self.saver, info, warn)
         self.last_saved: Path | None = None  # the newest HDF5 file this run wrote
 

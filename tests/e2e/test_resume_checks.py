@@ -104,14 +104,25 @@ def test_longer_train_steps_keep_the_decay_horizon(tmp_path, saved):
 
 
 @pytest.mark.parametrize("override, problem", [
-    ("model.d_ff=48", "model/blocks.0.mlp.w1: checkpoint shape (64, 32) != model shape "
-                      "(48, 32)"),
-    ("model.n_layers=4", "this model has no parameter model/blocks.4.")])
+    ("model.d_ff=48", "another model (model.d_ff: 64 in the checkpoint, 48 in the config)"),
+    ("model.n_layers=4", "another model (model.n_layers: 8 in the checkpoint, 4 in the "
+                         "config)")])
 def test_checkpoint_of_another_model_is_refused(tmp_path, saved, override, problem):
+    """The keys that differ, not every dataset that does not fit."""
     d = tmp_path / "ckpt"
     shutil.copytree(saved, d)
     line = _refused(tmp_path / "run", d, override)
-    assert "does not fit this model" in line and problem in line, line
+    assert problem in line and "dataset" not in line, line
+
+
+def test_other_data_is_refused_naming_what_changed(tmp_path, saved):
+    """Another corpus: the refusal names the data lineage that changed, and train.log does
+    not end on 'resumed from' (the refusal comes first)."""
+    line = _refused(tmp_path / "run", saved, "data.corpus_mb=1")
+    assert "the checkpoint was trained on other data (" in line and "content hash" in line
+    assert "documents 21 -> 49" in line, line  # what differs in the data lineage
+    log = tmp_path / "run" / "train.log"
+    assert not log.exists() or "resumed from" not in log.read_text()
 
 
 def test_checkpoint_missing_a_dataset_is_refused(tmp_path, saved):

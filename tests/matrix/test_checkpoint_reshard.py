@@ -6,6 +6,8 @@ step 3 and trains 3 more. Y's losses and grad norms must equal the reference's s
 its final parameters *and optimizer state* the reference's, within 1e-9 relative.
 """
 
+import json
+
 import numpy as np
 from inprocess import baseline, train_layout
 from launch import assert_same, assert_tail_equal, ckpt
@@ -45,8 +47,11 @@ def test_dp2_to_dp4_and_one_rank_reference(tmp_path, session_dir):
 
 def test_dp4_to_dp2_tp2(tmp_path, session_dir):
     ref = baseline(session_dir, *COMMON)
-    _, b = reshard(tmp_path, ref, layout(dp=4), layout(dp=2, tp=2))
+    a, b = reshard(tmp_path, ref, layout(dp=4), layout(dp=2, tp=2))
     assert_tail_equal(b, ref, 3, "dp=4 -> dp=2 x tp=2")
+    recovered = [json.loads((r.run_dir / "summary.json").read_text())["recovery"] for r in (a, b)]
+    assert recovered[0]["tier"] == "none" and recovered[1]["tier"] == "hdf5"
+    assert recovered[1]["reshard"] and recovered[1]["step"] == 3, recovered  # another grid
 
 
 def test_tp2_pp2_to_one_rank(tmp_path, session_dir):
