@@ -178,7 +178,10 @@ def test_plan_command_prints_schedule_bubble_and_inflight(capsys):
     assert "pp rank 3: stage(s) [3], layers 6-7 + head, loss" in out
     assert "peak in-flight microbatches 4" in out and "peak in-flight microbatches 1" in out
     assert "bubble fraction 0.2727" in out  # 1F1B, p=4, m=8: 3/11
-    assert build("1f1b", 4, 8).text(3) in out.replace("\n    ", " ")
+    assert out.index("memory per rank") < out.index("schedule 1f1b")  # the verdict first
+    assert build("1f1b", 4, 8).text(3) not in out.replace("\n    ", " ")  # on request:
+    assert main([*args, "--schedules"]) == 0
+    assert build("1f1b", 4, 8).text(3) in capsys.readouterr().out.replace("\n    ", " ")
     bad = ["plan", tiny, "--world-size", "2", "--set", "topology.pp=2", "--set",
            'schedule.kind="interleaved"', "--set", "schedule.virtual_stages=2",
            "--set", "train.global_batch_size=5"]
