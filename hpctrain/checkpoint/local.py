@@ -197,7 +197,9 @@ class LocalTier:
         if not self.every:  # the wait found the previous generation failed
             return
         if self.stale_after is not None:  # superseded now: the restart abandoned them
-            drop_newer(self.folder, self.stale_after)
+            if self.topo.node_comm.rank == 0:  # the node's folder: its first rank
+                drop_newer(self.folder, self.stale_after)
+            self.topo.world.barrier()  # before any rank of the node writes this generation
             self.stale_after = None
         pieces = self.saver.pieces(named_params, optimizer)
         writes = {path: p.writes for path, p in pieces.items()}
