@@ -14,7 +14,9 @@ Standard library only, no MPI: this process is the job script's helper, not a ra
    for the best layout of the ranks left (same model, sequence and global batch);
 4. starts the step again with ``checkpoint.resume=auto`` and that layout, up to
    ``--relaunch`` times; then (or when no host or no layout is left) exits 75, which the
-   ``jobs/`` templates turn into a requeue.
+   ``jobs/`` templates turn into a requeue. A failure that repeats (the same exception at
+   the same step as the one before, in this job or the one before it: ``relaunch.jsonl``)
+   is not a node's: the loop stops with exit 3 and says so, and the job is not requeued.
 
 Each failure and relaunch is logged (``[relaunch]`` lines on stderr) and recorded in
 ``RUN_DIR/relaunch.jsonl``: the exit status, the hosts named in the launcher's message, the
@@ -38,6 +40,10 @@ from pathlib import Path
 
 EXIT_REQUEUE = 75  # hpctrain.job.slurm.EXIT_REQUEUE (not imported: that module is not stdlib-only)
 EXIT_BAD_INPUT = 2
+EXIT_REPEATED = 3  # the same failure at the same step again: not a node's, a requeue won't help
+# What a failure that is not a lost node says: an uncaught exception on a rank, a failed save.
+RAISED = re.compile(r"hpctrain: rank \d+ of \d+: unhandled (\S+?);|failed on rank \d+ "
+                    r"\(([^:)]+)")
 # A launcher's words for a rank or node that died: the step is over, whatever hangs after it.
 DIED = re.compile(r"lost communication with a remote daemon|noticed that process rank|"
                   r"unexpectedly disconnected|^srun: error: \S+: tasks? |BAD TERMINATION")
@@ -264,6 +270,18 @@ class Plan:
         extra = [*self.layout, *(["--set", "checkpoint.resume=auto"] if again else [])]
         return step_argv(self.launcher, self.used, [*self.command, *extra])
 
+    def last_signature(self) -> list | None:
+        """The signature of the last failure ``relaunch.jsonl`` records (an earlier job of
+        this run, before a requeue), or None."""
+        run_dir = train_parts(self.command)[3]
+        try:
+            lines = (Path(run_dir) / "relaunch.jsonl").read_text().splitlines() if run_dir \
+                else []
+        except OSError:
+            return None
+        entries = [json.loads(x) for x in lines if x.strip()]
+        return next((e.get("signature") for e in reversed(entries) if "failure" in e), None)
+
     def record(self, entry: dict) -> None:
         run_dir = train_parts(self.command)[3]
         if run_dir and Path(run_dir).is_dir():
@@ -290,11 +308,34 @@ class Plan:
         return None
 
 
+def signature(a: Attempt) -> list | None:
+    """[the last step done, what was raised] of a failure that is not a lost rank or node
+    (None: a rank died, or nothing was said)."""
+    text = "".join(a.tail)
+    if a.died_at is not None:
+        return None
+    m = RAISED.search(text)
+    return [a.last_step, m.group(1) or m.group(2)] if m else None
+
+
+def repeated(plan: Plan, a: Attempt, before: list | None) -> bool:
+    """Whether this failure is the one before it again (logged, exit EXIT_REPEATED)."""
+    sig = signature(a)
+    if sig is None or sig != before:
+        return False
+    log(f"the same failure again after step {sig[0]} ({sig[1]}): not a lost node, a relaunch "
+        f"or a requeue would fail the same way; stopping with exit {EXIT_REPEATED} (see the "
+        "rank's message above; RUN_DIR/relaunch.jsonl)")
+    plan.record({"repeated": sig, "rc": a.rc})
+    return True
+
+
 def loop(plan: Plan) -> int:
     """Start the step; relaunch it after a failure as the module docstring says. The exit
-    status: the step's (0, 75, 2), or 75 when the relaunches are spent."""
+    status: the step's (0, 75, 2), 75 when the relaunches are spent, 3 when a failure
+    repeats."""
     plan.world = plan.world or sum(h.slots for h in plan.used)
-    failed_at, lost_from = None, 0
+    failed_at, lost_from, before = None, 0, plan.last_signature()
     for attempt_no in range(plan.relaunches + 1):
         def first_step(a: Attempt, t0=failed_at, n=attempt_no) -> None:
             if t0 is not None:
@@ -308,7 +349,9 @@ def loop(plan: Plan) -> int:
                          "rc": a.rc})
         if a.rc in (0, EXIT_REQUEUE, EXIT_BAD_INPUT):
             return a.rc
-        failed_at, lost_from = time.monotonic(), a.last_step
+        if repeated(plan, a, before):
+            return EXIT_REPEATED
+        failed_at, lost_from, before = time.monotonic(), a.last_step, signature(a)
         named = named_hosts("".join(a.tail), plan.hosts)
         log(f"step failed: exit {a.rc} after step {a.last_step} on "
             f"{','.join(h.name for h in plan.used)}; the launcher names "
@@ -318,7 +361,7 @@ def loop(plan: Plan) -> int:
             return EXIT_REQUEUE
         why = plan.survivors(a)
         entry = {"failure": attempt_no + 1, "rc": a.rc, "last_step": a.last_step,
-                 "named": named, "dropped": plan.dropped,
+                 "signature": before, "named": named, "dropped": plan.dropped,
                  "hosts": [h.name for h in plan.used], "layout": plan.layout,
                  "detected_to_plan_s": time.monotonic() - failed_at}
         plan.record({**entry, "refused": why} if why else entry)

@@ -6,6 +6,7 @@ tests/e2e/test_relaunch_cluster.py and tests/e2e/test_slurm.py."""
 
 from __future__ import annotations
 
+import json
 import shlex
 
 import pytest
@@ -192,3 +193,34 @@ def test_emit_overrides_refuses_when_nothing_fits(capsys):
     assert "no layout of 4 rank(s) fits" in err and "does not fit in memory" in err
     rc, _, err = emit(capsys, "--world-size", "4", "--nodes", "3")
     assert rc == 2 and "is not --nodes 3" in err
+
+
+RAISES = ["[hpctrain] step 5/9 | loss 3.0\n",
+          "hpctrain: rank 1 of 6: unhandled OSError; ending every rank (MPI_Abort)\n"]
+
+
+def test_the_same_failure_again_stops_instead_of_relaunching(monkeypatch, tmp_path):
+    """An exception at the same step twice is not a lost node: exit 3, no requeue; a rank
+    that dies (the launcher says so) or another exception is relaunched as before."""
+    same = Attempt(rc=1, last_step=5, tail=RAISES)
+    calls = fake(monkeypatch, [same, same, Attempt(rc=0)], alive={"n0", "n1", "n2"})
+    assert relaunch.loop(plan(relaunches=3)) == relaunch.EXIT_REPEATED
+    assert len(calls["argv"]) == 2  # the first relaunch only
+    died = Attempt(rc=1, last_step=5, tail=RAISES, died_at=1.0)
+    other = Attempt(rc=1, last_step=6, tail=RAISES)
+    fake(monkeypatch, [same, died, died, other, Attempt(rc=0)], alive={"n0", "n1", "n2"})
+    assert relaunch.loop(plan(relaunches=4)) == 0
+
+
+def test_a_failure_repeated_after_a_requeue_stops(monkeypatch, tmp_path):
+    """The job before this one (relaunch.jsonl of the run) failed the same way: the first
+    failure here stops the chain of requeues."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "relaunch.jsonl").write_text(json.dumps({"failure": 1, "signature": [5, "OSError"]})
+                                        + "\n")
+    cmd = [*CMD[:8], str(run), *CMD[9:]]
+    fake(monkeypatch, [Attempt(rc=1, last_step=5, tail=RAISES)], alive=set())
+    p = Plan(Launcher("openmpi", ("mpirun",)), HOSTS, HOSTS, cmd, 2)
+    assert relaunch.loop(p) == relaunch.EXIT_REPEATED
+    assert "repeated" in (run / "relaunch.jsonl").read_text().splitlines()[-1]
