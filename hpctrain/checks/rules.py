@@ -334,3 +334,10 @@ def _check_blend(d, need) -> None:
                            "share of the samples; leave a source out to drop it)")
         need(bool(s.path), f"data.sources[{i}].path is empty: name a file made by "
                            "`hpctrain prepare`")
+    if d.sources and all(s.weight > 0 for s in d.sources):
+        from ..data.blend import integer_weights  # numpy, not torch
+
+        try:  # the blend's order in exactly the proportions given, or refused
+            integer_weights([s.weight for s in d.sources])
+        except ValueError as e:
+            need(False, str(e))

@@ -1,8 +1,10 @@
 """Blending corpora (``data.sources``): which source each global sample comes from, and the
 sampler that reads a step's windows from several prepared files.
 
-**The order.** Weights are made integers ``W_i`` (:func:`integer_weights`: shares of
-:data:`RESOLUTION`, reduced by their gcd; 0.7 and 0.3 become 7 and 3) with total ``P``.
+**The order.** Weights are made integers ``W_i`` in their exact proportions
+(:func:`integer_weights`: each weight as written, 0.7 as 7/10, reduced by the gcd; 0.7 and 0.3
+become 7 and 3, 1 and 1e-5 become 100000 and 1) with total ``P`` (at most
+:data:`MAX_PERIOD`: finer proportions are refused, never rounded).
 Samples are handed out one after another by a deadline rule (Tijdeman's solution of the
 chairman assignment problem): with ``c_i`` samples of source ``i`` among the first ``N - 1``,
 sample ``N`` may go to source ``i`` once ``N W_i / P >= c_i + 1/D`` (``D = 2k - 2`` for ``k``
@@ -28,16 +30,25 @@ import numpy as np
 
 from .sampler import Sampler, windows
 
-RESOLUTION = 10_000  # weights are shares of this (before the gcd)
+MAX_PERIOD = 1_000_000  # samples in one period of the order (its table: 8 bytes x sources each)
 
 
 def integer_weights(weights) -> list[int]:
-    """Positive integer weights in the proportions of ``weights`` (rounded to shares of
-    :data:`RESOLUTION`, at least 1 each), reduced by their greatest common divisor."""
-    total = sum(Fraction(w) for w in weights)
-    ints = [max(1, round(Fraction(w) / total * RESOLUTION)) for w in weights]
+    """Positive integer weights in exactly the proportions of ``weights`` (a float read as
+    written: ``repr``), reduced by their greatest common divisor; ValueError when their sum,
+    the order's period, exceeds :data:`MAX_PERIOD`."""
+    exact = [Fraction(repr(w)) if isinstance(w, float) else Fraction(w) for w in weights]
+    scale = math.lcm(*(f.denominator for f in exact))
+    ints = [int(f * scale) for f in exact]
     g = math.gcd(*ints)
-    return [w // g for w in ints]
+    ints = [w // g for w in ints]
+    if sum(ints) > MAX_PERIOD:
+        raise ValueError(
+            f"data.sources weights {[float(w) for w in weights]}: their exact proportions "
+            f"{':'.join(map(str, ints))} repeat only every {sum(ints):,} samples (the limit is "
+            f"{MAX_PERIOD:,}); give weights whose ratio has fewer digits, e.g. rounded to "
+            f"{1 / MAX_PERIOD * 10:g} of the total")
+    return ints
 
 
 def sequential(weights: list[int], count: int) -> list[int]:

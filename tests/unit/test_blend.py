@@ -73,7 +73,14 @@ def test_integer_weights_keep_simple_proportions():
     assert integer_weights([0.7, 0.3]) == [7, 3]
     assert integer_weights([7, 3]) == [7, 3]
     assert integer_weights([1, 1, 2]) == [1, 1, 2]
-    assert integer_weights([1.0, 1e-9]) == [10000, 1]  # every source gets some samples
+    # exactly the proportions asked: no share rounded up to a minimum, no two weights alike
+    assert integer_weights([1, 1e-5]) == [100000, 1]
+    assert integer_weights([1, 4e-5]) == [25000, 1]
+    assert integer_weights([0.5, 0.25, 0.25]) == [2, 1, 1]
+    with pytest.raises(ValueError, match="repeat only every 1,000,000,001 samples"):
+        integer_weights([1.0, 1e-9])  # finer than the order can be: refused, not rounded
+    counts = BlendOrder([1, 1e-5]).counts(100001)
+    assert list(counts) == [100000, 1]
     assert list(BlendOrder([0.7, 0.3]).source) == [0, 1, 0, 0, 0, 1, 0, 0, 1, 0]
 
 
@@ -234,3 +241,24 @@ def test_a_changed_blend_is_refused_on_resume_unless_allowed(two_files):
         check_resume(attrs, new["content_hash"], False, print)
     forced = check_resume(attrs, new["content_hash"], True, print)
     assert forced == {"from": old["content_hash"], "to": new["content_hash"]}
+
+
+def test_a_changed_weight_is_a_changed_blend_and_too_fine_ones_are_refused():
+    """The blend's hash follows the weights as given ([1, 4e-5] is not [1, 1e-5]; 0.7/0.3 is
+    7/3), and the config checks refuse weights finer than the order can hold."""
+    from dataclasses import replace
+
+    from hpctrain.checks.rules import problems
+    from hpctrain.config import load
+    from hpctrain.config.values import Source
+    from hpctrain.data.blend import blend_lineage
+
+    lin = [{"content_hash": "a", "source": "x"}, {"content_hash": "b", "source": "y"}]
+
+    def hash_of(*w):
+        return blend_lineage([Source(p, x) for p, x in zip("xy", w)], lin)["content_hash"]
+
+    assert hash_of(1, 1e-5) != hash_of(1, 4e-5) and hash_of(0.7, 0.3) == hash_of(7, 3)
+    cfg = load(None)
+    cfg = replace(cfg, data=replace(cfg.data, sources=(Source("x.h5", 1.0), Source("y.h5", 1e-9))))
+    assert any("repeat only every 1,000,000,001 samples" in p for p in problems(cfg, 1))
