@@ -169,15 +169,17 @@ def sections(lineage_json: str, config_toml: str = "") -> tuple[dict, dict]:
 
 def candidates(lineage_json: str, config_toml: str = "") -> list[tuple[str | None, str]]:
     """Every tokenizer a checkpoint's lineage and config name, in the order :func:`find`
-    tries them: (a tokenizer.json path, or the text a prepared data file carries; None when
-    the named file is not there), where it was named."""
+    tries them: (a tokenizer.json path, or the text a prepared data file carries, a blend's
+    sources included; None when the named file is not there), where it was named."""
     data, section = sections(lineage_json, config_toml)
     out: list[tuple[str | None, str]] = []
     for key, value in [(f"data lineage {k}", data.get(k)) for k in LINEAGE_KEYS] \
             + [("data.tokenizer", section.get("tokenizer"))]:
         if value:
             out.append((str(value) if Path(str(value)).is_file() else None, f"{key} {value}"))
-    for where in dict.fromkeys(str(w) for w in (data.get("source"), section.get("path")) if w):
+    blend = [s.get("path") for s in section.get("sources", []) if isinstance(s, dict)]
+    for where in dict.fromkeys(str(w) for w in (data.get("source"), section.get("path"), *blend)
+                               if w):
         if Path(where).is_file():
             text = _carried(where)
             if text is not None:

@@ -113,6 +113,12 @@ def problems(cfg: Config) -> list[str]:
     return tokenizer_problems(cfg, kind, path)
 
 
+def data_file(cfg: Config) -> str:
+    """The prepared file whose tokenizer this run's data has: ``data.path``, or a blend's
+    first source (the blend checks make every source's the same)."""
+    return cfg.data.sources[0].path if cfg.data.sources else cfg.data.path
+
+
 def tokenizer_problems(cfg: Config, kind: str, path: Path) -> list[str]:
     """The source was trained with another tokenizer than this run's data uses (both known:
     ``data.tokenizer_match``); a source that records none is not checked."""
@@ -126,7 +132,7 @@ def tokenizer_problems(cfg: Config, kind: str, path: Path) -> list[str]:
         with h5py.File(path, "r") as f:
             want, where = tm.recorded(str(cv._plain(f.attrs.get("lineage", ""))))
         theirs = set() if want is None else {want}
-    mine, what = tm.of_data(cfg.data.path, cfg.data.tokenizer)
+    mine, what = tm.of_data(data_file(cfg), cfg.data.tokenizer)
     if not theirs or not mine or theirs & mine:
         return []
     return [f"checkpoint.init_from={cfg.checkpoint.init_from!r} was trained with the tokenizer "

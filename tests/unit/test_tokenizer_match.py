@@ -156,3 +156,29 @@ def test_export_import_and_init_from_keep_the_tokenizer_hash(trained, tmp_path, 
         assert "byte-level" in err and "tokenizer" in err, err
     run = dataclasses.replace(run, data=dataclasses.replace(run.data, tokenizer=str(path)))
     assert init_from.problems(run) == []
+
+
+def test_a_blend_is_tokenized_as_its_sources(tmp_path):
+    """A blend's run (data.sources, no data.path) has its sources' tokenizer, for init_from's
+    check and for a checkpoint's tokenizer lookup (generate, export): not byte-level."""
+    import numpy as np
+
+    from hpctrain.config import load
+    from hpctrain.interchange.init_from import data_file
+
+    text = '{"model": {"type": "BPE"}}'
+    for name in ("a.h5", "b.h5"):
+        with h5py.File(tmp_path / name, "w") as f:
+            f.attrs["tokenizer"] = "tok.json"
+            f.attrs["tokenizer_hash"] = "h1"
+            f["tokenizer_json"] = np.frombuffer(text.encode(), np.uint8)
+    sources = f'data.sources=[{{path = "{tmp_path}/a.h5", weight = 1}}, ' \
+              f'{{path = "{tmp_path}/b.h5", weight = 1}}]'
+    cfg = load(None, [sources])
+    mine, what = tokenizer_match.of_data(data_file(cfg), cfg.data.tokenizer)
+    assert mine == {"h1"} and "a.h5" in what  # the blend's, not byte-level
+    config_toml = f'[data]\nsources = [{{path = "{tmp_path}/a.h5", weight = 1.0}}]\n'
+    lineage = json.dumps({"data": {"source": f"blend of {tmp_path}/a.h5 x1",
+                                   "tokenizer": "tok.json", "tokenizer_hash": "h1"}})
+    found, why = tokenizer.find(lineage, config_toml)
+    assert str(found) == text and "inside" in why and "a.h5" in why, (found, why)
