@@ -41,6 +41,14 @@ waiting in, writes it to ``summary.txt``, and aborts the whole job (``comm.abort
 code :data:`EXIT_CODE`). Every other rank aborts by itself after a second grace period, so
 the job ends even when rank 0 is the dead one.
 
+A rank whose main thread holds the interpreter lock inside a C call that never returns (an
+HDF5 collective, whose h5py call keeps the lock, while a peer is stopped) starves this
+thread. So each check also re-arms a backstop in C (``faulthandler.dump_traceback_later``,
+:meth:`Watchdog.backstop_s`: 1.5 x the ``checkpoint`` limit + 5 s, longer than any firing of
+the thread takes): when the thread has not run for that long, the rank prints
+``Timeout (H:MM:SS)!`` and every thread's stack to stderr and exits 1, and the launcher ends
+the job.
+
 The thread uses no MPI except the final abort (the main thread may sit inside a
 collective). It is a daemon that sleeps between checks (``poll``: a tenth of the floor, at
 most 1 s) and only reads the ring and a few numbers, so ordinary runs do not pay for it;
@@ -147,9 +155,16 @@ class Watchdog:
         return limit_s(self.floor, self.factor, self.slowest, self.timers.current,
                        self.eval_batches)
 
+    def backstop_s(self) -> float:
+        """Seconds without a check after which the C backstop ends this rank."""
+        worst = max(limit_s(self.floor, self.factor, self.slowest, "checkpoint"),
+                    limit_s(self.floor, self.factor, self.slowest, "eval", self.eval_batches))
+        return 1.5 * worst + 5.0
+
     def close(self) -> None:
         """Stop and join the thread (within one poll). Idempotent."""
         self.armed = False
+        faulthandler.cancel_dump_traceback_later()
         if self._on_comm in self.topo.recorder.listeners:
             self.topo.recorder.listeners.remove(self._on_comm)
         self._stop.set()
@@ -161,6 +176,7 @@ class Watchdog:
         while not self._stop.wait(self.poll):
             if not self.armed:
                 continue
+            faulthandler.dump_traceback_later(self.backstop_s(), exit=True, file=2)
             now, limit = time.perf_counter(), self.limit()
             ops = list(self.topo.recorder.ring)[-self.ring_ops:]
             stuck = [r for r in ops if not r.completed and now - r.posted > limit]

@@ -5,6 +5,9 @@ included; the checkpoint and evaluation phases, whose first occurrence may come 
 slow step was seen, get more. ``watchdog_s = 0`` turns it off, ``watchdog_factor = 0`` pins
 the limit to ``watchdog_s`` (the fault tests)."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -125,3 +128,35 @@ def test_a_hanging_background_write_fires_although_the_steps_go_on(tmp_path, mon
     rec = {"coords": "(pp=0)", "host": "here", "step": 9, "stuck": stuck, "ops": [],
            "phase": "compute", "idle_s": 0.0}
     assert stuck in summarise({0: rec}, 1, limit)
+
+
+HOLD_THE_LOCK = """
+import ctypes, sys, time
+sys.path.insert(0, sys.argv[1])
+from test_watchdog_limit import fake_topo
+from hpctrain.telemetry.metrics import Timers
+from hpctrain.telemetry.watchdog import Watchdog
+dog = Watchdog(0.1, fake_topo(), sys.argv[2], Timers(), factor=0)
+dog.begin_step(1)
+time.sleep(0.5)  # the thread checks (and arms the backstop) at least once
+print("holding", flush=True)
+ctypes.PyDLL(None).sleep(60)  # a C call that keeps the interpreter lock, as h5py's do
+print("returned", flush=True)
+"""
+
+
+def test_a_rank_whose_thread_is_starved_is_ended_by_the_backstop(tmp_path):
+    """The main thread blocks in C holding the interpreter lock (an HDF5 collective while a
+    peer is stopped): the Python thread cannot run, the C backstop ends the rank after
+    1.5 x the checkpoint limit + 5 s (here 6.5 s) with every thread's stack."""
+    here = str(Path(__file__).parent)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HOLD_THE_LOCK, here, str(tmp_path)],
+                          capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "PYTHONPATH": f"{here}:{here}/.."})
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "holding" in proc.stdout and "returned" not in proc.stdout
+    assert "Timeout (0:00:06.500000)!" in proc.stderr, proc.stderr
+    assert "most recent call first" in proc.stderr
+    assert 6 < took < 40
