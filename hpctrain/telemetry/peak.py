@@ -12,8 +12,9 @@ def measure_peak_flops(dtype: torch.dtype, device: str = "cpu", seconds: float =
     """Best FLOP/s of square matrix multiplies in ``dtype`` on ``device`` (the probe taken at
     start, reported as ``matmul_tflops``). Local to this process, no communication."""
     n = 2048 if device == "cuda" else 384
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(0)  # the run's RNG stream is not drawn on
+    a = torch.randn(n, n, dtype=dtype, device=device, generator=g)
+    b = torch.randn(n, n, dtype=dtype, device=device, generator=g)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     a @ b  # warm-up (kernel selection, page faults)
     sync()
