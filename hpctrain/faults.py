@@ -15,7 +15,14 @@ the environment (``HPCTRAIN_FAULTS``, the same syntax; both are read, ``;``-sepa
 ``ckpt_slow``      that write sleeps SECONDS before its commit (still in flight)
 ``local_kill``     it dies halfway through a node-local shard of generation STEP
 ``local_fail``     its node-local write of generation STEP fails (OSError, a full disk)
+``partner_kill``   it dies in the exchange of generation STEP with its partner node, its
+                   sends and receives posted, none waited for
 =================  ==========================================================================
+
+With ``HPCTRAIN_FAULTS_ONCE=DIR`` each fault acts once across every process and relaunch
+that shares DIR (the first to create its file there acts): a campaign arms a job's faults
+up front and a relaunch that redoes the step does not die again. ``slow`` is exempt (it acts
+on every step from STEP on).
 
 The first five act in the training step (:mod:`hpctrain.telemetry.fault_injection`), the
 others where the checkpoint code asks :func:`find`. Standard library only; not collective.
@@ -26,11 +33,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KINDS = ("kill", "stall", "poison", "slow", "raise", "ckpt_kill", "ckpt_fail", "ckpt_slow",
-         "local_kill", "local_fail")
+         "local_kill", "local_fail", "partner_kill")
 ENV = "HPCTRAIN_FAULTS"
+ONCE = "HPCTRAIN_FAULTS_ONCE"
 USAGE = ("KIND@RANK:STEP[:SECONDS] (RANK, STEP: a number or *), e.g. \"kill@1:3\" or "
          "\"ckpt_slow@*:*:1\"; kinds: " + ", ".join(KINDS))
 
@@ -41,9 +49,24 @@ class Fault:
     rank: int | None  # None: any rank
     step: int | None  # None: any step
     seconds: float = 0.0
+    index: int = field(default=0, compare=False)  # its place in the spec (its ONCE file)
 
     def hits(self, rank: int, step: int) -> bool:
         return self.rank in (None, rank) and self.step in (None, step)
+
+    def claim(self) -> bool:
+        """Whether this process may act on the fault now: always, or with
+        ``HPCTRAIN_FAULTS_ONCE`` only the first time across every process sharing it."""
+        folder = os.environ.get(ONCE, "")
+        if not folder or self.kind == "slow":
+            return True
+        where = "*" if self.rank is None else self.rank
+        name = f"{self.index}-{self.kind}@{where}:{'*' if self.step is None else self.step}"
+        try:
+            os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
 
 def _number(text: str) -> int | None:
@@ -53,7 +76,7 @@ def _number(text: str) -> int | None:
 def parse(text: str) -> list[Fault]:
     """``;``-separated faults; ValueError naming the item and the syntax."""
     out = []
-    for item in filter(None, (s.strip() for s in text.split(";"))):
+    for index, item in enumerate(filter(None, (s.strip() for s in text.split(";")))):
         kind, _, where = item.partition("@")
         try:
             fields = where.split(":")
@@ -63,7 +86,7 @@ def parse(text: str) -> list[Fault]:
             raise ValueError(f"fault {item!r}: expected {USAGE}") from None
         if kind not in KINDS:
             raise ValueError(f"fault {item!r}: unknown kind {kind!r}; expected {USAGE}")
-        out.append(Fault(kind, rank, step, seconds))
+        out.append(Fault(kind, rank, step, seconds, index))
     return out
 
 
@@ -86,7 +109,8 @@ def find(kind: str, rank: int, step: int) -> Fault | None:
     """The first installed fault of ``kind`` for ``rank`` at ``step`` (the environment's
     alone where no run installed any: a checkpoint written outside ``train``)."""
     faults = _INSTALLED[0] if _INSTALLED else parse(spec())
-    return next((f for f in faults if f.kind == kind and f.hits(rank, step)), None)
+    return next((f for f in faults if f.kind == kind and f.hits(rank, step) and f.claim()),
+                None)
 
 
 def die(what: str) -> None:

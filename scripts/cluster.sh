@@ -8,6 +8,8 @@
 #   scripts/cluster.sh mpiexec NAME ARGS...   Hydra's mpiexec (MPICH family; $MPIEXEC, default
 #                                             mpiexec.mpich) over the nodes, the same way
 #   scripts/cluster.sh down NAME              remove everything `up` made (alias: cleanup)
+#   scripts/cluster.sh lose NAME I            node I lost: its processes killed, its namespace gone
+#   scripts/cluster.sh heal NAME              the lost nodes back (new namespaces, unshaped links)
 #   scripts/cluster.sh check                  exit 0 when namespaces can be made here
 #   scripts/cluster.sh with NAME NODES SLOTS RATE -- CMD...   up, run CMD, down (always)
 #
@@ -26,7 +28,7 @@ set -Eeuo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NET=10.213.0
 
-usage() { sed -n '3,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 valid_name() { [[ "$1" =~ ^[a-z0-9]{1,8}$ ]] || die "NAME must be 1-8 of [a-z0-9], got '$1'"; }
 state() { echo "/tmp/hpct-cluster-$1"; }
@@ -60,6 +62,37 @@ shape() {  # shape NAME RATE|off: token bucket on both ends of every node link
   done
 }
 
+add_node() {  # add_node NAME I: node I's namespace, its link to the hub's bridge
+  local name=$1 i=$2 ns="hpct-$1-n$2" hub="hpct-$1-hub"
+  ip netns add "$ns"
+  ip -n "$ns" link set lo up
+  ip -n "$hub" link add "v$i" type veth peer name eth0 netns "$ns"
+  ip -n "$hub" link set "v$i" master br0 up
+  ip -n "$ns" addr add "$NET.$((i + 1))/24" dev eth0
+  ip -n "$ns" link set eth0 up
+}
+
+lose() {  # lose NAME I: every process of node I killed (their connections close as when a
+  # node's ranks die), then the node gone, so a probe of it fails at once
+  local ns="hpct-$1-n$2" pids t=0
+  existing "$1" >/dev/null
+  ip netns list | awk '{print $1}' | grep -qx "$ns" || die "no node $ns"
+  pids=$(ip netns pids "$ns")
+  [[ -z "$pids" ]] || kill -9 $pids 2>/dev/null || true
+  while [[ -n "$(ip netns pids "$ns")" && $t -lt 300 ]]; do sleep 0.1; t=$((t + 1)); done
+  sleep 0.5  # the closing packets leave before the node's link goes
+  ip netns del "$ns"
+}
+
+heal() {  # heal NAME: every node of the hostfile that is gone made again
+  local name=$1 dir i=0
+  dir=$(existing "$name")
+  while read -r ns _; do
+    ip netns list | awk '{print $1}' | grep -qx "$ns" || add_node "$name" "$i"
+    i=$((i + 1))
+  done < "$dir/hostfile"
+}
+
 up() {
   local name=$1 n=$2 slots=${3:-2} rate=${4:-off}
   valid_name "$name"
@@ -78,14 +111,8 @@ up() {
   ip -n "$hub" link set br0 up
   : > "$dir/hostfile"
   for ((i = 0; i < n; i++)); do
-    local ns="hpct-$name-n$i"
-    ip netns add "$ns"
-    ip -n "$ns" link set lo up
-    ip -n "$hub" link add "v$i" type veth peer name eth0 netns "$ns"
-    ip -n "$hub" link set "v$i" master br0 up
-    ip -n "$ns" addr add "$NET.$((i + 1))/24" dev eth0
-    ip -n "$ns" link set eth0 up
-    echo "$ns slots=$slots" >> "$dir/hostfile"
+    add_node "$name" "$i"
+    echo "hpct-$name-n$i slots=$slots" >> "$dir/hostfile"
   done
   shape "$name" "$rate"
   trap - ERR
@@ -101,10 +128,14 @@ with_cluster() {  # with NAME NODES SLOTS RATE -- CMD...: up, run CMD, always do
   "$@"
 }
 
-down() {
-  local name=$1
+down() {  # the processes left in the nodes (a failed test's ranks) are killed first
+  local name=$1 pids
   valid_name "$name"
-  for ns in $(nodes_of "$name"); do ip netns del "$ns" 2>/dev/null || true; done
+  for ns in $(nodes_of "$name"); do
+    pids=$(ip netns pids "$ns" 2>/dev/null || true)
+    [[ -z "$pids" ]] || kill -9 $pids 2>/dev/null || true
+    ip netns del "$ns" 2>/dev/null || true
+  done
   ip netns del "hpct-$name-hub" 2>/dev/null || true  # its veth ends and bridge go with it
   rm -rf "$(state "$name")"
 }
@@ -145,6 +176,8 @@ case "$cmd" in
   mpirun) [[ $# -ge 1 ]] || usage; run_mpirun "$@" ;;
   mpiexec) [[ $# -ge 1 ]] || usage; run_mpiexec "$@" ;;
   with) [[ $# -ge 6 ]] || usage; with_cluster "$@" ;;
+  lose) [[ $# -eq 2 ]] || usage; lose "$1" "$2" ;;
+  heal) [[ $# -eq 1 ]] || usage; heal "$1" ;;
   check) check ;;
   *) usage ;;
 esac

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import comm
+from .. import comm, faults
 from .background import CheckpointFailed, InFlight
 from .shards import (
     MARKER_FORMAT,
@@ -108,6 +108,9 @@ class LocalWriter:
         handles.append(g.isend(torch.from_numpy(head), dest, MSG_TAG))
         if blob.size:
             handles.append(g.isend(torch.from_numpy(blob), dest, MSG_TAG + 1))
+        if faults.find("partner_kill", tier.world_rank, marker["step"]):
+            faults.die(f"rank {tier.world_rank} killed in the partner exchange of step "
+                       f"{marker['step']}")
         comm.wait_all(handles)
         return [(json.loads(heads[r].numpy().tobytes()), recv[r].numpy()) for r in wards]
 

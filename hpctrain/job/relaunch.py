@@ -344,7 +344,7 @@ def loop(plan: Plan) -> int:
         a = run_step(plan.argv(attempt_no > 0), first_step, plan.grace)
         if failed_at is not None:
             plan.record({"relaunch": attempt_no, "resumed_step": a.resumed,
-                         "steps_lost": lost_from - (a.resumed or 0),
+                         "steps_lost": max(0, lost_from - (a.resumed or 0)),
                          "recover_s": (a.first_step_at - failed_at) if a.first_step_at else None,
                          "rc": a.rc})
         if a.rc in (0, EXIT_REQUEUE, EXIT_BAD_INPUT):

@@ -33,7 +33,7 @@ class Faults:
             if f.kind == "slow" and step >= (f.step or 0):
                 with timers("compute"):
                     time.sleep(f.seconds)
-            if f.step not in (None, step):
+            if f.step not in (None, step) or not f.claim():
                 continue
             if f.kind == "kill":
                 faults.die(f"rank {self.rank} killed in step {step}")

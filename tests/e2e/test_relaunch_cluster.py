@@ -6,9 +6,7 @@ norms, final parameters), every step once, so the data position resumed exactly.
 where namespaces cannot be made (not root)."""
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import time
 
@@ -24,26 +22,6 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def cluster():
     yield from simulated_cluster("rl", 3)
-
-
-def pids(ns: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def lose_node(ns: str) -> None:
-    """Every process of the node killed (their connections closed, as when a node's ranks
-    die), then the node gone: a probe of it fails at once."""
-    for pid in pids(ns):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 30
-    while pids(ns) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)  # the closing packets leave before the node's link goes
-    subprocess.run(["ip", "netns", "del", ns], check=True)
 
 
 @pytest.mark.slow(reason="3 simulated nodes, a node lost, probing and relaunching on 2")
@@ -67,7 +45,7 @@ def test_a_lost_node_relaunches_on_the_survivors_with_a_new_layout(cluster, tmp_
             assert proc.poll() is None, (tmp_path / "err.txt").read_text()
             assert time.monotonic() < deadline, "no 3 steps in 240 s"
             time.sleep(0.1)
-        lose_node(nodes[2])
+        subprocess.run([SCRIPT, "lose", cluster, "2"], check=True)  # kill -9, node gone
         shutil.rmtree(tmp_path / "local" / nodes[2])  # its node-local storage went with it
         proc.wait(timeout=300)
     finally:
