@@ -122,7 +122,9 @@ def ending(run_dir: Path) -> list[str]:
         return []
     s = json.loads(path.read_text())
     return [f"- stopped at step {s['final_step']}: {s['stop_reason']}; last checkpoint "
-            f"{s['checkpoint'] or 'none'}; wall time {s['wall_s']:.1f} s"]
+            f"{s['checkpoint'] or 'none'}; wall time {s['wall_s']:.1f} s"
+            + (f" (this invocation; {s['run_wall_s']:.1f} s over the run's {s['invocations']} "
+               "invocations that ended)" if s.get("invocations", 1) > 1 else "")]
 
 
 def summary_md(run_dir: Path, metrics: list[dict], pngs: list[str]) -> str:

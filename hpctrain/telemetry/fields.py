@@ -146,7 +146,10 @@ SUMMARY: dict[str, str] = {
     "final_val_loss": "the last held-out loss, or null",
     "best_val_loss": "the lowest held-out loss, or null",
     "best_val_step": "its step",
-    "wall_s": "wall seconds of the run, set-up included",
+    "wall_s": "wall seconds of this invocation, set-up included",
+    "run_wall_s": "wall seconds of the run's invocations that wrote a summary (a resumed run "
+                  "adds its earlier ones; a killed invocation wrote none)",
+    "invocations": "how many invocations run_wall_s adds up",
     "checkpoint": "the last checkpoint written, or null",
     "recovery": "how the run started",
     "recovery.tier": "`none`, `hdf5`, `local` or `partner`",

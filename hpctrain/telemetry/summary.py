@@ -33,13 +33,15 @@ class RunSummary:
                 "final_val_loss": self.val[-1][1] if self.val else None,
                 "best_val_loss": best[1] if best else None,
                 "best_val_step": best[0] if best else None,
-                "wall_s": wall_s, "checkpoint": checkpoint, "recovery": self.recovery}
+                "wall_s": wall_s, "run_wall_s": wall_s, "invocations": 1,
+                "checkpoint": checkpoint, "recovery": self.recovery}
 
     def finish(self, log, run_dir: Path, stop: str, checkpoint: str | None,
                wall_s: float) -> dict:
         out = self.result(stop, checkpoint, wall_s)
         if not log.is_writer:
             return out
+        out.update(earlier(Path(run_dir) / "summary.json", wall_s, resumed=self.start > 0))
         (Path(run_dir) / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
 
         def val(x):
@@ -50,6 +52,20 @@ class RunSummary:
                  f"{val(out['final_loss'])}, held-out loss final {val(out['final_val_loss'])} "
                  f"best {val(out['best_val_loss'])}"
                  + (f" (step {out['best_val_step']})" if out["best_val_step"] else "")
-                 + f", wall time {wall_s:.1f} s")
+                 + f", wall time {wall_s:.1f} s" + (
+                     f" ({out['run_wall_s']:.1f} s over the run's {out['invocations']} "
+                     "invocations)" if out["invocations"] > 1 else ""))
         log.info(f"run summary: last checkpoint {checkpoint or 'none'}; stopped: {stop}")
         return out
+
+
+def earlier(path: Path, wall_s: float, resumed: bool) -> dict:
+    """``run_wall_s`` and ``invocations``: this invocation's wall time added, when it resumed,
+    to those of the run's earlier invocations that wrote a summary (a killed one wrote none:
+    not counted)."""
+    try:
+        before = json.loads(path.read_text()) if resumed else {}
+    except (OSError, ValueError):
+        before = {}
+    return {"run_wall_s": float(before.get("run_wall_s", before.get("wall_s", 0.0))) + wall_s,
+            "invocations": int(before.get("invocations", 1 if before else 0)) + 1}

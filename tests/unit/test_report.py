@@ -51,3 +51,24 @@ def test_report_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch, cap
     assert "pip install 'hpctrain[report]'" in capsys.readouterr().err
     assert (tmp_path / "out" / "summary.md").is_file()
     assert not list((tmp_path / "out").glob("*.png"))
+
+
+def test_a_resumed_runs_wall_time_adds_its_earlier_invocations(tmp_path, capsys):
+    """Three invocations of one run (the third resumed twice): summary.json and the report
+    give this invocation's wall time and the run's; a fresh start does not add."""
+    from types import SimpleNamespace
+
+    from hpctrain.telemetry.summary import RunSummary
+
+    run = fake_run(tmp_path / "run")
+    log = SimpleNamespace(is_writer=True, info=lambda _m: None)
+    for start, wall in ((0, 10.0), (3, 20.0), (5, 30.5)):
+        s = RunSummary(start, 64)
+        s.add({"step": start + 1, "loss": 1.0})
+        out = s.finish(log, run, "train.steps reached", None, wall)
+    assert (out["wall_s"], out["run_wall_s"], out["invocations"]) == (30.5, 60.5, 3)
+    assert main(["report", str(run)]) == 0
+    md = (run / "report" / "summary.md").read_text()
+    assert "wall time 30.5 s (this invocation; 60.5 s over the run's 3 invocations" in md
+    fresh = RunSummary(0, 64).finish(log, run, "train.steps reached", None, 4.0)
+    assert (fresh["run_wall_s"], fresh["invocations"]) == (4.0, 1)
