@@ -40,5 +40,6 @@ BENCHES = {
     "data": (1, 2, 4),  # prepare vs the tokenizers library; data share of a step; RSS vs corpus
     "context_kinds": (2, 4),  # ring vs Ulysses vs hybrid: step time, peak memory
     "relaunch": (1,),  # time to recover and steps lost: requeue vs relaunch (--size small)
+    "faults": (1,),  # a seeded fault campaign on 3 simulated nodes: survived, steps lost
 }
 SIZES = ("tiny", "small")

@@ -23,6 +23,7 @@ from hpctrain.job.launch import command, launch_env, with_checkout
 from . import BENCHES, SIZES
 
 ACROSS_SIZES = ("scaling",)  # its efficiency compares world sizes
+OWN_TEST = ("faults",)  # --smoke leaves it out: tests/e2e/test_fault_campaign.py runs it
 
 PROG = "python -m benchmarks"
 
@@ -40,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900, help="seconds per mpirun launch")
     p.add_argument("--smoke", action="store_true",
                    help="each part once, at its smallest world size (scaling, whose "
-                        "comparison is across world sizes, at all of them): the CI check")
+                        "comparison is across world sizes, at all of them), but those with "
+                        f"a CI test of their own ({', '.join(OWN_TEST)}): the CI check")
     return p
 
 
@@ -92,7 +94,8 @@ def run(args) -> int:
     out_dir = Path(args.out)
     parts = out_dir / "parts"
     parts.mkdir(parents=True, exist_ok=True)
-    names = [n for n in (args.only or list(BENCHES)) if available(n)]
+    names = [n for n in (args.only or list(BENCHES)) if available(n)
+             and not (args.smoke and not args.only and n in OWN_TEST)]
     for n in set(args.only or BENCHES) - set(names):
         print(f"[bench] {n}: not in this build, skipped", flush=True)
     results = []
