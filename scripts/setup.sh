@@ -124,7 +124,7 @@ if [ -n "${BASE_VENV:-}" ]; then  # reuse BASE_VENV's torch & co; this venv's ow
   say "reusing the MPI-free packages of $BASE_VENV (torch: not installed again)"
 fi
 # The stamp names the torch build and the package list: a changed list installs again.
-BASE_PKGS="numpy cython pkgconfig pytest pytest-mpi pytest-timeout hypothesis ruff
+BASE_PKGS="numpy cython pkgconfig pytest pytest-mpi pytest-timeout pytest-xdist==3.8.0 hypothesis ruff
   matplotlib safetensors tokenizers==0.23.3 transformers==5.23.0 pyarrow zstandard
   tensorboard==2.21.0 wandb==0.31.0"
 [ "$SOURCE_MPI4PY" = 1 ] || BASE_PKGS="$BASE_PKGS mpi4py>=4"

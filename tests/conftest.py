@@ -6,9 +6,23 @@ from pathlib import Path
 
 import pytest
 
+# tests/run_all.sh runs tests/unit and tests/e2e on two pytest-xdist workers, a module's
+# tests on one (--dist loadfile: its module fixtures are made once; only test_slurm.py
+# submits to the local SLURM). The longest modules go first so that none is left running
+# alone at the end.
+FIRST = ("test_fault_campaign", "test_bench", "test_faults", "test_cli_layouts", "test_slurm",
+         "test_local_tiers", "test_checkpoint_async", "test_resume_checks", "test_perf",
+         "test_checkpoint", "test_docs_examples", "test_cluster", "test_cli",
+         "test_eval_lineage", "test_relaunch_cluster")
 SLOW_S = 30  # a test whose setup and call take longer carries @pytest.mark.slow(reason=...)
 _SETUP_S: dict = {}  # test id -> its setup's seconds (a module fixture's cost lands there)
 _UNMARKED: list = []  # (seconds, test id) of slow tests without the marker
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest modules first."""
+    first = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(FIRST)))
 
 
 def pytest_runtest_logreport(report):

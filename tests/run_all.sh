@@ -4,8 +4,10 @@
 #      (tests/matrix, tests/inprocess.py). It is compute-bound, so it runs at low priority
 #      beside phase 2, whose launches mostly wait (process start-up, SLURM, faults, timers),
 #      and takes the cores they leave idle; its report follows phase 3.
-#   2. unit and end-to-end tests in one pytest process (tests/unit, tests/e2e: the real CLI
-#      under the launcher, real SLURM, real process deaths);
+#   2. unit and end-to-end tests (tests/unit, tests/e2e: the real CLI under the launcher, real
+#      SLURM, real process deaths) on HPCTRAIN_TEST_WORKERS pytest-xdist workers (default 2:
+#      much of an end-to-end test is waiting for processes to start, die and be relaunched,
+#      so one worker leaves a core idle), a module's tests on one (tests/conftest.py);
 #   3. the tests that run *inside* MPI ranks (pytest-mpi, --with-mpi) under the launcher of
 #      hpctrain/job/launch.py (mpirun, Hydra mpiexec or srun) at 1, 2 and 4 ranks (tests/mpi).
 # Then the 25 slowest tests of phases 1 and 2 and each phase's seconds.
@@ -32,8 +34,9 @@ matrix() {
 }
 matrix "$@" >"$out/matrix.log" 2>&1 &
 beside=$!
-phase "unit + e2e" $PY -m pytest -q -p no:cacheprovider --junitxml="$out/unit-e2e.xml" \
-  tests/unit tests/e2e "$@"
+workers=${HPCTRAIN_TEST_WORKERS:-2}
+phase "unit + e2e ($workers workers)" $PY -m pytest -q -p no:cacheprovider -n "$workers" \
+  --dist loadfile --junitxml="$out/unit-e2e.xml" tests/unit tests/e2e "$@"
 for n in 1 2 4; do
   phase "tests/mpi on $n ranks ($($PY -m hpctrain.job.launch --describe))" \
     $PY -m hpctrain.job.launch -n $n -- $PY -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi \
