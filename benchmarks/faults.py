@@ -77,19 +77,26 @@ class Fault:
     human: str = ""  # what went wrong, when the run did not go on by itself
 
 
+LOCAL_KINDS = ("kill-local", "kill-partner", "full-local")  # act in the local tier's writes
+
+
 def draw(seed: int, n: int) -> list[Fault]:
     """``n`` faults, one every EVERY steps, the kinds in seeded rounds that each hold every
-    kind once (``n`` >= 9 meets them all), at most one lost node per job (the spare)."""
-    rng, out, pool, job, spare = random.Random(seed), [], [], 0, True
+    kind once (``n`` >= 9 meets them all); at most one lost node per job (the spare), and no
+    local-tier fault while a full local directory has the tier off (until a relaunch)."""
+    rng, out, pool, job, spare, tier = random.Random(seed), [], [], 0, True, True
+
+    def allowed() -> list[str]:
+        return [k for k in pool if (spare or k != "lost-node") and (tier or k not in LOCAL_KINDS)]
+
     for i in range(n):
-        allowed = [k for k in pool if spare or k != "lost-node"]
-        if not allowed:
+        while not allowed():
             pool += rng.sample(KINDS, len(KINDS))
-            allowed = [k for k in pool if spare or k != "lost-node"]
-        kind = allowed[0]
+        kind = allowed()[0]
         pool.remove(kind)
         out.append(Fault(kind, EVERY * (i + 1), rng.randrange(WORLD), rng.random(), job))
         spare = spare and kind != "lost-node"
+        tier = kind != "full-local" and (tier or kind in FAILS or kind == "sigterm")
         if kind == "sigterm":
             job, spare = job + 1, True
     return out
@@ -313,6 +320,8 @@ def one_job(cl: Cluster, d: Path, mine: list[Fault], steps: int, first: bool) ->
             f.human = f"{type(e).__name__}: {e}"
             if job.proc.poll() is None:
                 os.killpg(job.proc.pid, signal.SIGKILL)
+            for pid in cl.ranks().values():  # the launcher's mpirun has its own session
+                os.kill(pid, signal.SIGKILL)
             break
     return job
 
@@ -436,8 +445,9 @@ def summarize(out: dict, faults: list[Fault], diff: list[str] | None) -> None:
         f"from the fault itself (the launcher noticing, the watchdog, the stop and save "
         f"included): median {median(wall or [0]):.1f} s, max {max(wall, default=0):.1f} s",
         f"needed a human: {'; '.join(human) or 'nothing'}",
-        f"final parameters and optimizer state vs the uninterrupted run: "
-        f"{'byte for byte equal' if diff == [] else f'differ in {diff}'}"]
+        "final parameters and optimizer state vs the uninterrupted run: " + (
+            "not compared (the run did not end by itself)" if diff is None else
+            "byte for byte equal" if diff == [] else f"differ in {diff}")]
     out["notes"] += [f"cost more than allowed: {x}" for x in over]
     out["check"] = {"what": "faults survived, final state byte for byte, steps lost in bound",
                     "values": [survived, len(faults)], "rel_err": 0.0, "tol": 0.0,
