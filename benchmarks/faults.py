@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpctrain.job.launch import ROOT, nested_env
+from hpctrain.job.launch import ROOT, nested_env, world_rank_of
 
 from .common import median, result, row
 
@@ -135,9 +135,10 @@ class Cluster:
                     continue
                 if b"hpctrain\0train" not in cmd or _parent_is_a_rank(pid):
                     continue  # a rank's own child (a helper it forked) shares its environment
-                for v in env:
-                    if v.startswith(b"OMPI_COMM_WORLD_RANK="):
-                        out[int(v.split(b"=")[1])] = int(pid)
+                pairs = dict(v.decode(errors="replace").partition("=")[::2] for v in env if v)
+                rank = world_rank_of(pairs)
+                if rank is not None:
+                    out[rank] = int(pid)
         return out
 
     def node_of(self, pid: int) -> int:

@@ -36,7 +36,7 @@ matrix "$@" >"$out/matrix.log" 2>&1 &
 beside=$!
 workers=${HPCTRAIN_TEST_WORKERS:-2}
 phase "unit + e2e ($workers workers)" $PY -m pytest -q -p no:cacheprovider -n "$workers" \
-  --dist loadfile --junitxml="$out/unit-e2e.xml" tests/unit tests/e2e "$@"
+  --dist loadfile --no-loadscope-reorder --junitxml="$out/unit-e2e.xml" tests/unit tests/e2e "$@"
 for n in 1 2 4; do
   phase "tests/mpi on $n ranks ($($PY -m hpctrain.job.launch --describe))" \
     $PY -m hpctrain.job.launch -n $n -- $PY -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi \

@@ -208,6 +208,14 @@ def without_job(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(JOB_PREFIXES)}
 
 
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")  # Open MPI, Hydra, PMIx
+
+
+def world_rank_of(env: dict[str, str]) -> int | None:
+    """The world rank a launcher gave the process whose environment is ``env``, or None."""
+    return next((int(env[k]) for k in RANK_VARS if env.get(k, "").isdigit()), None)
+
+
 def nested_env() -> dict[str, str]:
     """The environment of a launch started from inside an MPI job (a simulated cluster's
     mpirun or mpiexec is a new job): this process's without the job's variables, plus the
