@@ -121,6 +121,24 @@ class Cluster:
     def node(self, i: int) -> str:
         return f"hpct-{self.name}-n{i}"
 
+    def quiet(self, timeout: float = 60.0) -> None:
+        """Wait until no process of the last job is left on any node (an ending Open MPI
+        daemon cleans its session directory, which the nodes of one machine share with the
+        next job's), then kill what is left."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [p for i in range(NODES) for p in subprocess.run(
+                ["ip", "netns", "pids", self.node(i)], capture_output=True,
+                text=True).stdout.split()]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for pid in left:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def ranks(self) -> dict[int, int]:
         """world rank -> pid of every training rank on the cluster now."""
         out = {}
@@ -355,6 +373,7 @@ def campaign(cl: Cluster, d: Path, faults: list[Fault], steps: int) -> list[dict
             bad = next((f for f in mine if f.human), mine[-1] if mine else faults[-1])
             bad.human = bad.human or f"job {j} ended with exit {rc}"
             break
+        cl.quiet()
         cl.sh("heal", cl.name)  # the requeued job gets whole nodes again
     return jobs
 
@@ -409,6 +428,7 @@ def _bytes(value) -> bytes:
 
 def uninterrupted(cl: Cluster, d: Path, steps: int) -> Path:
     run_dir = d / "reference"
+    cl.quiet()
     job = Job(cl, run_dir, job_argv(cl, 0, 0, train_argv(run_dir, d / "ref-local", steps)),
               cl.env)
     if job.end():
