@@ -121,15 +121,18 @@ class Cluster:
     def node(self, i: int) -> str:
         return f"hpct-{self.name}-n{i}"
 
+    def pids(self, i: int) -> list[str]:
+        """Every process in node i (none once the node is lost)."""
+        return subprocess.run(["ip", "netns", "pids", self.node(i)], capture_output=True,
+                              text=True).stdout.split()
+
     def quiet(self, timeout: float = 60.0) -> None:
         """Wait until no process of the last job is left on any node (an ending Open MPI
         daemon cleans its session directory, which the nodes of one machine share with the
         next job's), then kill what is left."""
         deadline = time.monotonic() + timeout
         while True:
-            left = [p for i in range(NODES) for p in subprocess.run(
-                ["ip", "netns", "pids", self.node(i)], capture_output=True,
-                text=True).stdout.split()]
+            left = [p for i in range(NODES) for p in self.pids(i)]
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -143,9 +146,7 @@ class Cluster:
         """world rank -> pid of every training rank on the cluster now."""
         out = {}
         for i in range(NODES):
-            pids = subprocess.run(["ip", "netns", "pids", self.node(i)], capture_output=True,
-                                  text=True).stdout.split()
-            for pid in pids:
+            for pid in self.pids(i):
                 try:
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
                     env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -161,9 +162,7 @@ class Cluster:
 
     def node_of(self, pid: int) -> int:
         for i in range(NODES):
-            out = subprocess.run(["ip", "netns", "pids", self.node(i)], capture_output=True,
-                                 text=True).stdout.split()
-            if str(pid) in out:
+            if str(pid) in self.pids(i):
                 return i
         raise RuntimeError(f"pid {pid} is on no node")
 
