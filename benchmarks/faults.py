@@ -55,7 +55,7 @@ RANKS = (1,)
 SCRIPT = str(ROOT / "scripts" / "cluster.sh")
 CONFIG = str(ROOT / "share" / "configs" / "tiny-llama.toml")
 COUNT = {"tiny": 9, "small": 100}
-EVERY, LOCAL_EVERY, WATCHDOG_S = 4, 1, 4.0
+EVERY, LOCAL_EVERY, WATCHDOG_S = 4, 1, 8.0
 NODES, SLOTS, WORLD = 3, 2, 4
 IN_PROCESS = {"kill-hdf5": "ckpt_kill", "kill-local": "local_kill",
               "kill-partner": "partner_kill", "full-local": "local_fail"}
