@@ -6,8 +6,8 @@ tests/e2e/test_fault_campaign.py; ``HPCTRAIN_FAULT_SEED`` picks the draw, defaul
 cluster is ``scripts/cluster.sh``'s: 3 nodes x 2 ranks, the run on 2 of them (dp=2 x pp=2,
 the tests' tiny model in float64) and the third a spare (``hpctrain launch --relaunch
 --spare 1``). HDF5 checkpoints every ``EVERY`` steps, the node-local tier with partner
-copies every step. A fault every ``EVERY`` steps, its kind, rank and moment drawn from the
-seed:
+copies every step. A fault every ``GAP`` steps (twice ``EVERY``), its kind, rank and
+moment drawn from the seed:
 
 ==================  =======================================================================
 ``kill-step``       SIGKILL of a rank at a random moment of a step (from outside)
@@ -56,6 +56,7 @@ SCRIPT = str(ROOT / "scripts" / "cluster.sh")
 CONFIG = str(ROOT / "share" / "configs" / "tiny-llama.toml")
 COUNT = {"tiny": 9, "small": 100}
 EVERY, LOCAL_EVERY, WATCHDOG_S = 4, 1, 8.0
+GAP = 2 * EVERY  # steps between faults: slack for a driver that lags a loaded machine
 NODES, SLOTS, WORLD = 3, 2, 4
 IN_PROCESS = {"kill-hdf5": "ckpt_kill", "kill-local": "local_kill",
               "kill-partner": "partner_kill", "full-local": "local_fail"}
@@ -81,9 +82,10 @@ LOCAL_KINDS = ("kill-local", "kill-partner", "full-local")  # act in the local t
 
 
 def draw(seed: int, n: int) -> list[Fault]:
-    """``n`` faults, one every EVERY steps, the kinds in seeded rounds that each hold every
-    kind once (``n`` >= 9 meets them all); at most one lost node per job (the spare), and no
-    local-tier fault while a full local directory has the tier off (until a relaunch)."""
+    """``n`` faults, one every GAP steps (on an HDF5 save step), the kinds in seeded rounds
+    that each hold every kind once (``n`` >= 9 meets them all); at most one lost node per
+    job (the spare), and no local-tier fault while a full local directory has the tier off
+    (until a relaunch)."""
     rng, out, pool, job, spare, tier = random.Random(seed), [], [], 0, True, True
 
     def allowed() -> list[str]:
@@ -94,7 +96,7 @@ def draw(seed: int, n: int) -> list[Fault]:
             pool += rng.sample(KINDS, len(KINDS))
         kind = allowed()[0]
         pool.remove(kind)
-        out.append(Fault(kind, EVERY * (i + 1), rng.randrange(WORLD), rng.random(), job))
+        out.append(Fault(kind, GAP * (i + 1), rng.randrange(WORLD), rng.random(), job))
         spare = spare and kind != "lost-node"
         tier = kind != "full-local" and (tier or kind in FAILS or kind == "sigterm")
         if kind == "sigterm":
@@ -491,7 +493,7 @@ def run(world, size: str, repeats: int) -> dict:
         out["notes"].append(f"not run: no simulated cluster here ({check.stderr.strip()})")
         return out
     faults = draw(seed, n)
-    steps = EVERY * (n + 1) + 2
+    steps = GAP * (n + 1) + 2
     cl = Cluster(f"f{os.getpid() % 10**6}")
     cl.sh("up", cl.name, str(NODES), str(SLOTS))
     try:
