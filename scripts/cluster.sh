@@ -62,11 +62,18 @@ shape() {  # shape NAME RATE|off: token bucket on both ends of every node link
   done
 }
 
-add_node() {  # add_node NAME I: node I's namespace, its link to the hub's bridge
+mac() {  # mac I: the fixed address of node I's eth0 (I = 254: the hub's bridge)
+  printf '02:00:0a:d5:00:%02x' "$(( $1 == 254 ? 254 : $1 + 1 ))"
+}
+
+add_node() {  # add_node NAME I: node I's namespace, its link to the hub's bridge. Fixed
+  # addresses: a healed node keeps its MAC, and the bridge keeps its own (a bridge without
+  # one takes its lowest port's, so a new port would change the hub's MAC under the other
+  # nodes' ARP caches and their connections to the hub would stall for a minute)
   local name=$1 i=$2 ns="hpct-$1-n$2" hub="hpct-$1-hub"
   ip netns add "$ns"
   ip -n "$ns" link set lo up
-  ip -n "$hub" link add "v$i" type veth peer name eth0 netns "$ns"
+  ip -n "$hub" link add "v$i" type veth peer name eth0 address "$(mac "$i")" netns "$ns"
   ip -n "$hub" link set "v$i" master br0 up
   ip -n "$ns" addr add "$NET.$((i + 1))/24" dev eth0
   ip -n "$ns" link set eth0 up
@@ -106,7 +113,7 @@ up() {
   mkdir -p "$dir"
   ip netns add "$hub"
   ip -n "$hub" link set lo up
-  ip -n "$hub" link add br0 type bridge
+  ip -n "$hub" link add br0 address "$(mac 254)" type bridge
   ip -n "$hub" addr add "$NET.254/24" dev br0
   ip -n "$hub" link set br0 up
   : > "$dir/hostfile"
