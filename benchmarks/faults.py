@@ -57,6 +57,10 @@ CONFIG = str(ROOT / "share" / "configs" / "tiny-llama.toml")
 COUNT = {"tiny": 9, "small": 100}
 EVERY, LOCAL_EVERY, WATCHDOG_S = 4, 1, 8.0
 GAP = 2 * EVERY  # steps between faults: slack for a driver that lags a loaded machine
+# Every rank sleeps this long in each step (fault kind slow): the tiny model trains a step in
+# 30 ms, faster than the driver's polling and process lookup, which once landed an outside
+# fault 23 steps late, onto the in-process fault armed after it
+PACE_S = 0.25
 NODES, SLOTS, WORLD = 3, 2, 4
 IN_PROCESS = {"kill-hdf5": "ckpt_kill", "kill-local": "local_kill",
               "kill-partner": "partner_kill", "full-local": "local_fail"}
@@ -295,6 +299,9 @@ def act(f: Fault, job: Job, cl: Cluster, local: Path) -> None:
     except (OSError, ValueError, IndexError):
         step_s = 0.1
     time.sleep(f.delay * step_s)
+    if job.step() >= f.step + GAP // 2:  # it would merge with the next fault: say so
+        raise RuntimeError(f"the campaign's driver was late: {f.kind} for step {f.step} "
+                           f"would act at step {job.step()}")
     if f.kind == "damaged-newest":
         damage(job.run_dir)
     if f.kind == "lost-node":
@@ -307,8 +314,8 @@ def act(f: Fault, job: Job, cl: Cluster, local: Path) -> None:
 
 def arm(faults: list[Fault]) -> str:
     """HPCTRAIN_FAULTS for the in-process kinds among ``faults``."""
-    return ";".join(f"{IN_PROCESS[f.kind]}@{f.rank}:{f.step}" for f in faults
-                    if f.kind in IN_PROCESS)
+    return ";".join([f"slow@*:1:{PACE_S}"] + [f"{IN_PROCESS[f.kind]}@{f.rank}:{f.step}"
+                                               for f in faults if f.kind in IN_PROCESS])
 
 
 def resumed_at(job: Job) -> int | None:

@@ -1,9 +1,10 @@
-"""Qwen mixture-of-experts interchange through the real CLI (docs/models.md): locally made
-Qwen3MoeForCausalLM (q/k norms, heads narrower than hidden / heads, renormalised top-k) and
-Qwen2MoeForCausalLM (q/k/v biases, a gated shared expert, top-k not renormalised, experts
-every second layer) import with transformers' logits and export back bit for bit; the
-Qwen2-MoE import trains under tp2 x ep2 like one rank. Nothing is downloaded: the models are
-made here."""
+"""Qwen interchange through the real CLI (docs/models.md): locally made Qwen3ForCausalLM
+(q/k norms, heads narrower than hidden / heads), Qwen2ForCausalLM (q/k/v biases, a tied head),
+Qwen3MoeForCausalLM (q/k norms, renormalised top-k) and Qwen2MoeForCausalLM (q/k/v biases, a
+gated shared expert, top-k not renormalised, experts every second layer) import with
+transformers' logits and export back bit for bit; the dense ones generate transformers' greedy
+tokens; the Qwen3 import trains under tp2 x pp2 and the Qwen2-MoE import under tp2 x ep2 like
+one rank. Nothing is downloaded: the models are made here."""
 
 import json
 
@@ -22,6 +23,10 @@ QWEN3 = dict(HF_SIZES, initializer_range=0.1, head_dim=6, num_experts=4,
 QWEN2 = dict(HF_SIZES, initializer_range=0.1, num_experts=4, num_experts_per_tok=2,
              moe_intermediate_size=16, shared_expert_intermediate_size=24,
              decoder_sparse_step=2, norm_topk_prob=False)
+
+
+DENSE3 = dict(HF_SIZES, head_dim=6)
+DENSE2 = dict(HF_SIZES, tie_word_embeddings=True)
 
 
 def saved(directory, model):
@@ -50,6 +55,20 @@ def hf_qwen2(tmp_path_factory):
                  transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**QWEN2)))
 
 
+@pytest.fixture(scope="module")
+def hf_qwen3_dense(tmp_path_factory):
+    torch.manual_seed(5)
+    return saved(tmp_path_factory.mktemp("hf") / "qwen3",
+                 transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE3)))
+
+
+@pytest.fixture(scope="module")
+def hf_qwen2_dense(tmp_path_factory):
+    torch.manual_seed(6)
+    return saved(tmp_path_factory.mktemp("hf") / "qwen2",
+                 transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DENSE2)))
+
+
 def model_sets(directory) -> list[str]:
     """``--set`` overrides of the model keys ``import`` derives from ``directory``."""
     from hpctrain.interchange import hf_map
@@ -73,6 +92,7 @@ def round_trip(src, tmp_path, cli, seed) -> float:
     mine = own_logits(ckpt, x)
     diff = (theirs - mine).abs().max().item()
     assert diff < 1e-5, f"transformers and hpctrain logits differ by {diff:.2e}"
+    print(f"qwen3 trained on tp2 x pp2, exported: logits difference {diff:.2e}")
     assert mine.abs().max().item() > 0.1
     back = tmp_path / "back"
     assert cli("export", ckpt, "--format", "hf", "--out", back)[0] == 0
@@ -86,7 +106,7 @@ def round_trip(src, tmp_path, cli, seed) -> float:
     return diff
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3_dense", "qwen2_dense"])
 def test_import_logits_and_export(family, request, tmp_path, cli):
     """Import, logits against transformers (float32, 1e-5), export: the same tensors."""
     diff = round_trip(request.getfixturevalue(f"hf_{family}"), tmp_path, cli, 4)
@@ -123,4 +143,46 @@ def test_qwen2_moe_trains_the_same_on_tp2_ep2(hf_qwen2, tmp_path, cli):
     mine = own_logits(next(ckpt.glob("step_*.h5")), x)
     diff = (theirs - mine).abs().max().item()
     assert diff < 1e-5, f"transformers and hpctrain logits differ by {diff:.2e}"
+    print(f"qwen3 trained on tp2 x pp2, exported: logits difference {diff:.2e}")
     print(f"qwen2 trained on tp2 x ep2, exported: logits difference {diff:.2e}")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_dense_qwen_generates_transformers_greedy_tokens(family, request, cli):
+    """``generate`` from the HF directory gives transformers' own greedy tokens."""
+    directory = request.getfixturevalue(f"hf_{family}_dense")
+    rc, out, err = cli("generate", directory, "--tokenizer", "bytes", "--prompt", "ab",
+                       "--tokens", 8, "--temperature", 0)
+    assert rc == 0, err
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([list(b"ab")]), max_new_tokens=8, do_sample=False,
+                             pad_token_id=0)[0, 2:].tolist()
+    assert out == "ab" + bytes(ids).decode("utf-8", errors="replace") + "\n", (out, ids)
+
+
+def test_qwen3_trains_the_same_on_tp2_pp2(hf_qwen3_dense, tmp_path, cli):
+    """The dense Qwen3 import trains the same on tp2 x pp2 from the HF directory
+    (init_from) as on one rank from the imported checkpoint (float64, 1e-9): heads split
+    over tp, each rank's q/k norms the same. That run exported is a Qwen3ForCausalLM with
+    hpctrain's logits."""
+    imported = tmp_path / "qwen3_64.h5"
+    assert cli("import", hf_qwen3_dense, "--out", imported, "--dtype", "float64")[0] == 0
+    sets = (*model_sets(hf_qwen3_dense), "model.dtype=float64", "train.global_batch_size=8",
+            "train.micro_batch_size=2", "train.steps=3")
+    ref = train_cli(tmp_path / "one", 1, *sets, f"checkpoint.resume={imported}")
+    run = train_cli(tmp_path / "tp2pp2", 4, *sets, f"checkpoint.init_from={hf_qwen3_dense}",
+                    "topology.tp=2", "topology.pp=2")
+    assert_same(run, ref, 1e-9, "Qwen3 init_from on tp2 x pp2 against one rank")
+    start = read_params(imported)
+    for name in ("blocks.0.attn.q_norm.weight", "blocks.1.attn.k_norm.weight"):
+        assert not np.array_equal(run.params[f"model/{name}"], start[f"model/{name}"]), name
+    out = tmp_path / "hf_out"
+    ckpt = tmp_path / "tp2pp2" / "checkpoints"
+    assert cli("export", ckpt, "--format", "hf", "--out", out, "--dtype", "float32")[0] == 0
+    x = tokens(6)
+    theirs, model = hf_logits(out, x)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    diff = (theirs - own_logits(next(ckpt.glob("step_*.h5")), x)).abs().max().item()
+    assert diff < 1e-5, f"transformers and hpctrain logits differ by {diff:.2e}"
+    print(f"qwen3 trained on tp2 x pp2, exported: logits difference {diff:.2e}")

@@ -33,6 +33,15 @@ MOE = dict(arch="llama", n_layers=2, d_model=32, n_heads=8, n_kv_heads=4, num_ex
 QWEN3 = ModelConfig(**MOE, qk_norm=True, d_head=6, expert_d_ff=16)
 QWEN2 = ModelConfig(**MOE, qkv_bias=True, shared_experts=1, shared_expert_d_ff=24,
                     shared_expert_gate=True, moe_every=2, expert_d_ff=16)
+FULL = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 2,
+        "layer_types": ["full_attention"] * 2}
+DENSE_HF = {k: v for k, v in BASE.items() if "expert" not in k and not k.startswith("moe")}
+DENSE3_HF = {**DENSE_HF, **FULL, "model_type": "qwen3", "head_dim": 6, "attention_bias": False}
+DENSE2_HF = {**DENSE_HF, **FULL, "model_type": "qwen2", "tie_word_embeddings": True}
+DENSE = dict(arch="llama", n_layers=2, d_model=32, n_heads=8, n_kv_heads=4, d_ff=64,
+             rope_theta=1e6, norm_eps=1e-6)
+DENSE3 = ModelConfig(**DENSE, family="qwen3", qk_norm=True, d_head=6)
+DENSE2 = ModelConfig(**DENSE, family="qwen2", qkv_bias=True, tie_embeddings=True)
 
 
 @pytest.mark.parametrize("kw, name", [
@@ -42,6 +51,10 @@ QWEN2 = ModelConfig(**MOE, qkv_bias=True, shared_experts=1, shared_expert_d_ff=2
     (dict(MOE, shared_experts=1, qkv_bias=True), "mixtral"),
     (dict(MOE, qk_norm=True, shared_experts=1, shared_expert_gate=True), "qwen3_moe"),
     (dict(arch="llama", qk_norm=True, qkv_bias=True), "llama"),
+    (dict(arch="llama", qk_norm=True), "llama"),  # an older config keeps its family
+    (dict(arch="llama", qkv_bias=True), "llama"),
+    (dict(arch="llama", qk_norm=True, family="qwen3"), "qwen3"),  # dense Qwen: by name
+    (dict(arch="llama", qkv_bias=True, family="qwen2"), "qwen2"),
 ])
 def test_every_config_has_one_family(kw, name):
     assert families.family_of(ModelConfig(**kw)).name == name
@@ -63,7 +76,20 @@ def test_hf_config_maps_to_model_keys_and_back(hf, m):
     assert back["architectures"] == [families.family_of(got).hf.architecture]
 
 
-@pytest.mark.parametrize("m", [QWEN3, QWEN2, replace(QWEN3, moe_every=2, tie_embeddings=True)])
+@pytest.mark.parametrize("hf, m", [(DENSE3_HF, DENSE3), (DENSE2_HF, DENSE2)])
+def test_dense_hf_config_maps_to_model_keys_and_back(hf, m):
+    got = ModelConfig(**hf_map.model_section(hf))
+    assert replace(got, init_std=m.init_std, vocab_size=m.vocab_size) == m
+    back = hf_map.hf_config(got, 64, "float32", {})
+    for key, value in hf.items():
+        if key != "rope_parameters":
+            assert back[key] == value, key
+    assert back["architectures"] == [families.family_of(got).hf.architecture]
+    assert ("attention_bias" in back) == (m.family == "qwen3")  # Qwen2 has q/k/v biases always
+
+
+@pytest.mark.parametrize("m", [QWEN3, QWEN2, replace(QWEN3, moe_every=2, tie_embeddings=True),
+                               DENSE3, DENSE2])
 def test_every_parameter_maps_to_hf_once(m):
     names = {n for n, _ in generation.whole_model(m).named_parameters()}
     entries = hf_map.entries(m)
@@ -80,6 +106,10 @@ def test_every_parameter_maps_to_hf_once(m):
     (QWEN2_HF, {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
     (QWEN2_HF, {"qkv_bias": False}, "qkv_bias = false"),
     (QWEN2_HF, {"hidden_act": "gelu"}, "hidden_act"),
+    (DENSE3_HF, {"attention_bias": True}, "attention_bias"),
+    (DENSE3_HF, {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    (DENSE2_HF, {"use_sliding_window": True, "sliding_window": 8}, "sliding_window"),
+    (DENSE2_HF, {"use_sliding_window": True}, "use_sliding_window"),
 ])
 def test_what_hpctrain_cannot_hold_is_refused_on_import(hf, change, words):
     with pytest.raises(hf_map.InterchangeError, match=words):
@@ -96,6 +126,9 @@ def test_what_hpctrain_cannot_hold_is_refused_on_import(hf, change, words):
     (replace(QWEN3, bias_update_rate=1e-3), "selection bias"),
     (replace(QWEN3, route_groups=2, route_top_groups=1), "route_top_groups"),
     (replace(QWEN2, capacity_factor=1.25), "capacity_factor"),
+    (ModelConfig(arch="llama", qkv_bias=True), "model.family = 'qwen3'"),
+    (replace(DENSE3, qkv_bias=True), "output projection"),
+    (replace(DENSE2, qk_norm=True), "no q/k norms"),
 ])
 def test_what_transformers_cannot_express_is_refused_on_export(m, words):
     with pytest.raises(hf_map.InterchangeError, match=words):
@@ -168,3 +201,10 @@ def test_value_bias_shifts_every_output_by_its_projection(seed):
         layer.bv.copy_(bv)
     shift = layer.wo @ bv.view(2, 4).repeat_interleave(2, dim=0).reshape(-1)
     torch.testing.assert_close(layer(x), plain(x) + shift, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("m, words", [(replace(DENSE3, qk_norm=False), "has q/k norms"),
+                                      (replace(DENSE2, qkv_bias=False), "has q/k/v biases")])
+def test_a_dense_qwen_family_without_its_flag_is_refused_by_the_checks(m, words):
+    with pytest.raises(ConfigError, match=f"model.family='{m.family}' {words}"):
+        validate(replace(load(TINY), model=m), 1)

@@ -7,6 +7,8 @@ FLOP terms, memory terms, config checks and its Hugging Face form (one mapping o
 
 - ``gpt.py``: GELU MLP, multi-head attention, no positions;
 - ``llama.py``: rotary positions, SwiGLU, grouped-query attention, RMSNorm, no experts;
+- ``qwen.py``: the llama form as Hugging Face's dense Qwen3 (q/k norms per head) and Qwen2
+  (q/k/v biases), selected by name;
 - ``mixtral.py``: the llama form with mixture-of-experts layers;
 - ``qwen_moe.py``: the llama form with experts as Hugging Face's Qwen3-MoE (q/k norms per
   head) and Qwen2-MoE (q/k/v biases, a gated shared expert).
@@ -22,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...config import ModelConfig
-from . import gpt, llama, mixtral, qwen_moe
+from . import gpt, llama, mixtral, qwen, qwen_moe
 from .base import Family, FlopTerms
 
 __all__ = ["FAMILIES", "Family", "FlopTerms", "arch_names", "by_hf_model_type", "family_of",
@@ -31,6 +33,8 @@ __all__ = ["FAMILIES", "Family", "FlopTerms", "arch_names", "by_hf_model_type", 
 FAMILIES: tuple[Family, ...] = (
     gpt.GPT(),
     llama.Llama(),
+    qwen.Qwen3(),
+    qwen.Qwen2(),
     mixtral.Mixtral(),
     qwen_moe.Qwen3Moe(),
     qwen_moe.Qwen2Moe(),

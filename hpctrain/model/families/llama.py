@@ -26,9 +26,11 @@ class LlamaForm(HFForm):
         for key, what in (("qk_norm", "q/k norms"), ("qkv_bias", "q/k/v biases only")):
             if getattr(m, key):
                 return (f"model.{key} = true: Hugging Face's {self.architecture} has no "
-                        f"{what}; a model with experts, q/k norms and no shared experts "
-                        f"exports as Qwen3-MoE, one with q/k/v biases and shared experts as "
-                        f"Qwen2-MoE; otherwise export --format safetensors")
+                        f"{what}; a dense model with q/k norms exports as Qwen3 "
+                        f"(model.family = 'qwen3'), one with q/k/v biases as Qwen2 ('qwen2'); "
+                        f"with experts, q/k norms and no shared experts as Qwen3-MoE, q/k/v "
+                        f"biases and shared experts as Qwen2-MoE; otherwise export --format "
+                        f"safetensors")
         return None
 
     def names(self, m: ModelConfig) -> list[tuple[str, str, int | None]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from ...config import ModelConfig
 from .llama import LlamaForm
 from .mixtral import Mixtral, MixtralForm
+from .qwen import full_attention_refusal
 
 HF_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # hpctrain -> HF MLP
 
@@ -95,7 +96,7 @@ class Qwen3MoeForm(MixtralForm):
         return None  # heads of any size: model.d_head
 
     def import_refusal(self, hf: dict) -> str | None:
-        refusal = super().import_refusal(hf)
+        refusal = super().import_refusal(hf) or full_attention_refusal(hf)
         if refusal is None and hf.get("mlp_only_layers"):
             refusal = (f"mlp_only_layers = {hf['mlp_only_layers']} is not supported: "
                        f"hpctrain puts experts in every decoder_sparse_step-th layer only")
@@ -148,10 +149,6 @@ class Qwen2MoeForm(Qwen3MoeForm):
 
     def import_refusal(self, hf: dict) -> str | None:
         refusal = super().import_refusal(hf)
-        kinds = set(hf.get("layer_types") or ["full_attention"])
-        if refusal is None and kinds != {"full_attention"}:
-            refusal = (f"layer_types {sorted(kinds)} are not supported: hpctrain attends to "
-                       f"the whole causal prefix in every layer (full_attention)")
         if refusal is None and not hf.get("qkv_bias", True):
             refusal = ("qkv_bias = false is not supported: hpctrain's Qwen2-MoE has q/k/v "
                        "biases")
