@@ -24,10 +24,13 @@ PRESETS = {
     "llama3-70b": (70_553_706_496, 80, 8192, 64, 8, 28672, 128256, False, 0, 1, 5e5),
     "llama-1b": (1_235_814_400, 16, 2048, 32, 8, 8192, 128256, True, 0, 1, 5e5),
     "mixtral-8x7b": (46_702_792_704, 32, 4096, 32, 8, 14336, 32000, False, 8, 2, 1e6),
+    "qwen3-8b": (8_190_735_360, 36, 4096, 32, 8, 12288, 151936, False, 0, 1, 1e6),
+    "qwen2.5-7b": (7_615_616_512, 28, 3584, 28, 4, 18944, 152064, False, 0, 1, 1e6),
 }
 # preset -> the cluster and world size its layout is written for
 TARGETS = {"llama3-8b": ("dgx-h100", 32), "llama3-70b": ("dgx-h100", 128),
-           "llama-1b": ("dgx-h100", 8), "mixtral-8x7b": ("dgx-h100", 64)}
+           "llama-1b": ("dgx-h100", 8), "mixtral-8x7b": ("dgx-h100", 64),
+           "qwen3-8b": ("dgx-h100", 32), "qwen2.5-7b": ("dgx-h100", 32)}
 SYSTEMS = ["frontier-mi250x", "lumi-mi250x", "alps-gh200", "jupiter-gh200", "aurora-pvc",
            "perlmutter-a100"]
 
