@@ -7,8 +7,6 @@ same for any number of ranks). Layout and attributes: docs/data.md."""
 
 from __future__ import annotations
 
-import sys
-
 
 def add_arguments(p) -> None:
     from ..data.corpora import FORMATS
@@ -61,6 +59,7 @@ def run(args) -> int:
     from ..data.dataset import DataError
     from ..data.prepare import embedded_source, prepare, text_source, token_source
     from ..data.tokenizer import TokenizerError, byte_level, load
+    from . import refused
 
     world = comm.world()
     comm.abort_on_exception(world)  # a rank's uncaught exception ends the job
@@ -78,9 +77,7 @@ def run(args) -> int:
             tok = tok or byte_level()
         attrs = prepare(src, tok, args.out, args.val_fraction, world, args.skip_bad_records)
     except (DataError, TokenizerError) as e:  # the same verdict on every rank
-        if world.rank == 0:
-            print(f"hpctrain prepare: {e}", file=sys.stderr, flush=True)
-        return 2
+        return refused(world, "prepare", e)
     if world.rank == 0:
         print("\n".join(summary(args.out, attrs)), flush=True)
     return 0

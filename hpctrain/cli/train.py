@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import sys
+
+from . import refused
 
 DESCRIPTION = """\
 Train a model from a TOML config. Every rank of an MPI job runs this command: start it
@@ -55,7 +56,7 @@ def run(args) -> int:
         check_peak(cfg)
     except ConfigError as e:  # InputError too: raised deliberately, never a bug's exception
         # Every rank reaches the same verdict before any collective: exit, no abort.
-        return refused(world, e)
+        return refused(world, "train", e)
     from ..checkpoint.background import CheckpointFailed
     from ..checkpoint.lineage import LineageError
     from ..train import train
@@ -63,7 +64,7 @@ def run(args) -> int:
     try:
         train(cfg, args.run_dir, world)
     except LineageError as e:  # raised alike on every rank (the checkpoint's attributes)
-        return refused(world, e)
+        return refused(world, "train", e)
     except CheckpointFailed as e:  # raised alike on every rank, one step after the failure
         print(f"hpctrain train: rank {world.rank}: {e}", file=sys.stderr, flush=True)
         world.barrier()  # every rank has said it
@@ -83,19 +84,3 @@ def check_peak(cfg) -> None:
     except ClusterError as e:
         raise InputError(f"telemetry.cluster={tc.cluster!r}: {e}; name a shipped description, "
                          "a file, or set telemetry.peak_flops") from None
-
-
-def refused(world, why) -> int:
-    """A verdict every rank reached alike: rank 0 says it, every rank ends with status 2.
-    With more than one rank, MPI is finalised and the process exits here: returning 2 under
-    ``python -m mpi4py`` would ``MPI_Abort`` each rank, and an abort from a rank that had
-    nothing to say can end the job before rank 0's message is out (MPICH's Hydra)."""
-    if world.rank == 0:
-        print(f"hpctrain train: {why}", file=sys.stderr, flush=True)
-    if world.size == 1:
-        return 2  # one process (also in-process callers): the caller exits
-    sys.stdout.flush()
-    from .. import comm
-
-    comm.finalize()  # collective: every rank is here, no collective was left half done
-    os._exit(2)
