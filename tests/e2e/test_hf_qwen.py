@@ -41,32 +41,31 @@ def saved(directory, model):
     return directory
 
 
+def made(factory, seed: int, name: str, model: str, config: str, sizes: dict):
+    """A random transformers ``model`` of ``config(**sizes)`` (class names), saved."""
+    torch.manual_seed(seed)
+    cls, conf = getattr(transformers, model), getattr(transformers, config)
+    return saved(factory.mktemp("hf") / name, cls(conf(**sizes)))
+
+
 @pytest.fixture(scope="module")
 def hf_qwen3(tmp_path_factory):
-    torch.manual_seed(3)
-    return saved(tmp_path_factory.mktemp("hf") / "qwen3_moe",
-                 transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3)))
+    return made(tmp_path_factory, 3, "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3)
 
 
 @pytest.fixture(scope="module")
 def hf_qwen2(tmp_path_factory):
-    torch.manual_seed(4)
-    return saved(tmp_path_factory.mktemp("hf") / "qwen2_moe",
-                 transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**QWEN2)))
+    return made(tmp_path_factory, 4, "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig", QWEN2)
 
 
 @pytest.fixture(scope="module")
 def hf_qwen3_dense(tmp_path_factory):
-    torch.manual_seed(5)
-    return saved(tmp_path_factory.mktemp("hf") / "qwen3",
-                 transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE3)))
+    return made(tmp_path_factory, 5, "qwen3", "Qwen3ForCausalLM", "Qwen3Config", DENSE3)
 
 
 @pytest.fixture(scope="module")
 def hf_qwen2_dense(tmp_path_factory):
-    torch.manual_seed(6)
-    return saved(tmp_path_factory.mktemp("hf") / "qwen2",
-                 transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DENSE2)))
+    return made(tmp_path_factory, 6, "qwen2", "Qwen2ForCausalLM", "Qwen2Config", DENSE2)
 
 
 def model_sets(directory) -> list[str]:
