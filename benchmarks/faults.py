@@ -299,9 +299,10 @@ def act(f: Fault, job: Job, cl: Cluster, local: Path) -> None:
     except (OSError, ValueError, IndexError):
         step_s = 0.1
     time.sleep(f.delay * step_s)
-    if job.step() >= f.step + GAP // 2:  # it would merge with the next fault: say so
+    now = job.step()
+    if now >= f.step + GAP // 2:  # it would merge with the next fault: say so
         raise RuntimeError(f"the campaign's driver was late: {f.kind} for step {f.step} "
-                           f"would act at step {job.step()}")
+                           f"would act at step {now}")
     if f.kind == "damaged-newest":
         damage(job.run_dir)
     if f.kind == "lost-node":

@@ -32,6 +32,14 @@ def full_attention_refusal(hf: dict) -> str | None:
     return None
 
 
+def head_size(hf: dict) -> dict:
+    """``{"d_head": ...}`` when an HF Qwen config's ``head_dim`` is not hidden / heads (the
+    Qwen classes take heads of any size), else nothing."""
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    return {} if head_dim * heads == hidden else {"d_head": head_dim}
+
+
 class Qwen3Form(LlamaForm):
     """Hugging Face's ``Qwen3ForCausalLM``."""
 
@@ -64,13 +72,7 @@ class Qwen3Form(LlamaForm):
         return super().import_refusal(hf) or full_attention_refusal(hf)
 
     def section(self, hf: dict) -> dict:
-        out = super().section(hf)
-        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or hidden // heads)
-        if head_dim * heads != hidden:
-            out["d_head"] = head_dim
-        out[self.own[0]] = True
-        return out
+        return {**super().section(hf), **head_size(hf), self.own[0]: True}
 
 
 class Qwen2Form(Qwen3Form):

@@ -26,7 +26,7 @@ from __future__ import annotations
 from ...config import ModelConfig
 from .llama import LlamaForm
 from .mixtral import Mixtral, MixtralForm
-from .qwen import full_attention_refusal
+from .qwen import full_attention_refusal, head_size
 
 HF_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # hpctrain -> HF MLP
 
@@ -103,16 +103,12 @@ class Qwen3MoeForm(MixtralForm):
         return refusal
 
     def section(self, hf: dict) -> dict:
-        out = LlamaForm.section(self, hf)
-        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or hidden // heads)
+        out = {**LlamaForm.section(self, hf), **head_size(hf)}
         out.update(num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
                    top_k=int(hf["num_experts_per_tok"]),
                    moe_every=int(hf.get("decoder_sparse_step", 1)), capacity_factor=0.0,
                    expert_d_ff=int(hf["moe_intermediate_size"]),
                    norm_topk_prob=str(bool(hf.get("norm_topk_prob", False))).lower())
-        if head_dim * heads != hidden:
-            out["d_head"] = head_dim
         out.update(self.own_section(hf))
         return out
 
