@@ -29,9 +29,10 @@ def add_arguments(p) -> None:
                    help="file or directory to write (default: --out)")
     p.add_argument("--out", help="file (safetensors) or directory (hf) to write (default: "
                    "OUT; one of them is needed)")
-    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+    p.add_argument("--format", choices=["safetensors", "hf", "dcp"], default="safetensors",
                    help="safetensors: one file, hpctrain's names; hf: a Hugging Face "
-                        "directory")
+                        "directory; dcp: a torch Distributed Checkpoint in torchtitan's "
+                        "Llama 3 names, with the optimizer moments")
     p.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     p.add_argument("--max-shard-size", default="5GB",
                    help="hf: split the weights into shards of at most this size")
@@ -40,7 +41,8 @@ def add_arguments(p) -> None:
                    "lineage names)")
     p.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "float64"],
-                   help="hf: weight dtype; auto: the model's")
+                   help="hf, dcp: tensor dtype; auto: the model's (dcp: float32 unless "
+                        "the model is float64)")
 
 
 def run(args) -> int:
@@ -57,6 +59,11 @@ def run(args) -> int:
 
             export_hf(source(args.checkpoint), Path(out), args.dtype, args.max_shard_size,
                       args.tokenizer)
+            return 0
+        if args.format == "dcp":
+            from ..interchange.trainers import export_dcp
+
+            export_dcp(source(args.checkpoint), Path(out), args.dtype, not args.no_verify)
             return 0
         return export_safetensors(source(args.checkpoint), safetensors_path(out),
                                   not args.no_verify)

@@ -52,15 +52,23 @@ def read_checkpoint(path: Path, verify: bool = True) -> tuple[Config, dict, dict
         _, cfg, tensors, lineage = hf_import.read_hf(path)
         return cfg, tensors, {"config": dumps_toml(cfg), "lineage": json.dumps(lineage),
                               "step": 0}
+    cfg, attrs = read_attributes(path, verify)
+    with h5py.File(path, "r") as f:
+        tensors = {n[len("model/"):]: f[n][...] for n in cv.dataset_names(f)
+                   if n.startswith("model/")}
+    return cfg, tensors, attrs
+
+
+def read_attributes(path: Path, verify: bool = True) -> tuple[Config, dict]:
+    """(config, attributes) of a checkpoint, verified first unless ``verify`` is false."""
+    import h5py
+
     problems = cv.verify(path) if verify else []
     if problems:
         raise hf_map.InterchangeError(f"{path} is damaged: {'; '.join(problems[:3])}")
     with h5py.File(path, "r") as f:
         attrs = {k: cv._plain(v) for k, v in f.attrs.items()}
-        tensors = {n[len("model/"):]: f[n][...] for n in cv.dataset_names(f)
-                   if n.startswith("model/")}
-    cfg = from_dict(tomllib.loads(str(attrs.get("config", ""))))
-    return cfg, tensors, attrs
+    return from_dict(tomllib.loads(str(attrs.get("config", "")))), attrs
 
 
 def hf_tensors(cfg: Config, tensors: dict, dtype: str) -> dict:

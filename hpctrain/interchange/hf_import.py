@@ -167,29 +167,44 @@ def file_arrays(tensors: dict, dtype: str) -> dict[str, np.ndarray]:
     return out
 
 
-def write_checkpoint(out: Path, cfg: Config, arrays: dict, lineage: dict) -> Path:
-    """Write ``arrays`` as a committed checkpoint: ``out`` itself when it ends in .h5,
-    otherwise ``out/step_00000000.h5`` with ``latest`` naming it. Atomic like a run's save."""
+def file_attributes(cfg: Config, lineage: dict, step: int, optim_step: int) -> dict:
+    """The attributes a one-process save of ``cfg``'s model at ``step`` gets."""
+    return {"format": cv.FORMAT, "step": step, "optim_step": optim_step,
+            "data_next_step": step, "data_samples_seen": step * cfg.train.global_batch_size,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "versions": cv.versions(), "git_commit": cv.git_commit(), "writer": "serial",
+            "world_size": 1, "rng_layout": "(1, 1, 1, 1, 1)", "topology": "(1, 1, 1, 1, 1)",
+            "layout": json.dumps({"dims(pp,dp_outer,ep,cp,tp)": [1, 1, 1, 1, 1],
+                                  "mpi_hints": {}, "alignment": 0}),
+            "config": dumps_toml(cfg), "lineage": json.dumps(lineage), "data_hash": ""}
+
+
+def write_checkpoint(out: Path, cfg: Config, arrays, lineage: dict, step: int = 0,
+                     optim_step: int = 0) -> Path:
+    """Write ``arrays`` ({dataset: array}, or (dataset, array) pairs made one at a time) as
+    a committed checkpoint at ``step``: ``out`` itself when it ends in .h5, otherwise
+    ``out/step_NNNNNNNN.h5`` with ``latest`` naming it. Atomic like a run's save."""
     import h5py
 
     from ..checkpoint.checkpointer import LATEST, step_name
 
     cv.disable_file_locking()
-    final = out if out.suffix == ".h5" else out / step_name(0)
+    final = out if out.suffix == ".h5" else out / step_name(step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp"
-    attrs = {"format": cv.FORMAT, "step": 0, "optim_step": 0, "data_next_step": 0,
-             "data_samples_seen": 0, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             "versions": cv.versions(), "git_commit": cv.git_commit(), "writer": "serial",
-             "world_size": 1, "rng_layout": "(1, 1, 1, 1, 1)", "topology": "(1, 1, 1, 1, 1)",
-             "layout": json.dumps({"dims(pp,dp_outer,ep,cp,tp)": [1, 1, 1, 1, 1],
-                                   "mpi_hints": {}, "alignment": 0}),
-             "config": dumps_toml(cfg), "lineage": json.dumps(lineage), "data_hash": ""}
-    with h5py.File(tmp, "w") as f:
-        for name in sorted(arrays):
-            f.create_dataset(name, data=arrays[name])
-        f.attrs.update(attrs)
-    cv.stamp(tmp, cv.compute_checksums(tmp, sorted(arrays)))
+    attrs = file_attributes(cfg, lineage, step, optim_step)
+    pairs = sorted(arrays.items()) if isinstance(arrays, dict) else arrays
+    names = []
+    try:
+        with h5py.File(tmp, "w") as f:
+            for name, array in pairs:
+                f.create_dataset(name, data=array)
+                names.append(name)
+            f.attrs.update(attrs)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a refusal half way leaves nothing behind
+        raise
+    cv.stamp(tmp, cv.compute_checksums(tmp, sorted(names)))
     cv.fsync_file(tmp)
     cv.replace_durably(tmp, final)
     if out.suffix != ".h5":

@@ -45,6 +45,19 @@ def own_logits(ckpt, tokens, dtype=torch.float32):
     return model.to(dtype).logits(torch.tensor(tokens))[..., :cfg.model.vocab_size]
 
 
+def assert_generates_greedy(cli, source, hf_dir, tokens=8):
+    """``hpctrain generate SOURCE`` (byte ids, temperature 0) prints the tokens
+    transformers' ``generate`` makes greedily from the model in ``hf_dir``."""
+    rc, out, err = cli("generate", source, "--tokenizer", "bytes", "--prompt", "ab",
+                       "--tokens", tokens, "--temperature", 0)
+    assert rc == 0, err
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([list(b"ab")]), max_new_tokens=tokens,
+                             do_sample=False, pad_token_id=0)[0, 2:].tolist()
+    assert out == "ab" + bytes(ids).decode("utf-8", errors="replace") + "\n", (out, ids)
+
+
 def tokens(seed=0, batch=2, length=24):
     return np.random.default_rng(seed).integers(0, 256, (batch, length)).tolist()
 

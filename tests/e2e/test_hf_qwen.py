@@ -13,7 +13,13 @@ import pytest
 import torch
 import transformers  # the `hf` extra; scripts/setup.sh installs it
 
-from tests.e2e.test_hf_interchange import HF_SIZES, hf_logits, own_logits, tokens
+from tests.e2e.test_hf_interchange import (
+    HF_SIZES,
+    assert_generates_greedy,
+    hf_logits,
+    own_logits,
+    tokens,
+)
 from tests.launch import assert_same, read_params, rel_err, train_cli
 
 pytestmark = pytest.mark.e2e
@@ -150,14 +156,7 @@ def test_qwen2_moe_trains_the_same_on_tp2_ep2(hf_qwen2, tmp_path, cli):
 def test_dense_qwen_generates_transformers_greedy_tokens(family, request, cli):
     """``generate`` from the HF directory gives transformers' own greedy tokens."""
     directory = request.getfixturevalue(f"hf_{family}_dense")
-    rc, out, err = cli("generate", directory, "--tokenizer", "bytes", "--prompt", "ab",
-                       "--tokens", 8, "--temperature", 0)
-    assert rc == 0, err
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
-    with torch.no_grad():
-        ids = model.generate(torch.tensor([list(b"ab")]), max_new_tokens=8, do_sample=False,
-                             pad_token_id=0)[0, 2:].tolist()
-    assert out == "ab" + bytes(ids).decode("utf-8", errors="replace") + "\n", (out, ids)
+    assert_generates_greedy(cli, directory, directory)
 
 
 def test_qwen3_trains_the_same_on_tp2_pp2(hf_qwen3_dense, tmp_path, cli):

@@ -153,7 +153,7 @@ def test_the_docs_show_commands_at_all():
     ("hpctrain train c.toml --rundir r", ["hpctrain train: no option --rundir"]),
     ("hpctrain trian c.toml", ["hpctrain: no command 'trian'"]),
     ("hpctrain export CKPT out --format onnx",
-     ["hpctrain export --format: 'onnx' is not one of ['hf', 'safetensors']"]),
+     ["hpctrain export --format: 'onnx' is not one of ['dcp', 'hf', 'safetensors']"]),
     ("hpctrain launch -n 4 -- hpctrain train c.toml --run-dir r --sett x=1",
      ["hpctrain train: no option --sett"]),
     ("hpctrain tokenizer train --embedded --vocab-size 512 --out t.json", []),
