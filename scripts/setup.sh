@@ -124,9 +124,12 @@ if [ -n "${BASE_VENV:-}" ]; then  # reuse BASE_VENV's torch & co; this venv's ow
   say "reusing the MPI-free packages of $BASE_VENV (torch: not installed again)"
 fi
 # The stamp names the torch build and the package list: a changed list installs again.
+# megatron-core (one wheel, no new dependencies): the tests write real Megatron-Core
+# torch_dist checkpoints with it (tests/e2e/megatron_writer.py; its writer processes need
+# psutil); hpctrain does not import it.
 BASE_PKGS="numpy cython pkgconfig pytest pytest-mpi pytest-timeout pytest-xdist==3.8.0 hypothesis ruff
   matplotlib safetensors tokenizers==0.23.3 transformers==5.23.0 pyarrow zstandard
-  tensorboard==2.21.0 wandb==0.31.0"
+  tensorboard==2.21.0 wandb==0.31.0 megatron-core==0.16.1 psutil"
 [ "$SOURCE_MPI4PY" = 1 ] || BASE_PKGS="$BASE_PKGS mpi4py>=4"
 stamp="$VENV/.hpctrain-base-$(echo "$TORCH_SPEC $BASE_PKGS" | cksum | cut -d' ' -f1)"
 if [ -n "${BASE_VENV:-}" ] && ls "$BASE_VENV"/.hpctrain-base-* >/dev/null 2>&1; then

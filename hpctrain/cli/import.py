@@ -1,7 +1,7 @@
 """``hpctrain import DIR --out CKPT``: a Hugging Face Llama/Mixtral/Qwen directory (one or
-several safetensors files), or with ``--format dcp --config CONFIG`` a torch Distributed
-Checkpoint (torchtitan's Llama 3), as an hpctrain checkpoint that any layout resumes or starts
-from (``checkpoint.init_from``); the logic is ``interchange/hf_import.py`` and
+several safetensors files), or with ``--config CONFIG`` a torch Distributed Checkpoint
+(torchtitan's Llama 3, Megatron-Core's GPT), as an hpctrain checkpoint that any layout
+resumes or starts from (``checkpoint.init_from``); the logic is ``interchange/hf_import.py`` and
 ``interchange/trainers.py``. One process, no MPI."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import sys
 
 
 def add_arguments(p) -> None:
-    p.add_argument("directory", help="Hugging Face model directory (config.json, safetensors) "
-                   "or DCP checkpoint directory (.metadata, *.distcp)")
+    p.add_argument("directory", help="Hugging Face model directory (config.json, safetensors), "
+                   "DCP checkpoint directory (.metadata, *.distcp) or Megatron-LM save directory")
     p.add_argument("--out", required=True,
                    help="checkpoint file (*.h5) or directory (gets step_N.h5 + latest)")
     p.add_argument("--format", choices=["auto", "hf", "dcp"], default="auto",
-                   help="hf: a Hugging Face directory; dcp: torch Distributed Checkpoint "
-                        "(torchtitan names; needs --config); auto: by the directory's files")
+                   help="hf: a Hugging Face directory; dcp: a torch Distributed Checkpoint "
+                        "of torchtitan or Megatron-Core (needs --config); auto: by its files")
     p.add_argument("--config", help="dcp (required there; default: none): the hpctrain "
                    "config (TOML) of the checkpoint's model, the one you will train it with")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

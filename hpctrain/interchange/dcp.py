@@ -36,17 +36,44 @@ def release_freed_memory() -> None:
 
 
 def is_dcp_directory(path: str | Path) -> bool:
-    return (Path(path) / METADATA).is_file()
+    """A DCP directory, or a Megatron-LM save directory naming one."""
+    from .megatron import LATEST
+
+    return (Path(path) / METADATA).is_file() or (Path(path) / LATEST).is_file()
 
 
 def _planners():
     """(load planner, save planner) classes: DCP's defaults, except that a bytes entry is
     unpickled by ``torch.load(weights_only=True)`` and a tensor to save is produced when the
     writer asks for it."""
+    import torch
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
     class SafeLoadPlanner(DefaultLoadPlanner):
+        def __init__(self, box=None):
+            super().__init__(flatten_state_dict=False)
+            self.box = box  # (offsets, sizes): read only this part of the one tensor
+
+        def create_local_plan(self):
+            if self.box is None:
+                return super().create_local_plan()
+            from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+            from torch.distributed.checkpoint.planner import LoadPlan
+            from torch.distributed.checkpoint.planner_helpers import (
+                create_read_items_for_chunk_list,
+            )
+
+            (fqn,) = self.state_dict
+            chunk = ChunkStorageMetadata(torch.Size(self.box[0]), torch.Size(self.box[1]))
+            return LoadPlan(create_read_items_for_chunk_list(
+                fqn, self.metadata.state_dict_metadata[fqn], [chunk]))
+
+        def lookup_tensor(self, index):
+            if self.box is None:
+                return super().lookup_tensor(index)
+            return self.state_dict[index.fqn]  # the box's buffer: offsets are the box's
+
         def load_bytes(self, read_item, value) -> None:
             fqn = read_item.dest_index.fqn
             self.state_dict[fqn] = load_torch_data(value, f"DCP entry {fqn}")
@@ -89,15 +116,15 @@ class Reader:
         self.tensors = {k: (tuple(v.size), v.properties.dtype) for k, v in entries
                         if k not in self.objects}
 
-    def _load(self, state: dict) -> dict:
+    def _load(self, state: dict, box=None) -> dict:
         import torch.distributed.checkpoint as dcp
 
         load_planner, _ = _planners()
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", ONE_PROCESS)
-                dcp.load(state, storage_reader=self._fs, planner=load_planner(
-                    flatten_state_dict=False), no_dist=True)
+                dcp.load(state, storage_reader=self._fs, planner=load_planner(box),
+                         no_dist=True)
         except InterchangeError:
             raise
         except Exception as e:  # a missing or truncated .distcp file
@@ -105,12 +132,21 @@ class Reader:
                                    f"{str(e).strip().splitlines()[-1][:300]}") from None
         return state
 
-    def tensor(self, key: str):
-        """Entry ``key`` as one CPU tensor of its global shape and stored dtype."""
+    def tensor(self, key: str, index: int | None = None, rows: int | None = None):
+        """Entry ``key`` as one CPU tensor in its stored dtype: whole, or only ``[index]``
+        of its first dimension (a layer of a stacked tensor), or only its first ``rows``
+        rows (a padded vocabulary); only that part is read."""
         import torch
 
         shape, dtype = self.tensors[key]
-        return self._load({key: torch.empty(shape, dtype=dtype)})[key]
+        if index is None and rows is None:
+            return self._load({key: torch.empty(shape, dtype=dtype)})[key]
+        if index is not None:
+            box = ((index,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
+        else:
+            box = ((0,) * len(shape), (rows, *shape[1:]))
+        out = self._load({key: torch.empty(box[1], dtype=dtype)}, box)[key]
+        return out[0] if index is not None else out
 
     def object(self, key: str):
         """A pickled entry (a step count, a learning rate), unpickled safely."""

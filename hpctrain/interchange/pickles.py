@@ -23,6 +23,9 @@ DCP_CLASSES = {
                "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron-Core's writer caches its save plans in the metadata
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType",
+                                             "TensorWriteData", "BytesIOWriteData"},
     "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties",
                                                          "MEM_FORMAT_ENCODING"},
     "torch.distributed._shard.metadata": {"ShardMetadata"},

@@ -18,6 +18,7 @@ moments move with their parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..model.families import family_of
+from . import hf_map
+from .forms import Unit
 from .hf_map import InterchangeError
 
 # Hugging Face key (after ``model.layers.N.``) -> torchtitan key (after ``layers.N.``);
@@ -112,3 +115,48 @@ def to_interleaved(a: np.ndarray, heads: int) -> np.ndarray:
     """The inverse of :func:`to_rotate_half`."""
     rows, cols = a.shape
     return a.reshape(heads, 2, rows // heads // 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+class TitanForm:
+    """torchtitan's Llama 3 as a form (:mod:`.forms`): one tensor per parameter, ``wq``/``wk``
+    rows in the interleaved order."""
+
+    name = "torchtitan Llama 3"
+    padded: frozenset = frozenset()
+
+    def __init__(self, m: ModelConfig, names: TitanNames):
+        check_model(m)
+        self.names = names
+        self.ignored = [self.tied_head()] if m.tie_embeddings else []
+        self.notes: list = []
+        self.rows = [(e.name, names.key(e.key), rotary_heads(m, e.key))
+                     for e in hf_map.entries(m)]
+        self.units = [Unit(key, ((name, None if heads is None else
+                                  (lambda a, h=heads: to_rotate_half(a, h))),))
+                      for name, key, heads in self.rows]
+
+    def expected(self, shapes: dict) -> dict[str, tuple]:
+        return {key: shapes[name] for name, key, _ in self.rows}
+
+    def moment(self, key: str, which: str) -> str:
+        return self.names.moment(key, which)
+
+    def masters(self, key: str) -> tuple:
+        return ()  # torchtitan's parameters are the float32 copy
+
+    def tied_head(self) -> str:
+        """The head key a tied model may store beside the embedding."""
+        return self.names.prefix + self.names.head
+
+    def naming(self) -> dict:
+        return dataclasses.asdict(self.names)
+
+    def steps(self, reader) -> tuple[int, int]:
+        """(training step, optimizer step): ``train_state.step`` and the optimizer's
+        per-parameter ``step``, each standing in for the other when alone."""
+        key = self.moment(self.units[0].key, "step")
+        opt = int(reader.tensor(key).item()) if key in reader.tensors else None
+        run = reader.object(STEP) if STEP in reader.objects else None
+        run = int(run.item() if hasattr(run, "item") else run) if run is not None else None
+        step = run if run is not None else (opt or 0)
+        return step, opt if opt is not None else step

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..config import Config, ModelConfig
 from ..model.families import resolved
-from . import dcp, hf_map, titan
+from . import dcp, megatron, titan
 from .hf_import import write_checkpoint
 from .hf_map import InterchangeError
 
@@ -36,47 +36,14 @@ def model_shapes(m: ModelConfig) -> dict[str, tuple]:
         return {n: tuple(p.shape) for n, p in whole_model(m).named_parameters()}
 
 
-class TitanForm:
-    """torchtitan's Llama 3: one DCP tensor per hpctrain parameter, ``wq``/``wk`` rows in
-    Meta's interleaved rotary order (:mod:`.titan`)."""
-
-    name = "torchtitan Llama 3"
-
-    def __init__(self, m: ModelConfig, names: titan.TitanNames):
-        titan.check_model(m)
-        self.names = names
-        self.rows = [(e.name, names.key(e.key), titan.rotary_heads(m, e.key))
-                     for e in hf_map.entries(m)]
-
-    def keys(self) -> list[str]:
-        """The DCP keys of the model's tensors, in the model's order."""
-        return [key for _, key, _ in self.rows]
-
-    def expected(self, shapes: dict) -> dict[str, tuple]:
-        """{DCP key: global shape} the model's tensors must have."""
-        return {key: shapes[name] for name, key, _ in self.rows}
-
-    def params(self, get):
-        """(hpctrain name, array) of every parameter; ``get(key)`` reads one DCP tensor."""
-        for name, key, heads in self.rows:
-            a = get(key)
-            yield name, titan.to_rotate_half(a, heads) if heads else a
-
-    def moment(self, key: str, which: str) -> str:
-        return self.names.moment(key, which)
-
-    def exported(self, name: str, a: np.ndarray, heads: int | None) -> np.ndarray:
-        return titan.to_interleaved(a, heads) if heads else a
-
-
 def check_entries(reader: dcp.Reader, form, m: ModelConfig) -> bool:
     """Refuse a checkpoint whose model tensors are missing, unexpected or of other shapes
     than ``m``'s, naming them; True when it carries the optimizer's moments of every one."""
     want = form.expected(model_shapes(m))
     have = {k for k in reader.tensors if not k.startswith(NOT_MODEL)}
-    missing, extra = sorted(set(want) - have), sorted(have - set(want) - set(tied(form, m)))
+    missing, extra = sorted(set(want) - have), sorted(have - set(want) - set(form.ignored))
     wrong = [f"{k} {reader.tensors[k][0]} (the config's model: {want[k]})" for k in sorted(want)
-             if k in have and tuple(reader.tensors[k][0]) != tuple(want[k])]
+             if k in have and not fits(reader.tensors[k][0], want[k], k in form.padded)]
     if missing or extra or wrong:
         raise InterchangeError(
             f"{reader.dir} does not hold the model the config describes as a {form.name} "
@@ -93,68 +60,69 @@ def check_entries(reader: dcp.Reader, form, m: ModelConfig) -> bool:
     return bool(found)
 
 
-def tied(form, m: ModelConfig) -> list[str]:
-    """A head key a tied torchtitan model stores beside its embedding (checked equal)."""
-    if not m.tie_embeddings or not isinstance(form, TitanForm):
-        return []
-    return [form.names.prefix + form.names.head]
-
-
-def steps(reader: dcp.Reader, form, moments: bool) -> tuple[int, int]:
-    """(training step, optimizer step) of the checkpoint: ``train_state.step`` and the
-    optimizer's per-parameter ``step`` (each stands in for the other when alone); (0, 0)
-    without moments."""
-    if not moments:
-        return 0, 0
-    key = form.moment(form.keys()[0], "step")
-    opt = int(reader.tensor(key).item()) if key in reader.tensors else None
-    run = reader.object(titan.STEP) if titan.STEP in reader.objects else None
-    run = int(run.item() if hasattr(run, "item") else run) if run is not None else None
-    step = run if run is not None else (opt or 0)
-    return step, opt if opt is not None else step
+def fits(have: tuple, want: tuple, padded: bool) -> bool:
+    """Shapes equal, or (``padded``) the stored first dimension at least the model's."""
+    have, want = tuple(have), tuple(want)
+    if padded and len(have) == len(want) and have[1:] == want[1:]:
+        return have[0] >= want[0]
+    return have == want
 
 
 def file_pairs(reader: dcp.Reader, form, dtype: str, moments: bool):
-    """(dataset, array) pairs of the checkpoint, one parameter at a time: the parameter in
-    the run's storage dtype (16-bit ones rounded, then widened to float32, with the exact
-    value as the float32 ``master``), its moments or zeros."""
+    """(dataset, array) pairs of the checkpoint, one unit at a time: each parameter in the
+    run's storage dtype (16-bit ones rounded, then widened to float32, with the exact float32
+    value as ``master``: the form's float32 copy where it has one), its moments or zeros."""
+    import torch
+
+    def get(unit, key):
+        t = reader.tensor(key, unit.index, unit.rows)
+        t = t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+        return dict(unit.cut(t.numpy()))
+
+    store = np.float64 if dtype == "float64" else np.float32
+    for unit in form.units:
+        exact = next((k for k in form.masters(unit.key) if k in reader.tensors), unit.key)
+        params = get(unit, exact)
+        state = {w: get(unit, form.moment(unit.key, w)) if moments else None for w in MOMENTS}
+        for name, a in params.items():
+            yield from parameter_pairs(name, a, dtype, store)
+            for w in MOMENTS:
+                value = state[w][name] if moments else np.zeros(a.shape)
+                yield f"optim/{name}/{w}", value.astype(store)
+
+
+def parameter_pairs(name: str, a: np.ndarray, dtype: str, store):
+    """model/NAME in the run's storage, and for 16-bit models the float32 master."""
     import torch
 
     from ..model import DTYPES
 
-    def get(key):
-        t = reader.tensor(key)
-        return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
-
-    store = np.float64 if dtype == "float64" else np.float32
-    half = dtype in ("bfloat16", "float16")
-    state = {w: form.params(lambda k, w=w: get(form.moment(k, w))) for w in MOMENTS} \
-        if moments else {}
-    for name, a in form.params(get):
-        value = torch.from_numpy(a).to(DTYPES[dtype]).to(torch.float64).numpy() if half else a
-        yield f"model/{name}", value.astype(store)
-        if half:
-            yield f"optim/{name}/master", a.astype(np.float32)
-        for w in MOMENTS:
-            m = next(state[w])[1] if moments else np.zeros(a.shape)
-            yield f"optim/{name}/{w}", m.astype(store)
+    if dtype in ("bfloat16", "float16"):
+        rounded = torch.from_numpy(a.astype(np.float32)).to(DTYPES[dtype]).float().numpy()
+        yield f"model/{name}", rounded.astype(store)
+        yield f"optim/{name}/master", a.astype(np.float32)
+    else:
+        yield f"model/{name}", a.astype(store)
 
 
 def form_of(reader: dcp.Reader, m: ModelConfig):
-    """The trainer form of the checkpoint in ``reader`` for model ``m``."""
-    return TitanForm(m, titan.detect(reader.tensors))
+    """The trainer form of the checkpoint in ``reader`` for model ``m``: Megatron-Core's
+    when it has Megatron's names, else torchtitan's."""
+    if megatron.is_megatron(reader.tensors):
+        return megatron.MegatronForm(m, reader.tensors, megatron.common_state(reader.dir))
+    return titan.TitanForm(m, titan.detect(reader.tensors))
 
 
 def check_tied_head(reader: dcp.Reader, form, m: ModelConfig) -> None:
-    """A head stored beside the embedding of a tied model must equal it."""
+    """A head a tied model stores beside its embedding must equal it."""
     import torch
 
-    for key in tied(form, m):
-        if key in reader.tensors and not torch.equal(
-                reader.tensor(key), reader.tensor(form.names.prefix + "tok_embeddings.weight")):
-            raise InterchangeError(f"{reader.dir}: the config ties the embeddings "
-                                   f"(model.tie_embeddings = true) but {key} differs from the "
-                                   f"embedding; set model.tie_embeddings = false")
+    key = form.tied_head() if m.tie_embeddings else None
+    if key in reader.tensors and not torch.equal(reader.tensor(key),
+                                                 reader.tensor(form.units[0].key)):
+        raise InterchangeError(f"{reader.dir}: the config ties the embeddings "
+                               f"(model.tie_embeddings = true) but {key} differs from the "
+                               f"embedding; set model.tie_embeddings = false")
 
 
 def import_dcp(directory: str | Path, out: str | Path, cfg: Config, say=print) -> Path:
@@ -163,21 +131,23 @@ def import_dcp(directory: str | Path, out: str | Path, cfg: Config, say=print) -
     m = resolved(cfg.model)
     cfg = dataclasses.replace(cfg, model=m)
     dcp.release_freed_memory()
+    directory = megatron.iteration_directory(Path(directory))
     reader = dcp.Reader(directory)
     form = form_of(reader, m)
     moments = check_entries(reader, form, m)
     check_tied_head(reader, form, m)
-    step, optim_step = steps(reader, form, moments)
+    step, optim_step = form.steps(reader) if moments else (0, 0)
     lineage = {"imported_from": str(Path(directory).resolve()), "format": "dcp",
-               "dcp_form": form.name, "dcp_names": dataclasses.asdict(form.names),
-               "dcp_dtype": str(reader.tensors[form.keys()[0]][1]).replace("torch.", "")}
+               "dcp_form": form.name, "dcp_names": form.naming(),
+               "dcp_dtype": str(reader.tensors[form.units[0].key][1]).replace("torch.", "")}
     final = write_checkpoint(Path(out), cfg, file_pairs(reader, form, m.dtype, moments),
                              lineage, step, optim_step)
     how = (f"resume it at step {step} with --set checkpoint.resume={final}" if moments else
            f"start a run from it with --set checkpoint.init_from={final}")
-    say(f"wrote {final}: {form.name}, {len(form.rows)} tensors"
+    n = sum(len(u.parts) for u in form.units)
+    say(f"wrote {final}: {form.name}, {n} parameters"
         f"{', with the optimizer moments' if moments else ', no optimizer state'} "
-        f"({m.dtype}); {how}")
+        f"({m.dtype}); {how}" + "".join(f"; {note}" for note in form.notes))
     return final
 
 
@@ -207,7 +177,7 @@ def export_dcp(path: Path, out: Path, dtype: str = "auto", verify: bool = True,
     from .hf_export import read_attributes
 
     cfg, attrs = read_attributes(path, verify)
-    form = TitanForm(resolved(cfg.model), export_names(attrs))
+    form = titan.TitanForm(resolved(cfg.model), export_names(attrs))
     if dtype == "auto":
         dtype = "float64" if cfg.model.dtype == "float64" else "float32"
     if out.exists() and any(out.iterdir()):
@@ -225,7 +195,7 @@ def export_dcp(path: Path, out: Path, dtype: str = "auto", verify: bool = True,
                                for w in MOMENTS})
         specs = {k: (f[d].shape, DTYPES[dtype]) for k, (d, _) in source.items()}
         if optim_step:
-            specs.update({form.moment(k, "step"): ((), torch.float32) for k in form.keys()})
+            specs.update({form.moment(u.key, "step"): ((), torch.float32) for u in form.units})
             specs[titan.STEP] = step
 
         def produce(key: str):

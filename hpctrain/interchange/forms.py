@@ -1,0 +1,41 @@
+"""How another trainer's checkpoint holds hpctrain's parameters: a form (torchtitan's in
+``titan.py``, Megatron-Core's in ``megatron.py``) is a list of :class:`Unit`\\ s, each one
+tensor of the checkpoint (or one layer of a stacked one, or its leading rows) and the hpctrain
+parameters cut from it. ``trainers.py`` reads units one at a time; forms never read files.
+
+A form has ``name``, ``units``, ``expected(shapes)`` ({checkpoint key: global shape} from
+hpctrain's parameter shapes), ``padded`` (keys whose first dimension may exceed it: a
+vocabulary padded for tensor parallelism), ``moment(key, which)`` (the key of the optimizer's
+``exp_avg``/``exp_avg_sq``/``step`` of a tensor), ``masters(key)`` (keys where a float32 copy
+of it may be), ``ignored`` (keys that may be present unused), ``notes`` (what the import
+should tell the user), ``steps(reader)`` and ``naming()`` (recorded in the lineage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Checkpoint tensor ``key`` (``[index]`` of its first dimension when not None; its first
+    ``rows`` rows when not None) holds the hpctrain parameters ``parts``: (name, cut), where
+    ``cut(array)`` takes the parameter out of what was read (None: all of it)."""
+
+    key: str
+    parts: tuple[tuple[str, Callable | None], ...]
+    index: int | None = None
+    rows: int | None = None
+
+    def cut(self, a: np.ndarray):
+        """(name, array) of each parameter in ``a``, what was read of the unit."""
+        for name, fn in self.parts:
+            yield name, np.ascontiguousarray(fn(a) if fn is not None else a)
+
+
+def stacked(shape: tuple, layers: int | None) -> tuple:
+    """``shape`` with a leading layer dimension when ``layers`` is not None."""
+    return shape if layers is None else (layers, *shape)

@@ -1,0 +1,174 @@
+"""Megatron-Core's GPT (Llama form) as it lies in a ``torch_dist`` checkpoint, which is DCP
+with Megatron's names (``megatron/core/models/gpt``, ``megatron/core/transformer``):
+
+- ``embedding.word_embeddings.weight`` and ``output_layer.weight``, their vocabulary padded
+  (``make_vocab_size_divisible_by`` x tp): only the model's first ``vocab_size`` rows are read;
+- per layer ``self_attention.linear_qkv.weight``, the query heads of each key/value group
+  followed by that group's key and value head: rows ``(groups, heads/groups + 2, d_head,
+  d_model)``; ``self_attention.linear_proj``; ``mlp.linear_fc1.weight``, the gate half then
+  the up half; ``mlp.linear_fc2``;
+- RMSNorm weights fused into the next linear layer (``linear_qkv.layer_norm_weight``,
+  ``linear_fc1.layer_norm_weight``: Transformer Engine's layers) or as modules of their own
+  (``input_layernorm``, ``pre_mlp_layernorm``: the local layer spec); ``decoder.final_layernorm``;
+- layers under ``decoder.layers.N.`` or, as Megatron saves them for resharding across
+  pipeline stages, stacked under ``decoder.layers.`` with the layer as the first dimension
+  (one layer is read at a time);
+- the distributed optimizer's state per parameter (its default ``fully_sharded_model_space``
+  and ``fully_reshardable`` forms), ``optimizer.state.{exp_avg,exp_avg_sq}.<parameter key>``
+  with the float32 copy as ``fp32_param`` or ``param``; the step in
+  ``common.pt`` (``iteration``, the optimizer's ``param_groups``), read as data
+  (:func:`common_state`).
+
+Rotary rows are in rotate-half order unless the run set ``rotary_interleaved`` (recorded in
+``common.pt``'s ``args``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..model.families import family_of
+from . import titan
+from .forms import Unit, stacked
+from .hf_map import InterchangeError
+from .pickles import load_torch_data
+
+COMMON = "common.pt"
+LATEST = "latest_checkpointed_iteration.txt"  # Megatron-LM's pointer to its newest save
+TE_NORMS = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+LOCAL_NORMS = ("input_layernorm.weight", "pre_mlp_layernorm.weight")
+FLAT, FLAT_FORM = "optimizer.distributed.", "dp_reshardable"
+EMBED, HEAD, FINAL = ("embedding.word_embeddings.weight", "output_layer.weight",
+                      "decoder.final_layernorm.weight")
+
+
+def iteration_directory(path: Path) -> Path:
+    """A Megatron-LM save directory's newest checkpoint (``iter_NNNNNNN`` or ``release``, as
+    ``latest_checkpointed_iteration.txt`` names it); any other path as it is."""
+    tracker = Path(path) / LATEST
+    if not tracker.is_file():
+        return Path(path)
+    text = tracker.read_text().strip()
+    sub = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+    if sub is None or not (Path(path) / sub).is_dir():
+        raise InterchangeError(f"{tracker} names {text!r}, but {Path(path) / str(sub)} is not "
+                               f"there: give the iteration directory itself")
+    return Path(path) / sub
+
+
+def is_megatron(keys) -> bool:
+    return EMBED in keys or any(k.startswith("decoder.layers.") for k in keys)
+
+
+def common_state(directory: Path) -> dict:
+    """``common.pt`` (the non-sharded part of the state), read as plain data; {} when the
+    directory has none."""
+    path = Path(directory) / COMMON
+    if not path.is_file():
+        return {}
+    state = load_torch_data(path, str(path), allowed=(argparse.Namespace,))
+    return state if isinstance(state, dict) else {}
+
+
+class MegatronForm:
+    """Megatron-Core's GPT in Llama form as a form (:mod:`.forms`)."""
+
+    name = "Megatron-Core GPT"
+
+    def __init__(self, m: ModelConfig, keys, common: dict):
+        titan.check_model(m)  # the same Llama: no q/k norms or biases
+        self.m, self.common = m, common
+        self.stacked = "decoder.layers.self_attention.linear_qkv.weight" in keys
+        self.te = any(k.endswith(TE_NORMS[0]) for k in keys)
+        args = common.get("args")
+        self.interleaved = bool(getattr(args, "rotary_interleaved", False))
+        self.padded = frozenset({EMBED, HEAD})
+        self.ignored: list = []
+        flat = any(k.startswith(FLAT) for k in keys)
+        self.notes = [f"its optimizer state is in Megatron's {FLAT_FORM} form (flat gradient "
+                      f"buffers, not per parameter) and is not read: save it with "
+                      f"--dist-ckpt-optim-fully-reshardable to bring the moments"] if flat else []
+        self.units = [Unit(EMBED, (("embed", None),), rows=m.vocab_size)]
+        for i in range(m.n_layers):
+            self.units += self._layer(i)
+        self.units.append(Unit(FINAL, (("norm_f.weight", None),)))
+        if not m.tie_embeddings:
+            self.units.append(Unit(HEAD, (("head", None),), rows=m.vocab_size))
+
+    def key(self, i: int, name: str) -> str:
+        return f"decoder.layers.{name}" if self.stacked else f"decoder.layers.{i}.{name}"
+
+    def _layer(self, i: int) -> list[Unit]:
+        b, at = f"blocks.{i}.", None if not self.stacked else i
+        norm1, norm2 = TE_NORMS if self.te else LOCAL_NORMS
+        return [Unit(self.key(i, norm1), ((b + "norm1.weight", None),), at),
+                Unit(self.key(i, "self_attention.linear_qkv.weight"), self._qkv(b), at),
+                Unit(self.key(i, "self_attention.linear_proj.weight"), ((b + "attn.wo", None),),
+                     at),
+                Unit(self.key(i, norm2), ((b + "norm2.weight", None),), at),
+                Unit(self.key(i, "mlp.linear_fc1.weight"),
+                     ((b + "mlp.w1", lambda a: a[:len(a) // 2]),
+                      (b + "mlp.w3", lambda a: a[len(a) // 2:])), at),
+                Unit(self.key(i, "mlp.linear_fc2.weight"), ((b + "mlp.w2", None),), at)]
+
+    def _qkv(self, b: str) -> tuple:
+        m = self.m
+        groups, heads, hd = family_of(m).kv_heads(m), m.n_heads, m.head_dim
+        per = heads // groups
+
+        def part(lo, hi, n):
+            def cut(a):
+                w = a.reshape(groups, per + 2, hd, -1)[:, lo:hi].reshape(n * hd, -1)
+                return titan.to_rotate_half(w, n) if self.interleaved and lo < per + 1 else w
+            return cut
+
+        return ((b + "attn.wq", part(0, per, heads)), (b + "attn.wk", part(per, per + 1, groups)),
+                (b + "attn.wv", part(per + 1, per + 2, groups)))
+
+    def expected(self, shapes: dict) -> dict[str, tuple]:
+        """The stored shapes: fused q/k/v and gate/up rows, layers stacked when they are."""
+        layers = self.m.n_layers if self.stacked else None
+        out = {}
+        for u in self.units:
+            rows = sum(shapes[name][0] for name, _ in u.parts)
+            shape = (rows, *shapes[u.parts[0][0]][1:])
+            out[u.key] = shape if u.index is None else stacked(shape, layers)
+        return out
+
+    def moment(self, key: str, which: str) -> str:
+        return f"optimizer.state.{which}.{key}"
+
+    def masters(self, key: str) -> tuple[str, ...]:
+        """The float32 copy: ``fp32_param`` in the model-space form, ``param`` in the fully
+        reshardable one."""
+        return (f"optimizer.state.fp32_param.{key}", f"optimizer.state.param.{key}")
+
+    def tied_head(self) -> str:
+        return HEAD
+
+    def naming(self) -> dict:
+        return {"stacked": self.stacked, "te_norms": self.te,
+                "rotary_interleaved": self.interleaved}
+
+    def steps(self, reader) -> tuple[int, int]:
+        """(training step, optimizer step) from ``common.pt``: ``iteration`` and the step
+        of the optimizer's first parameter group, each standing in for the other."""
+        opt = optimizer_step(self.common)
+        run = self.common.get("iteration")
+        if run is None and opt is None:
+            raise InterchangeError(
+                f"{reader.dir} has optimizer moments but no step ({COMMON} records neither "
+                f"`iteration` nor the optimizer's `step`): Adam's bias correction would be "
+                f"wrong; import the weights alone from a copy without optimizer.state entries")
+        return int(run if run is not None else opt), int(opt if opt is not None else run)
+
+
+def optimizer_step(common: dict):
+    """The ``step`` of the first parameter group of the (possibly nested) optimizer state."""
+    opt = common.get("optimizer")
+    while isinstance(opt, dict) and "param_groups" not in opt and "optimizer" in opt:
+        opt = opt["optimizer"]
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    return groups[0].get("step") if groups else None
