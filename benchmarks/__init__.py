@@ -43,3 +43,10 @@ BENCHES = {
     "faults": (1,),  # a seeded fault campaign on 3 simulated nodes: survived, steps lost
 }
 SIZES = ("tiny", "small")
+# name -> seconds one launch of it may take at --size small with 5 repeats (about three
+# times a quiet run): a part past it is stopped and reported, the others still run. Scaled
+# by repeats / 5 above 5, a third of it at --size tiny.
+BUDGETS = {"gradsync": 300, "overlap": 600, "ddp": 300, "pipeline": 600, "overhead": 300,
+           "collectives": 300, "checkpoint": 600, "memory": 600, "scaling": 600,
+           "cluster": 900, "nodes": 900, "data": 600, "context_kinds": 600, "relaunch": 900,
+           "faults": 1800}

@@ -3,9 +3,12 @@
 Runs every comparison of :mod:`benchmarks` in one command (from the repository root;
 ``make bench``): each part is launched here under ``mpirun`` at the world sizes it needs (the
 user does not start MPI; the ranks run :mod:`benchmarks.worker`), its result is collected, and
-``DIR/bench.json`` and ``DIR/bench.md`` are written. Exit status 1 when a part failed or the
-two sides of a comparison did not compute the same thing; missed speed targets are reported,
-not failed; 2 for bad arguments.
+``DIR/bench.json`` and ``DIR/bench.md`` are written. Each part runs in its own launch within
+its own time budget (:data:`benchmarks.BUDGETS`); one that fails or runs out is reported and
+the others still run, and the files are rewritten after every part, so an interrupted run
+keeps what it measured. Exit status 1 when a part failed or the two sides of a comparison
+did not compute the same thing; missed speed targets are reported, not failed; 2 for bad
+arguments.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -20,7 +24,7 @@ from pathlib import Path
 
 from hpctrain.job.launch import command, launch_env, with_checkout
 
-from . import BENCHES, SIZES
+from . import BENCHES, BUDGETS, SIZES
 
 ACROSS_SIZES = ("scaling",)  # its efficiency compares world sizes
 OWN_TEST = ("faults",)  # --smoke leaves it out: tests/e2e/test_fault_campaign.py runs it
@@ -38,7 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5,
                    help="repetitions of each measurement (interleaved A/B pairs: at least 5)")
     p.add_argument("--out", required=True, help="directory for bench.json and bench.md")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per mpirun launch")
+    p.add_argument("--timeout", type=float, default=0,
+                   help="seconds each part may take (0: the part's own budget, scaled by "
+                        "--size and --repeats)")
     p.add_argument("--smoke", action="store_true",
                    help="each part once, at its smallest world size (scaling, whose "
                         "comparison is across world sizes, at all of them), but those with "
@@ -57,28 +63,48 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser().parse_args(argv))
 
 
-def launch(names: list[str], ranks: int, args, parts: Path) -> list[dict]:
-    """One ``mpirun -n ranks python -m mpi4py -m benchmarks.worker NAME ...`` running every
-    benchmark of this world size in turn; their results, ``{"error": ...}`` (with the tail
-    of the output) for each that left none."""
-    cmd = command(ranks, sys.executable, "-m", "mpi4py", "-m", f"{__package__}.worker", *names,
+def budget(name: str, args) -> float:
+    """Seconds part ``name`` may run: ``--timeout``, else its budget for this size/repeats."""
+    if args.timeout:
+        return args.timeout
+    seconds = BUDGETS[name] * max(1.0, args.repeats / 5)
+    return seconds / 3 if args.size == "tiny" else seconds
+
+
+def launch(name: str, ranks: int, args, parts: Path) -> dict:
+    """One ``mpirun -n ranks python -m mpi4py -m benchmarks.worker NAME ...`` within the
+    part's budget (past it the launch's process group is stopped); its result, or
+    ``{"error": ...}`` (with the tail of the output) when it left none."""
+    cmd = command(ranks, sys.executable, "-m", "mpi4py", "-m", f"{__package__}.worker", name,
                   "--size", args.size, "--repeats", str(args.repeats), "--out", str(parts))
-    log = parts / f"n{ranks}.log"
+    log, limit = parts / f"{name}_n{ranks}.log", budget(name, args)
     env = with_checkout({**os.environ, **launch_env()})
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              timeout=args.timeout)
-        log.write_text(proc.stdout + proc.stderr)
-        tail = (proc.stdout + proc.stderr).strip().splitlines()
-        why = f"exit {proc.returncode}: {tail[-1] if tail else ''}"
-    except subprocess.TimeoutExpired:
-        why = f"timed out after {args.timeout:.0f} s"
-    out = []
-    for name in names:
-        f = parts / f"{name}_n{ranks}.json"
-        out.append(json.loads(f.read_text()) if f.is_file() else
-                   {"bench": name, "ranks": ranks, "error": why, "log": str(log)})
-    return out
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=limit)
+            tail = log.read_text(errors="replace").strip().splitlines()
+            why = f"exit {proc.returncode}: {tail[-1] if tail else ''}"
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            why = f"ran out of its budget ({limit:.0f} s; --timeout sets another)"
+    f = parts / f"{name}_n{ranks}.json"
+    return json.loads(f.read_text()) if f.is_file() else \
+        {"bench": name, "ranks": ranks, "error": why, "log": str(log)}
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a launch and every rank it started (its own process group)."""
+    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=grace)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def available(name: str) -> bool:
@@ -86,8 +112,6 @@ def available(name: str) -> bool:
 
 
 def run(args) -> int:
-    from .report import write
-
     if args.repeats < 1:
         print(f"{PROG}: --repeats must be >= 1", file=sys.stderr)
         return 2
@@ -97,25 +121,35 @@ def run(args) -> int:
     names = [n for n in (args.only or list(BENCHES)) if available(n)
              and not (args.smoke and not args.only and n in OWN_TEST)]
     for n in set(args.only or BENCHES) - set(names):
-        print(f"[bench] {n}: not in this build, skipped", flush=True)
-    results = []
+        why = "its own CI test runs it" if n in OWN_TEST else "not in this build"
+        print(f"[bench] {n}: skipped ({why})", flush=True)
+    results: list[dict] = []
     for ranks in sorted({r for n in names for r in world_sizes(n, args.smoke)}):
-        group = [n for n in names if ranks in world_sizes(n, args.smoke)]
-        print(f"[bench] {', '.join(group)} on {ranks} rank(s) ...", flush=True)
-        for res in launch(group, ranks, args, parts):
-            results.append(res)
-            print(f"[bench]   {res['bench']}: {summary(res)}", flush=True)
-    order = {n: i for i, n in enumerate(BENCHES)}
-    results.sort(key=lambda r: (order[r["bench"]], r["ranks"]))
-    if "scaling" in names:
-        from .scaling import combine
-
-        combine(results)
-    doc = write(out_dir, results, args.size, args.repeats)
+        for name in [n for n in names if ranks in world_sizes(n, args.smoke)]:
+            print(f"[bench] {name} on {ranks} rank(s) (budget {budget(name, args):.0f} s) ...",
+                  flush=True)
+            results.append(launch(name, ranks, args, parts))
+            print(f"[bench]   {name}: {summary(results[-1])}", flush=True)
+            written(out_dir, results, args)  # what is measured so far stays
+    doc = written(out_dir, results, args, combined="scaling" in names)
     print((out_dir / "bench.md").read_text())
     bad = [r for r in doc["results"] if "error" in r or (r.get("check") and
                                                           not r["check"]["ok"])]
     return 1 if bad else 0
+
+
+def written(out_dir: Path, results: list[dict], args, combined: bool = False) -> dict:
+    """Write bench.json and bench.md of ``results`` (in BENCHES's order; at the end, with
+    ``combined``, scaling's efficiencies across its world sizes); the document."""
+    from .report import write
+
+    order = {n: i for i, n in enumerate(BENCHES)}
+    done = sorted(results, key=lambda r: (order[r["bench"]], r["ranks"]))
+    if combined:
+        from .scaling import combine
+
+        combine(done)
+    return write(out_dir, done, args.size, args.repeats)
 
 
 def summary(res: dict) -> str:

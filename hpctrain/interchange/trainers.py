@@ -87,8 +87,8 @@ def file_pairs(reader: dcp.Reader, form, dtype: str, moments: bool):
         for name, a in params.items():
             yield from parameter_pairs(name, a, dtype, store)
             for w in MOMENTS:
-                value = state[w][name] if moments else np.zeros(a.shape)
-                yield f"optim/{name}/{w}", value.astype(store)
+                value = state[w][name] if moments else np.zeros(a.shape, store)
+                yield f"optim/{name}/{w}", value.astype(store, copy=False)
 
 
 def parameter_pairs(name: str, a: np.ndarray, dtype: str, store):
@@ -99,10 +99,10 @@ def parameter_pairs(name: str, a: np.ndarray, dtype: str, store):
 
     if dtype in ("bfloat16", "float16"):
         rounded = torch.from_numpy(a.astype(np.float32)).to(DTYPES[dtype]).float().numpy()
-        yield f"model/{name}", rounded.astype(store)
-        yield f"optim/{name}/master", a.astype(np.float32)
+        yield f"model/{name}", rounded.astype(store, copy=False)
+        yield f"optim/{name}/master", a.astype(np.float32, copy=False)
     else:
-        yield f"model/{name}", a.astype(store)
+        yield f"model/{name}", a.astype(store, copy=False)
 
 
 def form_of(reader: dcp.Reader, m: ModelConfig):

@@ -133,3 +133,22 @@ def test_bad_input_is_a_clear_error(tmp_path):
     assert proc.returncode == 2 and "--repeats must be >= 1" in proc.stderr
     proc = benchmarks(["--only", "nonsense", "--out", str(tmp_path)], check=False)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_a_part_out_of_its_budget_is_reported_and_the_rest_kept(tmp_path, monkeypatch, capsys):
+    """Each part runs in its own launch within its own budget: one that runs out is stopped
+    (no rank left behind) and reported, and the part before it stays in bench.json."""
+    import subprocess
+
+    from benchmarks import driver
+
+    monkeypatch.setitem(driver.BUDGETS, "gradsync", 3)  # a third at --size tiny: 1 s
+    rc = driver.main(["--only", "overhead", "--only", "gradsync", "--size", "tiny",
+                      "--repeats", "1", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    by_name = {r["bench"]: r for r in doc["results"]}
+    assert rc == 1 and "error" not in by_name["overhead"], by_name["overhead"]
+    assert "ran out of its budget (1 s" in by_name["gradsync"]["error"]
+    left = subprocess.run(["pgrep", "-f", "benchmarks.worker gradsync"], capture_output=True)
+    assert left.returncode == 1, left.stdout
+    assert "gradsync: FAILED: ran out of its budget" in capsys.readouterr().out
