@@ -65,3 +65,17 @@ def test_sum16_hierarchical(per_node):
     x, exact = _inputs(world, 777)
     reduce_hierarchical(h, x, "sum16")
     _close(x, exact, world)
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 2**15, 2**15 + 1, 3 * 2**15 + 17])
+def test_op_body_block_by_block_is_the_whole_widening(n):
+    """The op adds block by block in one float32 buffer: bit for bit what widening both
+    whole, adding and rounding once gives (sizes around the block)."""
+    from hpctrain.comm.sum16 import add_bf16
+
+    g = torch.Generator().manual_seed(n)
+    a, b = (torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(2))
+    want = a.float().add_(b.float()).to(torch.bfloat16)
+    add_bf16(memoryview(a.view(torch.int16).numpy()).cast("B"),
+             memoryview(b.view(torch.int16).numpy()).cast("B"))
+    assert torch.equal(b.view(torch.int16), want.view(torch.int16))
