@@ -20,11 +20,12 @@ from .cluster_worker import MODEL, interleave, train_once, worker_args
 
 BF16 = 'optim.grad_comm_dtype="bfloat16"'
 DP4 = ["topology.dp=4"]
-HPCTRAIN = {  # name -> overrides on top of MODEL: the layouts that compete
+HPCTRAIN = {  # name -> overrides on top of MODEL: the layouts that compete, each precision
     "hpctrain: overlapped, bf16 traffic": [*DP4, "optim.overlap=true", BF16],
     "hpctrain: hierarchical, bf16 traffic": [*DP4, 'topology.dp_reduction="hierarchical"',
                                              BF16],
     "hpctrain: overlapped, float32 traffic": [*DP4, "optim.overlap=true"],
+    "hpctrain: hierarchical, float32 traffic": [*DP4, 'topology.dp_reduction="hierarchical"'],
     "hpctrain: HSDP (zero 3 in a node), bf16 traffic":
         [*DP4, "optim.zero=3", 'topology.shard_within="node"', BF16],
 }
@@ -32,15 +33,21 @@ HPCTRAIN = {  # name -> overrides on top of MODEL: the layouts that compete
 # to nodes
 NAIVE = [*DP4, 'experimental.reduction="per-parameter"', "optim.overlap_across_nodes=false",
          'experimental.placement="naive"']
-TORCH = {"torch DDP (gloo, 4 MB buckets)": ("ddp", 4.0),
-         "torch DDP (gloo, 25 MB buckets)": ("ddp", 25.0),
-         "torch FSDP2 full shard (gloo)": ("fsdp", (4,)),
-         "torch FSDP2 HSDP 2x2 mesh (gloo)": ("fsdp", (2, 2))}
+# name -> (kind, argument, 16-bit traffic): DDP with float32 buckets or a bf16 compress hook,
+# FSDP2 with float32 or bfloat16 reduce_dtype
+TORCH = {"torch DDP (gloo, 4 MB buckets), float32 traffic": ("ddp", 4.0, False),
+         "torch DDP (gloo, 25 MB buckets), float32 traffic": ("ddp", 25.0, False),
+         "torch DDP (gloo, 4 MB buckets, bf16 compress hook), bf16 traffic": ("ddp", 4.0, True),
+         "torch FSDP2 full shard (gloo), float32 traffic": ("fsdp", (4,), False),
+         "torch FSDP2 HSDP 2x2 mesh (gloo), float32 traffic": ("fsdp", (2, 2), False),
+         "torch FSDP2 full shard (gloo), bf16 traffic": ("fsdp", (4,), True),
+         "torch FSDP2 HSDP 2x2 mesh (gloo), bf16 traffic": ("fsdp", (2, 2), True)}
 
 
 # the smoke test (size tiny) runs one of each kind: seconds, not a comparison
-TINY = ("naive baseline", "hpctrain: overlapped, bf16 traffic", "torch DDP (gloo, 4 MB buckets)",
-        "torch FSDP2 HSDP 2x2 mesh (gloo)", "compute")
+TINY = ("naive baseline", "hpctrain: overlapped, bf16 traffic",
+        "torch DDP (gloo, 4 MB buckets, bf16 compress hook), bf16 traffic",
+        "torch FSDP2 HSDP 2x2 mesh (gloo), bf16 traffic", "compute")
 
 
 def variant_names(size: str) -> list[str]:
@@ -84,32 +91,53 @@ def torch_dist(world):
     return dist
 
 
-def _wrap(stage, kind: str, arg):
-    """DDP in its best settings (bucket ``arg`` MB, gradient_as_bucket_view, static graph),
-    or FSDP2 ``fully_shard`` per block and at the root over a mesh of shape ``arg``
-    ((4,): full shard; (2, 2): replicate across nodes x shard within a node)."""
+def _wrap(stage, kind: str, arg, bf16: bool):
+    """DDP in its best settings (bucket ``arg`` MB, gradient_as_bucket_view, static graph;
+    ``bf16``: :func:`bfloat16_wire_hook`), or FSDP2 ``fully_shard`` per block and at the
+    root over a mesh of shape ``arg`` ((4,): full shard; (2, 2): replicate across nodes x
+    shard within a node; ``bf16``: ``reduce_dtype`` bfloat16)."""
     import torch
 
     if kind == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(
+        ddp = torch.nn.parallel.DistributedDataParallel(
             stage, bucket_cap_mb=arg, gradient_as_bucket_view=True, static_graph=True)
+        if bf16:
+            ddp.register_comm_hook(None, bfloat16_wire_hook)
+        return ddp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     names = ("shard",) if len(arg) == 1 else ("replicate", "shard")
     mesh = init_device_mesh("cpu", arg, mesh_dim_names=names)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if bf16 else None)
     for block in stage.blocks.values():
-        fully_shard(block, mesh=mesh)
-    return fully_shard(stage, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(stage, mesh=mesh, mp_policy=policy)
 
 
-def torch_steps(cfg, world, kind: str, arg) -> dict:
+def bfloat16_wire_hook(_state, bucket):
+    """What torch's ``default_hooks.bf16_compress_hook`` does (DDP refuses that hook, by its
+    name, without NCCL): the bucket cast to bfloat16 and divided by the world size,
+    all-reduced, cast back."""
+    import torch
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    wire = buf.to(torch.bfloat16).div_(dist.get_world_size())
+
+    def back(fut):
+        return buf.copy_(fut.value()[0])
+
+    return dist.all_reduce(wire, async_op=True).get_future().then(back)
+
+
+def torch_steps(cfg, world, kind: str, arg, bf16: bool) -> dict:
     """hpctrain's training as a PyTorch loop (``common.torch_loop``) under DDP or FSDP2
     (:func:`_wrap`); rank 0's step seconds and losses."""
     from .common import torch_loop
 
     torch_dist(world)
-    times, losses = torch_loop(cfg, world, wrap=lambda stage: _wrap(stage, kind, arg))
+    times, losses = torch_loop(cfg, world, wrap=lambda stage: _wrap(stage, kind, arg, bf16))
     return {"step_s": times, "comm_s": [{} for _ in times], "losses": losses}
 
 
