@@ -93,7 +93,7 @@ def _why(name: str, step: dict, comm: dict, compute: float) -> str:
 
 def traffic(name: str) -> str:
     """The precision a variant's gradients cross the link in (the naive baseline: float32)."""
-    return "bf16" if "bf16" in name else "float32"
+    return "bf16" if name.endswith("bf16") else "float32"
 
 
 def fastest(step: dict, prefix: str, precision: str) -> str | None:
@@ -107,8 +107,8 @@ def peer_ratios(per: dict, step: dict, comm: dict) -> list[dict]:
     compute, out = step["compute"], []
     for precision in ("float32", "bf16"):
         best = fastest(step, "hpctrain", precision)
-        peers = [(fastest(step, "torch DDP", precision), ">= 1.3"),
-                 (fastest(step, "torch FSDP2", precision), ">= 1.3")]
+        peers = [(fastest(step, "DDP", precision), ">= 1.3"),
+                 (fastest(step, "FSDP2", precision), ">= 1.3")]
         if precision == "float32":
             peers.insert(0, ("naive baseline", ">= 1.5"))
         for peer, target in peers:
@@ -131,13 +131,13 @@ def ratios(per: dict, step: dict, comm: dict, plan: dict, size: str) -> list[dic
     for what, each, target in (
             ("limit max(compute, link)", [max(c, link) for c in per["compute"]], "<= 1.25"),
             ("bound compute + link", [c + link for c in per["compute"]], "<= 1.25")):
-        q = ratio(f"{best[10:]} / {what}", 0.0, target, pair_ratios(per[best], each))
+        q = ratio(f"{best[9:]} / {what}", 0.0, target, pair_ratios(per[best], each))
         q["why"] = (f"compute {compute * 1e3:.0f} ms, link {link * 1e3:.0f} ms at {RATE} "
                     f"(nominal); {_why(best, step, comm, compute)}")
         out.append(q)
     for name in (n for n in step if n.startswith("hpctrain")):
         p = plan[name]
-        q = ratio(f"plan error |predicted / measured - 1|, {name[10:]}",
+        q = ratio(f"plan error |predicted / measured - 1|, {name[9:]}",
                   abs(p["step"] / step[name] - 1), "<= 0.25")
         q["why"] = (f"predicted {p['step'] * 1e3:.0f} ms (compute {p['compute'] * 1e3:.0f} ms, "
                     f"exposed dp {p['dp'] * 1e3:.0f} ms), measured {step[name] * 1e3:.0f} ms "

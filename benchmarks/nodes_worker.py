@@ -21,33 +21,34 @@ from .cluster_worker import MODEL, interleave, train_once, worker_args
 BF16 = 'optim.grad_comm_dtype="bfloat16"'
 DP4 = ["topology.dp=4"]
 HPCTRAIN = {  # name -> overrides on top of MODEL: the layouts that compete, each precision
-    "hpctrain: overlapped, bf16 traffic": [*DP4, "optim.overlap=true", BF16],
-    "hpctrain: hierarchical, bf16 traffic": [*DP4, 'topology.dp_reduction="hierarchical"',
+    "hpctrain overlapped, bf16": [*DP4, "optim.overlap=true", BF16],
+    "hpctrain hierarchical, bf16": [*DP4, 'topology.dp_reduction="hierarchical"',
                                              BF16],
-    "hpctrain: overlapped, float32 traffic": [*DP4, "optim.overlap=true"],
-    "hpctrain: hierarchical, float32 traffic": [*DP4, 'topology.dp_reduction="hierarchical"'],
-    "hpctrain: HSDP (zero 3 in a node), bf16 traffic":
+    "hpctrain overlapped, fp32": [*DP4, "optim.overlap=true"],
+    "hpctrain hierarchical, fp32": [*DP4, 'topology.dp_reduction="hierarchical"'],
+    "hpctrain HSDP (zero 3 in a node), bf16":
         [*DP4, "optim.zero=3", 'topology.shard_within="node"', BF16],
 }
 # flat dp, one blocking all-reduce per parameter, no overlap, ranks placed without regard
 # to nodes
 NAIVE = [*DP4, 'experimental.reduction="per-parameter"', "optim.overlap_across_nodes=false",
          'experimental.placement="naive"']
-# name -> (kind, argument, 16-bit traffic): DDP with float32 buckets or a bf16 compress hook,
-# FSDP2 with float32 or bfloat16 reduce_dtype
-TORCH = {"torch DDP (gloo, 4 MB buckets), float32 traffic": ("ddp", 4.0, False),
-         "torch DDP (gloo, 25 MB buckets), float32 traffic": ("ddp", 25.0, False),
-         "torch DDP (gloo, 4 MB buckets, bf16 compress hook), bf16 traffic": ("ddp", 4.0, True),
-         "torch FSDP2 full shard (gloo), float32 traffic": ("fsdp", (4,), False),
-         "torch FSDP2 HSDP 2x2 mesh (gloo), float32 traffic": ("fsdp", (2, 2), False),
-         "torch FSDP2 full shard (gloo), bf16 traffic": ("fsdp", (4,), True),
-         "torch FSDP2 HSDP 2x2 mesh (gloo), bf16 traffic": ("fsdp", (2, 2), True)}
+# name -> (kind, argument, 16-bit traffic): DDP (gloo) with float32 buckets or a bf16 compress
+# hook, FSDP2 (gloo) with float32 or bfloat16 reduce_dtype; names end in their traffic's
+# precision, fp32 or bf16
+TORCH = {"DDP 4 MB, fp32": ("ddp", 4.0, False),
+         "DDP 25 MB, fp32": ("ddp", 25.0, False),
+         "DDP 4 MB + bf16 hook, bf16": ("ddp", 4.0, True),
+         "FSDP2 full shard, fp32": ("fsdp", (4,), False),
+         "FSDP2 HSDP 2x2, fp32": ("fsdp", (2, 2), False),
+         "FSDP2 full shard, bf16": ("fsdp", (4,), True),
+         "FSDP2 HSDP 2x2, bf16": ("fsdp", (2, 2), True)}
 
 
 # the smoke test (size tiny) runs one of each kind: seconds, not a comparison
-TINY = ("naive baseline", "hpctrain: overlapped, bf16 traffic",
-        "torch DDP (gloo, 4 MB buckets, bf16 compress hook), bf16 traffic",
-        "torch FSDP2 HSDP 2x2 mesh (gloo), bf16 traffic", "compute")
+TINY = ("naive baseline", "hpctrain overlapped, bf16",
+        "DDP 4 MB + bf16 hook, bf16",
+        "FSDP2 HSDP 2x2, bf16", "compute")
 
 
 def variant_names(size: str) -> list[str]:
