@@ -1,7 +1,8 @@
-"""Other trainers' checkpoints in and out: ``hpctrain import --format dcp DIR --config CONFIG
---out OUT`` and ``hpctrain export CKPT --format dcp --out DIR``. A DCP directory carries no
-model description, so CONFIG (an hpctrain config of the checkpoint's model) says which model
-it is; the trainer's form (:class:`TitanForm`: torchtitan's Llama 3) says what each of its
+"""Other trainers' checkpoints in and out: ``hpctrain import --format dcp DIR --config
+CONFIG --out OUT`` and ``hpctrain export CKPT --format dcp --out DIR`` (torchtitan's form).
+A DCP directory carries no model description, so CONFIG (an hpctrain config of the
+checkpoint's model) says which model it is; the trainer's form (:mod:`.forms`; torchtitan's
+Llama 3 in ``titan.py``, Megatron-Core's GPT in ``megatron.py``) says what each of its
 tensors is in hpctrain's names. Every tensor is checked against the model (names, global
 shapes) from the metadata alone, before anything is written; then each is read, reordered and
 written to the HDF5 checkpoint one at a time (:mod:`.dcp`), so a conversion holds one tensor
