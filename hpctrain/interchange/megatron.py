@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..config import ModelConfig
 from ..model.families import family_of
-from . import titan
+from . import hf_map, titan
 from .forms import Unit, stacked
 from .hf_map import InterchangeError
 from .pickles import load_torch_data
@@ -40,6 +40,13 @@ LATEST = "latest_checkpointed_iteration.txt"  # Megatron-LM's pointer to its new
 TE_NORMS = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
 LOCAL_NORMS = ("input_layernorm.weight", "pre_mlp_layernorm.weight")
 FLAT, FLAT_FORM = "optimizer.distributed.", "dp_reshardable"
+QKV, FC1 = "self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"
+# Megatron's tensor of a layer -> the Hugging Face tensors (after model.layers.N.) it holds
+LAYER = {QKV: ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+         "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+         FC1: ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+         "mlp.linear_fc2.weight": ("mlp.down_proj.weight",)}
+NORM1, NORM2 = ("input_layernorm.weight",), ("post_attention_layernorm.weight",)
 EMBED, HEAD, FINAL = ("embedding.word_embeddings.weight", "output_layer.weight",
                       "decoder.final_layernorm.weight")
 
@@ -90,30 +97,33 @@ class MegatronForm:
         self.notes = [f"its optimizer state is in Megatron's {FLAT_FORM} form (flat gradient "
                       f"buffers, not per parameter) and is not read: save it with "
                       f"--dist-ckpt-optim-fully-reshardable to bring the moments"] if flat else []
-        self.units = [Unit(EMBED, (("embed", None),), rows=m.vocab_size)]
+        self.names = {e.key: e.name for e in hf_map.entries(m)}  # HF key -> hpctrain name
+        top = [(EMBED, "model.embed_tokens.weight", m.vocab_size)]
+        self.units = [Unit(k, ((self.names[hf], None),), rows=r) for k, hf, r in top]
         for i in range(m.n_layers):
             self.units += self._layer(i)
-        self.units.append(Unit(FINAL, (("norm_f.weight", None),)))
-        if not m.tie_embeddings:
-            self.units.append(Unit(HEAD, (("head", None),), rows=m.vocab_size))
+        bottom = [(FINAL, "model.norm.weight", None)] + \
+            ([] if m.tie_embeddings else [(HEAD, "lm_head.weight", m.vocab_size)])
+        self.units += [Unit(k, ((self.names[hf], None),), rows=r) for k, hf, r in bottom]
 
     def key(self, i: int, name: str) -> str:
         return f"decoder.layers.{name}" if self.stacked else f"decoder.layers.{i}.{name}"
 
     def _layer(self, i: int) -> list[Unit]:
-        b, at = f"blocks.{i}.", None if not self.stacked else i
-        norm1, norm2 = TE_NORMS if self.te else LOCAL_NORMS
-        return [Unit(self.key(i, norm1), ((b + "norm1.weight", None),), at),
-                Unit(self.key(i, "self_attention.linear_qkv.weight"), self._qkv(b), at),
-                Unit(self.key(i, "self_attention.linear_proj.weight"), ((b + "attn.wo", None),),
-                     at),
-                Unit(self.key(i, norm2), ((b + "norm2.weight", None),), at),
-                Unit(self.key(i, "mlp.linear_fc1.weight"),
-                     ((b + "mlp.w1", lambda a: a[:len(a) // 2]),
-                      (b + "mlp.w3", lambda a: a[len(a) // 2:])), at),
-                Unit(self.key(i, "mlp.linear_fc2.weight"), ((b + "mlp.w2", None),), at)]
+        """Layer ``i``'s units: each Megatron tensor and the family's parameters in it."""
+        at, hf = (i if self.stacked else None), f"model.layers.{i}."
+        norms = TE_NORMS if self.te else LOCAL_NORMS
+        cuts = {QKV: self._qkv(), FC1: (lambda a: a[:len(a) // 2], lambda a: a[len(a) // 2:])}
+        out = []
+        for key, parts in [(norms[0], NORM1), *LAYER.items(), (norms[1], NORM2)]:
+            fns = cuts.get(key, (None,) * len(parts))
+            out.append(Unit(self.key(i, key), tuple(
+                (self.names[hf + part], fn) for part, fn in zip(parts, fns)), at))
+        return out
 
-    def _qkv(self, b: str) -> tuple:
+    def _qkv(self) -> tuple:
+        """Cuts of q, k and v from the fused rows (per group: its queries, its key, its
+        value)."""
         m = self.m
         groups, heads, hd = family_of(m).kv_heads(m), m.n_heads, m.head_dim
         per = heads // groups
@@ -124,8 +134,7 @@ class MegatronForm:
                 return titan.to_rotate_half(w, n) if self.interleaved and lo < per + 1 else w
             return cut
 
-        return ((b + "attn.wq", part(0, per, heads)), (b + "attn.wk", part(per, per + 1, groups)),
-                (b + "attn.wv", part(per + 1, per + 2, groups)))
+        return part(0, per, heads), part(per, per + 1, groups), part(per + 1, per + 2, groups)
 
     def expected(self, shapes: dict) -> dict[str, tuple]:
         """The stored shapes: fused q/k/v and gate/up rows, layers stacked when they are."""
