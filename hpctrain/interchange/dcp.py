@@ -10,6 +10,7 @@ more than one tensor of the checkpoint at a time.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +43,7 @@ def is_dcp_directory(path: str | Path) -> bool:
     return (Path(path) / METADATA).is_file() or (Path(path) / LATEST).is_file()
 
 
+@functools.cache
 def _planners():
     """(load planner, save planner) classes: DCP's defaults, except that a bytes entry is
     unpickled by ``torch.load(weights_only=True)`` and a tensor to save is produced when the

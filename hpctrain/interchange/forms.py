@@ -36,6 +36,14 @@ class Unit:
             yield name, np.ascontiguousarray(fn(a) if fn is not None else a)
 
 
+def paired_steps(run, opt) -> tuple[int, int] | None:
+    """(training step, optimizer step) from what a checkpoint records of each, either
+    standing in for the other when alone; None when it records neither."""
+    if run is None and opt is None:
+        return None
+    return int(run if run is not None else opt), int(opt if opt is not None else run)
+
+
 def stacked(shape: tuple, layers: int | None) -> tuple:
     """``shape`` with a leading layer dimension when ``layers`` is not None."""
     return shape if layers is None else (layers, *shape)

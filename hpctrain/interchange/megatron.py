@@ -31,7 +31,7 @@ from pathlib import Path
 from ..config import ModelConfig
 from ..model.families import family_of
 from . import hf_map, titan
-from .forms import Unit, stacked
+from .forms import Unit, paired_steps, stacked
 from .hf_map import InterchangeError
 from .pickles import load_torch_data
 
@@ -85,7 +85,7 @@ class MegatronForm:
     name = "Megatron-Core GPT"
 
     def __init__(self, m: ModelConfig, keys, common: dict):
-        titan.check_model(m)  # the same Llama: no q/k norms or biases
+        titan.check_model(m, self.name)  # the same Llama: no q/k norms or biases
         self.m, self.common = m, common
         self.stacked = "decoder.layers.self_attention.linear_qkv.weight" in keys
         self.te = any(k.endswith(TE_NORMS[0]) for k in keys)
@@ -164,14 +164,13 @@ class MegatronForm:
     def steps(self, reader) -> tuple[int, int]:
         """(training step, optimizer step) from ``common.pt``: ``iteration`` and the step
         of the optimizer's first parameter group, each standing in for the other."""
-        opt = optimizer_step(self.common)
-        run = self.common.get("iteration")
-        if run is None and opt is None:
+        steps = paired_steps(self.common.get("iteration"), optimizer_step(self.common))
+        if steps is None:
             raise InterchangeError(
                 f"{reader.dir} has optimizer moments but no step ({COMMON} records neither "
                 f"`iteration` nor the optimizer's `step`): Adam's bias correction would be "
                 f"wrong; import the weights alone from a copy without optimizer.state entries")
-        return int(run if run is not None else opt), int(opt if opt is not None else run)
+        return steps
 
 
 def optimizer_step(common: dict):

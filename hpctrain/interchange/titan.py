@@ -27,7 +27,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..model.families import family_of
 from . import hf_map
-from .forms import Unit
+from .forms import Unit, paired_steps
 from .hf_map import InterchangeError
 
 # Hugging Face key (after ``model.layers.N.``) -> torchtitan key (after ``layers.N.``);
@@ -69,12 +69,12 @@ class TitanNames:
         return f"optimizer.state.{key[len(self.prefix):]}.{which}"
 
 
-def check_model(m: ModelConfig) -> None:
-    """torchtitan's Llama 3 is hpctrain's llama family without q/k norms or biases."""
+def check_model(m: ModelConfig, trainer: str = "torchtitan's Llama 3") -> None:
+    """``trainer``'s Llama form is hpctrain's llama family without q/k norms or biases."""
     fam = family_of(m)
     if fam.name != "llama" or m.qk_norm or m.qkv_bias:
         raise InterchangeError(
-            f"torchtitan's Llama 3 checkpoints map to model.family = 'llama' without "
+            f"{trainer} checkpoints map to model.family = 'llama' without "
             f"qk_norm or qkv_bias; the config describes {fam.name}"
             f"{' with q/k norms' if m.qk_norm else ''}{' with q/k/v biases' if m.qkv_bias else ''}"
             f": give --config a Llama config of the checkpoint's shape")
@@ -155,8 +155,6 @@ class TitanForm:
         """(training step, optimizer step): ``train_state.step`` and the optimizer's
         per-parameter ``step``, each standing in for the other when alone."""
         key = self.moment(self.units[0].key, "step")
-        opt = int(reader.tensor(key).item()) if key in reader.tensors else None
+        opt = reader.tensor(key).item() if key in reader.tensors else None
         run = reader.object(STEP) if STEP in reader.objects else None
-        run = int(run.item() if hasattr(run, "item") else run) if run is not None else None
-        step = run if run is not None else (opt or 0)
-        return step, opt if opt is not None else step
+        return paired_steps(run.item() if hasattr(run, "item") else run, opt) or (0, 0)
