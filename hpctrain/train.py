@@ -103,7 +103,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     moe = MoeStep(chunks, topo)
     saved = params + moe.state
     if cfg.checkpoint.init_from:  # parameters from another model; a resume overrides them
-        log.info(f"parameters from {init_from.load(cfg, topo, params)} (checkpoint.init_from)")
+        source = init_from.load(cfg, topo, params, moe.state)
+        log.info(f"parameters from {source} (checkpoint.init_from)")
     grads = grad_sync.build(cfg, topo, chunks, params)  # ZeRO-3 shards the parameters here
     if grads.overlap:
         log.info(f"gradient reduction overlapped with backward (progress: {grads.progress})")

@@ -209,6 +209,10 @@ def _check_experts(cfg: Config, world_size: int, need) -> None:
     need(m.moe_every <= m.n_layers,
          f"model.moe_every={m.moe_every} > model.n_layers={m.n_layers}: no layer would have "
          f"experts (model.num_experts={m.num_experts}); lower moe_every or set num_experts=0")
+    need(m.moe_every > m.n_layers or any(m.moe_layer(i) for i in range(m.n_layers)),
+         f"model.dense_layers={m.dense_layers} leaves no block with experts among the "
+         f"{m.n_layers} (model.num_experts={m.num_experts}); lower dense_layers or set "
+         "num_experts=0")
     _at_least(cfg, need, 0, "model.capacity_factor", "model.aux_loss_coef",
               "model.z_loss_coef")
     _check_routing(m, top.tp, need)

@@ -78,6 +78,12 @@ class ModelConfig:
     d_head: int = key(0, "channels per attention head; 0: d_model / n_heads", ge=0)
     qk_norm: bool = key(False, "RMSNorm over each query and key head before rotary (Qwen3)")
     qkv_bias: bool = key(False, "biases on the query, key and value projections (Qwen2)")
+    q_lora_rank: int = key(0, "deepseek_v3: query compression rank; 0: none", ge=0)
+    kv_lora_rank: int = key(0, "deepseek_v3: key/value latent rank", ge=0)
+    qk_nope_dim: int = key(0, "deepseek_v3: query/key channels per head without positions",
+                           ge=0)
+    qk_rope_dim: int = key(0, "deepseek_v3: rotary query/key channels per head", ge=0)
+    v_head_dim: int = key(0, "deepseek_v3: value channels per head; 0: qk_nope_dim", ge=0)
     d_ff: int = key(0, "MLP hidden size; 0: 4 * d_model", ge=0)
     vocab_size: int = key(256, "embedding rows; every token id of the data needs one", ge=2)
     dtype: str = key("float32", "parameter and compute type (float16: dynamic loss scaling)",
@@ -92,6 +98,7 @@ class ModelConfig:
     num_experts: int = key(0, "experts per MoE layer; 0: a dense model", ge=0)
     top_k: int = key(1, "MoE: experts per token (at most num_experts)")
     moe_every: int = key(1, "MoE: every N-th block has experts (>= 1, <= n_layers)")
+    dense_layers: int = key(0, "MoE: the first N blocks are dense", ge=0)
     capacity_factor: float = key(0.0, "MoE: tokens per expert as a factor of the even share; 0: "
                                       "dropless (>= 0)")
     aux_loss_coef: float = key(0.01, "MoE: weight of the load-balancing loss (>= 0)")
@@ -142,6 +149,16 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_head or self.d_model // self.n_heads
+
+    @property
+    def value_dim(self) -> int:
+        """Value channels per head of latent attention."""
+        return self.v_head_dim or self.qk_nope_dim
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` has experts: past the first ``dense_layers`` blocks, every
+        ``moe_every``-th (blocks ``moe_every - 1``, ``2 * moe_every - 1``, ...)."""
+        return self.num_experts > 0 and i >= self.dense_layers and (i + 1) % self.moe_every == 0
 
     @property
     def kv_heads(self) -> int:

@@ -26,14 +26,14 @@ def whole_model(m):
     """The whole model ``m`` (a ModelConfig) on one process, expert layers included (their
     token exchange the single-rank identity)."""
     from ..model import DTYPES, DecoderStage, LocalOps
-    from ..model.moe import LocalExchange, MoE, is_moe_layer
+    from ..model.moe import LocalExchange, MoE
 
     ops, exchange = LocalOps(), LocalExchange()
     resid_std = m.init_std / (2 * m.n_layers) ** 0.5
 
     def ffn(layer: int):
         return MoE(m, ops, exchange, DTYPES[m.dtype], resid_std) \
-            if is_moe_layer(m, layer) else None
+            if m.moe_layer(layer) else None
 
     return DecoderStage(m, range(m.n_layers), first=True, last=True, ops=ops, ffn_factory=ffn)
 

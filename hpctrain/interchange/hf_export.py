@@ -83,8 +83,9 @@ def hf_tensors(cfg: Config, tensors: dict, dtype: str) -> dict:
             raise hf_map.InterchangeError(f"the checkpoint has no tensor model/{e.name} "
                                           f"(needed for {e.key})")
         t = torch.from_numpy(tensors[e.name])
-        t = t[e.expert] if e.expert is not None else t
-        out[e.key] = t.to(TORCH[dtype]).contiguous()
+        t = e.to_hf(t[e.expert] if e.expert is not None else t)
+        wide = e.name.endswith(".route_bias")  # routing state: float32, as HF keeps it
+        out[e.key] = t.to(torch.float32 if wide else TORCH[dtype]).contiguous()
     unused = set(tensors) - {e.name for e in hf_map.entries(cfg.model)}
     if unused:
         raise hf_map.InterchangeError(f"checkpoint tensors with no HF counterpart: "

@@ -76,10 +76,12 @@ class HFReader:
         None when the directory has no such tensor."""
         import torch
 
-        keys = [e for e in hf_map.entries(m) if e.name == name]
+        keys = [e for e in hf_map.entries(m, self.config) if e.name == name]
         if not keys or any(e.key not in self.where for e in keys):
             return None
-        if keys[0].expert is None:
+        if keys[0].rows is not None:  # reordered rows: the whole tensor, then the slice
+            t = keys[0].to_hpctrain(self.get(keys[0].key))[index]
+        elif keys[0].expert is None:
             t = self.get_slice(keys[0].key, index)
         else:  # (E, ...) stacked: index[0] picks experts, the rest slices each
             experts = range(m.num_experts)[index[0]]
@@ -101,7 +103,7 @@ def check_keys(reader: HFReader, m: ModelConfig) -> None:
     (``rotary_emb.inv_freq``, which Llama-2-era checkpoints store) are ignored; an
     ``lm_head.weight`` stored beside ``tie_word_embeddings = true`` must equal the
     embedding."""
-    entries = hf_map.entries(m)
+    entries = hf_map.entries(m, reader.config)
     known = {e.key for e in entries}
     missing = [e.key for e in entries if e.key not in reader.where]
     extra = set(reader.where) - known - {k for k in reader.where if k.endswith(DERIVED)}
@@ -140,12 +142,12 @@ def global_tensors(reader: HFReader, m: ModelConfig) -> dict[str, np.ndarray]:
     missing and unexpected HF tensors, naming them (:func:`check_keys`)."""
     import torch
 
-    entries = hf_map.entries(m)
+    entries = hf_map.entries(m, reader.config)
     check_keys(reader, m)
     stacked = {e.name for e in entries if e.expert is not None}
     parts: dict[str, list] = {}
     for e in entries:
-        t = reader.get(e.key)
+        t = e.to_hpctrain(reader.get(e.key))
         t = t.float() if t.dtype in (torch.bfloat16, torch.float16) else t  # exact widening
         parts.setdefault(e.name, []).append(t)
     return {name: (torch.stack(ts) if name in stacked else ts[0]).numpy()
@@ -159,6 +161,9 @@ def file_arrays(tensors: dict, dtype: str) -> dict[str, np.ndarray]:
     sdt = np.float64 if dtype == "float64" else np.float32
     out = {}
     for name, a in tensors.items():
+        if name.endswith(".route_bias"):  # an MoE layer's selection bias: state, no moments
+            out[f"model/{name}"] = a.astype(np.float64 if dtype == "float64" else np.float32)
+            continue
         out[f"model/{name}"] = a.astype(pdt)
         out[f"optim/{name}/exp_avg"] = np.zeros(a.shape, sdt)
         out[f"optim/{name}/exp_avg_sq"] = np.zeros(a.shape, sdt)

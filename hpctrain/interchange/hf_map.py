@@ -30,11 +30,25 @@ class InterchangeError(ValueError):
 @dataclass(frozen=True)
 class Entry:
     """One HF tensor: hpctrain parameter ``name`` (slice ``expert`` of its dim 0 when not
-    None) is HF tensor ``key``."""
+    None) is HF tensor ``key``; with ``rows``, row ``r`` of the parameter is HF's row
+    ``rows[r]`` (DeepSeek's interleaved rotary rows)."""
 
     name: str
     key: str
     expert: int | None = None
+    rows: tuple | None = None
+
+    def to_hpctrain(self, t):
+        """The HF tensor ``t`` (torch) in hpctrain's row order."""
+        return t if self.rows is None else t[list(self.rows)]
+
+    def to_hf(self, t):
+        """hpctrain's tensor ``t`` (torch) in HF's row order."""
+        if self.rows is None:
+            return t
+        out = t.clone()
+        out[list(self.rows)] = t
+        return out
 
 
 def check_exportable(m: ModelConfig) -> None:
@@ -45,9 +59,10 @@ def check_exportable(m: ModelConfig) -> None:
         raise InterchangeError(refusal)
 
 
-def entries(m: ModelConfig) -> list[Entry]:
-    """Every HF tensor of the model, in HF's order (the family's ``hf_names``)."""
-    return [Entry(name, key, expert) for name, key, expert in family_of(m).hf.names(m)]
+def entries(m: ModelConfig, hf: dict | None = None) -> list[Entry]:
+    """Every HF tensor of the model, in HF's order (the family's ``hf.names``), as the
+    config.json ``hf`` stores them (None: as export writes them)."""
+    return [Entry(*row) for row in family_of(m).hf.names(m, hf)]
 
 
 def hf_config(m: ModelConfig, max_positions: int, dtype: str, special: dict) -> dict:

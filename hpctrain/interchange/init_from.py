@@ -141,9 +141,10 @@ def tokenizer_problems(cfg: Config, kind: str, path: Path) -> list[str]:
             f"tokenizer (hpctrain prepare FILES --tokenizer THAT.json, or data.tokenizer)"]
 
 
-def load(cfg: Config, topo, params) -> str:
-    """Copy this rank's slice of every parameter from ``checkpoint.init_from``; returns the
-    source's path. A checkpoint is verified first (datasets dealt over the ranks)."""
+def load(cfg: Config, topo, params, state=()) -> str:
+    """Copy this rank's slice of every parameter, and of the model's ``state`` (MoE selection
+    biases) the source has, from ``checkpoint.init_from``; returns the source's path. A
+    checkpoint is verified first (datasets dealt over the ranks)."""
     from ..checkpoint.checkpointer import CheckpointMismatch, CorruptCheckpoint
 
     kind, path = source_kind(cfg.checkpoint.init_from)
@@ -158,15 +159,16 @@ def load(cfg: Config, topo, params) -> str:
         from .hf_import import HFReader
 
         reader = HFReader(path)
-        missing = _copy(params, topo, lambda name, index: reader.slice_of(cfg.model, name,
-                                                                          index))
+        missing = _copy([*params, *state], topo,
+                        lambda name, index: reader.slice_of(cfg.model, name, index))
     else:
         import h5py
 
         with h5py.File(path, "r") as f:
-            missing = _copy(params, topo, lambda name, index: f[f"model/{name}"][index]
-                            if f"model/{name}" in f else None)
-    missing = sorted({n for part in world.allgather_obj(missing) for n in part})
+            missing = _copy([*params, *state], topo, lambda name, index:
+                            f[f"model/{name}"][index] if f"model/{name}" in f else None)
+    fresh = {name for name, _ in state}  # state the source lacks starts as a fresh run's
+    missing = sorted({n for part in world.allgather_obj(missing) for n in part} - fresh)
     if missing:
         raise CheckpointMismatch(f"checkpoint.init_from={str(path)!r} lacks or misshapes "
                                  f"{len(missing)} parameter(s): {', '.join(missing[:5])}")

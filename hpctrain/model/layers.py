@@ -115,8 +115,9 @@ class Rotary:
                             emb.sin().to(dtype=dtype, device=device))
 
     def apply(self, x: torch.Tensor, start: int, segments=None) -> torch.Tensor:
-        """Rotate ``x`` (B, heads, T, hd) at global positions start .. start+T-1, or with
-        ``segments`` [(start, n), ...] at the concatenation of those runs of positions."""
+        """Rotate ``x`` (B, heads, T, hd; wider: its last hd channels) at global positions
+        start .. start+T-1, or with ``segments`` [(start, n), ...] at the concatenation of
+        those runs of positions."""
         if segments is None:
             cos, sin = self.cos_sin(start, x.shape[2], x.dtype, x.device)
         else:
@@ -131,6 +132,9 @@ class Rotary:
         return self._rotate(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
 
     def _rotate(self, x, cos, sin):
+        if x.shape[-1] > self.hd:  # latent attention: only the trailing channels rotate
+            keep = x.shape[-1] - self.hd
+            return torch.cat([x[..., :keep], self._rotate(x[..., keep:], cos, sin)], dim=-1)
         half = self.hd // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -197,9 +201,7 @@ class Attention(nn.Module):
         ``doc`` (B, 2, T): document ids and positions of the whole windows: a query sees
         only keys of its own document, rotary positions are the given ones (None: causal
         over the whole sequence, positions 0..T-1)."""
-        q = self._heads(x, "q", self.heads, self.q_norm)
-        k = self._heads(x, "k", self.kv, self.k_norm)
-        v = self._heads(x, "v", self.kv, None)
+        q, k, v = self._qkv(x)
         if cache is not None:
             y = self._cached_attention(q, k, v, cache, layer)
         elif self.context is not None:  # this rank's chunks of the sequence
@@ -209,6 +211,12 @@ class Attention(nn.Module):
         else:
             y = self._core(q, k, v, doc)
         return linear(y, self.wo)  # partial sum over tp: (B, T, C)
+
+    def _qkv(self, x):
+        """Queries (B, H_local, T, hd), keys and values (B, kv_local, T, hd) of x (B, T, C),
+        before rotary embedding."""
+        return (self._heads(x, "q", self.heads, self.q_norm),
+                self._heads(x, "k", self.kv, self.k_norm), self._heads(x, "v", self.kv, None))
 
     def _heads(self, x, which: str, n: int, norm):
         """The projection ``which`` (q, k or v) of x (B, T, C) as (B, n, T, hd): with its
@@ -234,7 +242,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.heads // self.kv, dim=1)
             v = v.repeat_interleave(self.heads // self.kv, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
-        return y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
+        return y.transpose(1, 2).reshape(B, T, -1)
 
     def _cached_attention(self, q, k, v, cache: KVCache, layer):
         """New queries at positions ``cache.length`` onwards against the cached keys and
@@ -253,7 +261,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
+        return y.transpose(1, 2).reshape(B, T, -1)
 
     def _document_attention(self, q, k, v, doc):
         """Attention inside documents: q (B, H_local, T, hd), k/v (B, kv_local, T, hd); a
@@ -268,7 +276,7 @@ class Attention(nn.Module):
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         mask = (ids.unsqueeze(2) == ids.unsqueeze(1)) & causal  # (B, T, T)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
-        return y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
+        return y.transpose(1, 2).reshape(B, T, -1)
 
     def _context_attention(self, q, k, v, doc=None):
         """Context parallelism: q (B, H_local, T/cp, hd), k/v (B, kv_local, T/cp, hd) at the
@@ -285,7 +293,7 @@ class Attention(nn.Module):
             q, k = self.rotary.at(q, pos, doc.shape[2]), self.rotary.at(k, pos, doc.shape[2])
         ids = None if doc is None else doc[:, 0]
         y = self.context.attention(q, k, v, self.heads // self.kv, ids)  # (B, H_local, T, hd)
-        return y.transpose(1, 2).reshape(B, T, self.heads * self.hd)
+        return y.transpose(1, 2).reshape(B, T, -1)
 
 
 class MLP(nn.Module):

@@ -61,11 +61,6 @@ from .steps import Exchange, drive
 from .weight_grad import linear
 
 
-def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Blocks ``moe_every-1, 2*moe_every-1, ...`` use experts (every block when 1)."""
-    return cfg.num_experts > 0 and (layer + 1) % cfg.moe_every == 0
-
-
 def token_range(n: int, parts: int, index: int) -> tuple[int, int]:
     """Contiguous slice [start, stop) of ``n`` tokens routed by tp rank ``index``."""
     base, extra = divmod(n, parts)
@@ -165,7 +160,7 @@ class MoE(nn.Module):
         self.renormalise = {"true": True, "false": False}.get(
             cfg.norm_topk_prob, self.k > 1 or self.family.renormalize_top1)
         self.routed = np.zeros(E, dtype=np.int64)  # this step's load, for the bias update
-        if cfg.bias_update_rate > 0:  # selection bias (state: checkpointed, not trained)
+        if cfg.bias_update_rate > 0 or self.family.selection_bias:  # state, not trained
             wide = torch.float64 if dtype == torch.float64 else torch.float32
             self.register_buffer("route_bias", torch.zeros(E, dtype=wide), persistent=False)
         else:

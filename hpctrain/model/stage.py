@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from .families import family_of
+from .latent import LatentAttention
 from .layers import MLP, NORMS, Attention, KVCache, ParamMeta, Rotary, _param, shard_range
 from .steps import RunBlock, RunExperts, drive
 from .weight_grad import linear
@@ -67,10 +68,12 @@ class Block(nn.Module):
         super().__init__()
         resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         sp = ops.sequence_parallel
-        norm = NORMS[family_of(cfg).norm]
+        family = family_of(cfg)
+        norm = NORMS[family.norm]
         self.ops = ops
         self.norm1 = norm(cfg.d_model, cfg.norm_eps, dtype, sp)
-        self.attn = Attention(cfg, ops, dtype, resid_std, rotary, context)
+        attention = LatentAttention if family.latent_attention else Attention
+        self.attn = attention(cfg, ops, dtype, resid_std, rotary, context)
         self.norm2 = norm(cfg.d_model, cfg.norm_eps, dtype, sp)
         self.mlp = ffn if ffn is not None else MLP(cfg, ops, dtype, resid_std)
 
@@ -129,7 +132,7 @@ class DecoderStage(nn.Module):
         family = family_of(cfg)
         # One rotary table cache shared by the stage's blocks (a family without positions:
         # none).
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if family.rotary else None
+        self.rotary = Rotary(family.rotary_dim(cfg), cfg.rope_theta) if family.rotary else None
         self.blocks = nn.ModuleDict({
             str(i): Block(cfg, ops, dtype, ffn_factory(i) if ffn_factory else None,
                           self.rotary, context)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..model.layers import ParamMeta
-from ..model.moe import MoE, exchange_of, is_moe_layer, moe_layers
+from ..model.moe import MoE, exchange_of, moe_layers
 from ..model.stage import DTYPES
 
 
@@ -172,7 +172,7 @@ def ffn_factory(model_cfg, topo, ops):
     resid_std = model_cfg.init_std / (2 * model_cfg.n_layers) ** 0.5
 
     def make(layer: int):
-        if not is_moe_layer(model_cfg, layer):
+        if not model_cfg.moe_layer(layer):
             return None
         return MoE(model_cfg, ops, exchange, dtype, resid_std)
 

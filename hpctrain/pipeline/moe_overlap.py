@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..model.moe import is_moe_layer
 from .actions import COMPUTE, Action, Schedule, deferred, fb_pairs
 from .placement import partition
 from .schedules import kind_of, layer_ranges
@@ -49,7 +48,7 @@ TRANSFERS = ("SF", "RF", "SB", "RB")  # pp point-to-point: not on ep_comm
 def moe_layers_per_stage(model_cfg, stages: int, ranges=None) -> list[int]:
     """Number of MoE blocks on each virtual stage (balanced, or the given layer ranges)."""
     ranges = ranges if ranges is not None else partition(model_cfg.n_layers, stages)
-    return [sum(is_moe_layer(model_cfg, i) for i in r) for r in ranges]
+    return [sum(model_cfg.moe_layer(i) for i in r) for r in ranges]
 
 
 def _segmented(a: Action, n: int, split: set) -> list[Action]:

@@ -29,7 +29,6 @@ import functools
 import math
 
 from ..config import Config, cp_factors, shard_size
-from ..model.moe import is_moe_layer
 from ..parallel.grad_sync.interface import cut
 from .cluster import Cluster, Link
 from .memory import DTYPE_BYTES
@@ -187,8 +186,8 @@ def parameter_tensors(m) -> dict:
                 if not n.startswith("blocks.")]
         return (tuple(p.numel() for n, p in named if n.startswith("blocks.")),
                 tuple(e for pre, e in ends if pre), tuple(e for pre, e in ends if not pre))
-    dense = next((i for i in range(m.n_layers) if not is_moe_layer(m, i)), None)
-    moe = next((i for i in range(m.n_layers) if is_moe_layer(m, i)), None)
+    dense = next((i for i in range(m.n_layers) if not m.moe_layer(i)), None)
+    moe = next((i for i in range(m.n_layers) if m.moe_layer(i)), None)
     i = 0 if dense is None else dense
     out = {"dense": () if dense is None else sizes(i, False, False)[0],
            "moe": () if moe is None else sizes(moe, False, False)[0]}
@@ -204,7 +203,7 @@ def rank_sizes(cfg: Config, stages: list, ranges: list) -> list[int]:
     out = []
     for s in stages:
         pre, post = n[(s == 0, s == len(ranges) - 1)]
-        out += [*pre, *(e for i in ranges[s] for e in n["moe" if is_moe_layer(m, i) else "dense"]),
+        out += [*pre, *(e for i in ranges[s] for e in n["moe" if m.moe_layer(i) else "dense"]),
                 *post]
     return [e // t.tp if e > m.d_model else e for e in out]
 

@@ -69,7 +69,6 @@ from dataclasses import dataclass, field
 
 from ..config import Config, microbatches, shard_size
 from ..model.families import family_of
-from ..model.moe import is_moe_layer
 from ..parallel.grad_sync.factory import strategy_of
 from ..parallel.grad_sync.interface import wire_bytes
 from ..pipeline.schedules import kind_of, style_of
@@ -190,7 +189,7 @@ def layer_flops(cfg: Config, i: int, full: bool = False, terms=None) -> float:
     fused kernel does)."""
     m, T = cfg.model, cfg.train.seq_len
     terms = terms or family_of(m).flop_terms(m, T if full else (T + 1) / 2)
-    return terms.attention + (terms.moe_mlp if is_moe_layer(m, i) else terms.dense_mlp)
+    return terms.attention + (terms.moe_mlp if m.moe_layer(i) else terms.dense_mlp)
 
 
 def rank_work(cfg: Config, full: bool = False) -> list[dict]:
@@ -210,7 +209,7 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
         layers = [i for s in stages for i in ranges[s]]
         flops = sum(layer_flops(cfg, i, full, terms) for i in layers)
         flops += 2 * m.d_model * m.vocab_size if S - 1 in stages else 0
-        moe = sum(1 for i in layers if is_moe_layer(m, i))
+        moe = sum(1 for i in layers if m.moe_layer(i))
         first, last = 0 in stages, S - 1 in stages
         params = sum(params_of[len(ranges[s]), s == 0, s == S - 1] for s in stages)
         sizes = rank_sizes(cfg, stages, ranges)

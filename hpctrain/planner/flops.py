@@ -23,8 +23,8 @@ Per token, forward, with ``C = d_model``, ``F = ffn_dim``, ``V = vocab_size``, `
     LM head                 2 * C * V                   (embedding lookup: 0)
 
 Training = 3 x forward (backward costs two matmuls per forward matmul). MoE layers are the
-blocks ``i`` with ``(i + 1) % moe_every == 0`` (``L // moe_every`` of them, as
-``model.moe.is_moe_layer``) when ``num_experts > 0``; every token is counted with its ``k``
+blocks ``ModelConfig.moe_layer`` names (past ``dense_layers``, every ``moe_every``-th) when
+``num_experts > 0``; every token is counted with its ``k``
 experts (tokens a capacity limit drops are still counted: the model asks for them).
 """
 
@@ -32,12 +32,11 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..model.families import family_of
-from ..model.moe import is_moe_layer
 
 
 def moe_layer_count(m: ModelConfig) -> int:
     """How many of the ``n_layers`` blocks carry a mixture of experts."""
-    return sum(1 for i in range(m.n_layers) if is_moe_layer(m, i))
+    return sum(1 for i in range(m.n_layers) if m.moe_layer(i))
 
 
 def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:

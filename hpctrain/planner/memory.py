@@ -47,7 +47,7 @@ def stage_params(cfg: Config, layers: int, first: bool, last: bool) -> int:
     if m.num_experts:
         # experts are split over ep, not tp (each tp rank routes other tokens)
         expert = family.expert_params(m, top.ep, tp)
-        n_moe = sum(1 for i in range(layers) if i % m.moe_every == 0)
+        n_moe = sum(1 for i in range(layers) if m.moe_layer(i))
         total = layers * per_block + n_moe * expert + (layers - n_moe) * dense_mlp
     else:
         total = layers * (per_block + dense_mlp)
@@ -100,12 +100,14 @@ def block_activation_bytes(cfg: Config) -> int:
     ls = 4 if ps == 2 else ps
     family = family_of(m)
     hidden = family.mlp_saved
-    kv = 2 * family.kv_heads(m) * m.head_dim
-    attn = 4 * C if cp <= 1 else ATTENTION_SAVED[_attention_kind(cfg)](C, kv)
+    kv = family.kv_width(m)
+    attn, shared = family.attention_saved(m)  # the family's: over tp and on every tp rank
+    attn = attn if cp <= 1 else ATTENTION_SAVED[_attention_kind(cfg)](C, kv)
     lse = m.n_heads // tp * ls
     if m.recompute == "selective" and cp <= 1:  # the core keeps its inputs q, k, v (kv
         attn, lse = 2 * C + kv, 0  # heads, before rotary and repeat); wo keeps its input
-    return 2 * _norm_bytes(T, C, ps) + T * (attn // tp * ps + lse + hidden * F // tp * ps)
+    return 2 * _norm_bytes(T, C, ps) + T * ((attn // tp + shared) * ps + lse
+                                            + hidden * F // tp * ps)
 
 
 def _ends_activation_bytes(cfg: Config, first: bool, last: bool) -> int:
@@ -214,9 +216,10 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int, sync=None) -> dict:
     act = t.micro_batch_size * local_tokens(cfg) * m.d_model * ps  # one (B, T/cp, C)
     layers_here = -(-m.n_layers // top.pp)
     if top.cp > 1:  # the ring of r ranks: k and v blocks forward (r-1 hops), again
-        heads = family_of(m).kv_heads(m)  # backward with their gradients (r hops); Ulysses
-        kv = 2 * t.micro_batch_size * local_tokens(cfg) * heads * m.head_dim * ps // top.tp
-        qo = kv // heads * m.n_heads  # over u ranks: q, k, v and the output, both passes
+        family = family_of(m)  # backward with their gradients (r hops); Ulysses over u
+        heads = family.kv_heads(m)  # ranks: q, k, v and the output, both passes
+        kv = t.micro_batch_size * local_tokens(cfg) * family.kv_width(m) * ps // top.tp
+        qo = kv // heads * m.n_heads
         u, r = {"ring": (1, top.cp), "ulysses": (top.cp, 1)}.get(top.cp_kind) or \
             cp_factors(top, m.n_heads, heads)
         out["cp"] = int(layers_here * M * ((r > 1) * kv * (3 * r - 2)
@@ -226,7 +229,7 @@ def comm_volume(cfg: Config, P: int, ps: int, M: int, sync=None) -> dict:
     if top.pp > 1:  # one activation forward and one gradient backward per microbatch
         out["pp"] = int(2 * M * act)
     if top.ep > 1 and m.num_experts:
-        moe_layers = -(-layers_here // m.moe_every)
+        moe_layers = sum(1 for i in range(layers_here) if m.moe_layer(i))
         out["ep"] = int(4 * moe_layers * M * act * m.top_k * (top.ep - 1) / top.ep)
     return out
 
@@ -260,6 +263,10 @@ def report(cfg: Config, memory_per_rank: int = 0) -> str:
         lines.append(f"  {key:<12} {fmt_bytes(getattr(e, key)):>12}")
     lines.append("communication per rank per step: " + (", ".join(
         f"{k} {fmt_bytes(v)}" for k, v in e.comm.items()) or "none"))
+    m = cfg.model
+    cache = family_of(m).kv_cache_elems(m) * m.n_layers * DTYPE_BYTES[m.dtype]
+    lines.append(f"KV cache of generation: {fmt_bytes(cache)} per token of context "
+                 f"({fmt_bytes(cache * cfg.train.seq_len)} per sequence of train.seq_len)")
     if memory_per_rank:
         if e.total > memory_per_rank:
             lines.append(f"WARNING: needs {fmt_bytes(e.total)} per rank but only "

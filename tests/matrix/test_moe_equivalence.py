@@ -15,7 +15,7 @@ from launch import TINY, assert_same
 
 from hpctrain.config import load
 from hpctrain.data.dataset import Sampler, load_tokens
-from hpctrain.model.moe import LocalExchange, MoE, is_moe_layer
+from hpctrain.model.moe import LocalExchange, MoE
 from hpctrain.model.stage import DTYPES, DecoderStage, LocalOps, init_parameters
 
 MOE = ("model.num_experts=4", "model.moe_every=2")  # experts in blocks 1, 3, 5, 7
@@ -83,7 +83,7 @@ def independent_drop_count(overrides, global_mb: int) -> dict:
     resid = m.init_std / math.sqrt(2 * m.n_layers)
     ex = LocalExchange()
     stage = DecoderStage(m, range(m.n_layers), True, True, ffn_factory=lambda i: MoE(
-        m, LocalOps(), ex, DTYPES[m.dtype], resid) if is_moe_layer(m, i) else None)
+        m, LocalOps(), ex, DTYPES[m.dtype], resid) if m.moe_layer(i) else None)
     init_parameters([stage], t.seed)
     tokens = load_tokens(cfg.data.path, "train", cfg.data.corpus_mb, cfg.data.val_fraction)
     sampler = Sampler(tokens.tokens, t.seq_len, t.global_batch_size, global_mb, 1, 0, t.seed)

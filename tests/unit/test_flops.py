@@ -5,7 +5,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.config import ModelConfig
-from hpctrain.model.moe import is_moe_layer
 from hpctrain.model.stage import DecoderStage
 from hpctrain.planner.flops import (
     forward_flops_per_token,
@@ -66,7 +65,7 @@ def test_moe_counts_router_and_top_k_active_experts():
                       top_k=2, moe_every=2)
     assert moe_layer_count(moe) == 2 and moe_layer_count(dense) == 0
     for cfg in (moe, ModelConfig(n_layers=7, num_experts=4, moe_every=3), dense):
-        assert moe_layer_count(cfg) == sum(is_moe_layer(cfg, i) for i in range(cfg.n_layers))
+        assert moe_layer_count(cfg) == sum(cfg.moe_layer(i) for i in range(cfg.n_layers))
     C, F = 64, 256
     extra_per_moe_layer = 2 * C * 8 + (2 - 1) * 2 * 2 * C * F  # router + one more expert
     assert forward_flops_per_token(moe, 16) - forward_flops_per_token(dense, 16) == \
@@ -80,3 +79,26 @@ def test_moe_counts_router_and_top_k_active_experts():
 def test_peak_probe_is_positive_and_finite():
     peak = measure_peak_flops(torch.float64, "cpu", seconds=0.05)
     assert 1e6 < peak < 1e15
+
+
+def test_latent_attention_flops_match_flop_counter():
+    """DeepSeek-V3's latent attention, projections and core (keys of qk_nope_dim +
+    qk_rope_dim channels, values of v_head_dim), against the FLOP counter: with values
+    narrower than keys SDPA runs its math path, whose matmuls the counter sees."""
+    from hpctrain.model.families import family_of
+    from hpctrain.model.latent import LatentAttention
+    from hpctrain.model.layers import Rotary
+    from hpctrain.model.stage import LocalOps
+
+    for q_lora in (12, 0):
+        m = ModelConfig(family="deepseek_v3", arch="llama", n_layers=1, d_model=32, n_heads=4,
+                        q_lora_rank=q_lora, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4,
+                        v_head_dim=6, num_experts=4, dtype="float64")
+        attn = LatentAttention(m, LocalOps(), torch.float64, 0.02, Rotary(4, 1e4))
+        for p in attn.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        B, T = 2, 8
+        x = torch.randn(B, T, 32, dtype=torch.float64, requires_grad=True)
+        counted = counted_flops(lambda: attn(x).sum().backward())  # noqa: B023
+        terms = family_of(m).flop_terms(m, T)
+        assert counted == pytest.approx(3 * terms.attention * B * T), q_lora

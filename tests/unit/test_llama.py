@@ -12,7 +12,7 @@ import torch
 from hpctrain.config import load
 from hpctrain.model import DecoderStage, KVCache, LocalOps, init_parameters
 from hpctrain.model.layers import Rotary
-from hpctrain.model.moe import LocalExchange, MoE, is_moe_layer
+from hpctrain.model.moe import LocalExchange, MoE
 
 TINY_LLAMA = "share/configs/tiny-llama.toml"
 
@@ -28,7 +28,7 @@ def build(m, seed: int = 5) -> DecoderStage:
     resid = m.init_std / math.sqrt(2 * m.n_layers)
     ex = LocalExchange()
     factory = (lambda i: MoE(m, LocalOps(), ex, torch.float64, resid)
-               if is_moe_layer(m, i) else None) if m.num_experts else None
+               if m.moe_layer(i) else None) if m.num_experts else None
     stage = DecoderStage(m, range(m.n_layers), True, True, ffn_factory=factory)
     init_parameters([stage], seed)
     return stage.eval()

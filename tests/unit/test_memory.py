@@ -84,11 +84,42 @@ def test_parameter_estimate_counts_the_model(preset, experts):
     import torch
 
     from hpctrain.model import DecoderStage, LocalOps
-    from hpctrain.model.moe import LocalExchange, MoE, is_moe_layer
+    from hpctrain.model.moe import LocalExchange, MoE
 
     cfg = load(preset, [experts, "model.moe_every=2"])
     m = cfg.model
     stage = DecoderStage(m, range(m.n_layers), True, True, ffn_factory=lambda i: MoE(
-        m, LocalOps(), LocalExchange(), torch.float64, 0.01) if is_moe_layer(m, i) else None)
+        m, LocalOps(), LocalExchange(), torch.float64, 0.01) if m.moe_layer(i) else None)
     count = sum(p.numel() for p in stage.parameters())
     assert memory.estimate(cfg).params == count * 8
+
+
+def test_latent_attention_parameters_and_kv_cache():
+    """DeepSeek-V3's parameters (latent attention, the first block dense, shared experts) on
+    one rank and tp = 2 (the down projections on both ranks), and its KV cache: the latent
+    and the rotary key per token and layer."""
+    import torch
+
+    from hpctrain.model import DecoderStage, LocalOps
+    from hpctrain.model.moe import LocalExchange, MoE
+
+    sets = ["model.family=\"deepseek_v3\"", "model.n_kv_heads=0", "model.q_lora_rank=12",
+            "model.kv_lora_rank=16", "model.qk_nope_dim=8", "model.qk_rope_dim=4",
+            "model.v_head_dim=6", "model.num_experts=4", "model.dense_layers=1",
+            "model.shared_experts=1", "model.expert_d_ff=16", "model.router_score=\"sigmoid\""]
+    for tp in (1, 2):
+        cfg = load("share/configs/tiny-llama.toml", [*sets, f"topology.tp={tp}"])
+        m = cfg.model
+
+        class Ops(LocalOps):
+            tp_size = tp
+
+        stage = DecoderStage(m, range(m.n_layers), True, True, ops=Ops(),
+                             ffn_factory=lambda i, m=m: MoE(m, Ops(), LocalExchange(),
+                                                            torch.float64, 0.01)
+                             if m.moe_layer(i) else None)
+        count = sum(p.numel() for p in stage.parameters())
+        assert memory.estimate(cfg).params == count * 8, tp
+    text = memory.report(cfg)
+    per_token = (16 + 4) * m.n_layers * 8
+    assert f"KV cache of generation: {memory.fmt_bytes(per_token)} per token" in text

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.config import ModelConfig
-from hpctrain.model.moe import LocalExchange, MoE, is_moe_layer, token_range
+from hpctrain.model.moe import LocalExchange, MoE, token_range
 from hpctrain.model.stage import LocalOps, init_parameters
 
 
@@ -47,8 +47,10 @@ def test_dropless_matches_per_token_loop(k):
 
 def test_layer_and_token_split_helpers():
     cfg = ModelConfig(num_experts=4, moe_every=2, n_layers=4)
-    assert [i for i in range(4) if is_moe_layer(cfg, i)] == [1, 3]
-    assert not is_moe_layer(ModelConfig(), 0)
+    assert [i for i in range(4) if cfg.moe_layer(i)] == [1, 3]
+    assert not ModelConfig().moe_layer(0)
+    first_dense = ModelConfig(num_experts=4, dense_layers=2, n_layers=5)
+    assert [i for i in range(5) if first_dense.moe_layer(i)] == [2, 3, 4]
     for n, parts in [(10, 3), (2, 4), (0, 2), (16, 2)]:
         ranges = [token_range(n, parts, i) for i in range(parts)]
         assert ranges[0][0] == 0 and ranges[-1][1] == n

@@ -60,6 +60,28 @@ def test_plan_accepts_each_preset_on_its_target(name, capsys):
     assert f"performance on {cluster}" in out and ": fits" in out, out[-600:]
 
 
+def test_deepseek_v3_preset_is_transformers_model(capsys):
+    """The DeepSeek-V3 preset exported as a config.json builds, in transformers, a model
+    (on the meta device) of exactly the parameters plan counts: 671 B without the
+    multi-token-prediction layer; plan fits it on its layout (2048 ranks of dgx-h100)."""
+    import torch
+    import transformers
+
+    from hpctrain.interchange.hf_map import hf_config
+
+    cfg = _preset("deepseek-v3", ONE_RANK)
+    hf = hf_config(cfg.model, 4096, "bfloat16", {})
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**hf))
+    total = sum(p.numel() for p in model.parameters())
+    assert 671e9 < total < 672e9
+    assert stage_params(cfg, cfg.model.n_layers, True, True) == total
+    assert main(["plan", str(CONFIGS / "deepseek-v3.toml"), "--world-size", "2048",
+                 "--cluster", "dgx-h100"]) == 0
+    out = capsys.readouterr().out
+    assert ": fits" in out and "KV cache of generation: 68.6 KiB per token" in out, out[-600:]
+
+
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_each_system_is_described_from_its_sources(system):
     """Every new description names its sources, has a bf16 peak for MFU and plans the ~1B

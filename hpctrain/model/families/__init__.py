@@ -11,7 +11,8 @@ FLOP terms, memory terms, config checks and its Hugging Face form (one mapping o
   (q/k/v biases), selected by name;
 - ``mixtral.py``: the llama form with mixture-of-experts layers;
 - ``qwen_moe.py``: the llama form with experts as Hugging Face's Qwen3-MoE (q/k norms per
-  head) and Qwen2-MoE (q/k/v biases, a gated shared expert).
+  head) and Qwen2-MoE (q/k/v biases, a gated shared expert);
+- ``deepseek.py``: DeepSeek-V3: multi-head latent attention and DeepSeek-V3's experts.
 
 A config names its family (``model.family``). A config without one (older configs and
 checkpoints) gets the family :func:`infer` reads from ``model.arch`` and the flags, once:
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...config import ModelConfig
-from . import gpt, llama, mixtral, qwen, qwen_moe
+from . import deepseek, gpt, llama, mixtral, qwen, qwen_moe
 from .base import Family, FlopTerms
 
 __all__ = ["FAMILIES", "Family", "FlopTerms", "arch_names", "by_hf_model_type", "family_of",
@@ -38,6 +39,7 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.Mixtral(),
     qwen_moe.Qwen3Moe(),
     qwen_moe.Qwen2Moe(),
+    deepseek.DeepseekV3(),
 )
 
 

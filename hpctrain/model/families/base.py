@@ -55,6 +55,8 @@ class Family:
     grouped_query: bool
     gated: bool
     router_float32: tuple = ("bfloat16",)
+    latent_attention: bool = False  # multi-head latent attention (``model/latent.py``)
+    selection_bias: bool = False  # every MoE layer has a selection bias, trained or not
     renormalize_top1: bool = False
     experts: bool | None = None  # True: only with model.num_experts > 0; False: only without
     HF: type[HFForm] = HFForm  # its Hugging Face form (the base: none)
@@ -75,6 +77,27 @@ class Family:
     def kv_heads(self, m: ModelConfig) -> int:
         """Key/value heads of the attention."""
         return m.kv_heads if self.grouped_query else m.n_heads
+
+    def head_dims(self, m: ModelConfig) -> tuple[int, int]:
+        """Channels per head of queries and keys, and of values."""
+        return m.head_dim, m.head_dim
+
+    def rotary_dim(self, m: ModelConfig) -> int:
+        """Channels per head that rotary embeddings turn (the last ones of a head)."""
+        return m.head_dim
+
+    def kv_cache_elems(self, m: ModelConfig) -> int:
+        """Numbers the KV cache of decoding holds per token and layer."""
+        return 2 * self.kv_heads(m) * m.head_dim
+
+    def kv_width(self, m: ModelConfig) -> int:
+        """Key and value numbers per token that context parallelism moves."""
+        return 2 * self.kv_heads(m) * m.head_dim
+
+    def attention_saved(self, m: ModelConfig) -> tuple[int, int]:
+        """Numbers per token autograd saves in attention (cp = 1, no recompute): split over
+        tp (q, k and v repeated to the query heads, the output), and on every tp rank."""
+        return 4 * m.d_model, 0
 
     @property
     def mlp_matrices(self) -> int:
@@ -136,7 +159,7 @@ class Family:
             need(kv <= 0 or kv % top.tp == 0,
                  f"model.n_kv_heads={kv} is not divisible by topology.tp={top.tp} (each tp "
                  "rank holds whole kv heads; kv heads are not replicated)")
-        if self.rotary:
+        if self.rotary and not self.latent_attention:
             hd = m.d_head or m.d_model // max(m.n_heads, 1)
             size = (f"model.d_head = {hd}" if m.d_head else
                     f"model.d_model/model.n_heads = {m.d_model}/{m.n_heads} = {hd}")

@@ -23,8 +23,10 @@ class HFForm:
         return (f"model.family = {self.family.name!r} cannot be exported with --format hf: "
                 + self.missing.format(name=self.family.name))
 
-    def names(self, m: ModelConfig) -> list[tuple[str, str, int | None]]:
-        """Every HF tensor in HF's order: (hpctrain parameter, HF key, expert slice)."""
+    def names(self, m: ModelConfig, hf: dict | None = None) -> list:
+        """Every HF tensor in HF's order: (hpctrain parameter, HF key, expert slice) or
+        (..., rows): the HF row of each of the parameter's rows (None: the same). ``hf``:
+        the config.json being read (None: the form export writes)."""
         raise NotImplementedError
 
     def config(self, m: ModelConfig, max_positions: int, dtype: str, special: dict) -> dict:

@@ -33,25 +33,26 @@ class LlamaForm(HFForm):
                         f"safetensors")
         return None
 
-    def names(self, m: ModelConfig) -> list[tuple[str, str, int | None]]:
+    def names(self, m: ModelConfig, hf: dict | None = None) -> list:
         out = [("embed", "model.embed_tokens.weight", None)]
         for i in range(m.n_layers):
             b, L = f"blocks.{i}.", f"model.layers.{i}."
-            out += [(b + "norm1.weight", L + "input_layernorm.weight", None),
-                    (b + "attn.wq", L + "self_attn.q_proj.weight", None),
-                    (b + "attn.wk", L + "self_attn.k_proj.weight", None),
-                    (b + "attn.wv", L + "self_attn.v_proj.weight", None),
-                    (b + "attn.wo", L + "self_attn.o_proj.weight", None)]
-            out += [(b + f"attn.b{x}", L + f"self_attn.{x}_proj.bias", None)
-                    for x in "qkv" if m.qkv_bias]
-            out += [(b + f"attn.{x}_norm.weight", L + f"self_attn.{x}_norm.weight", None)
-                    for x in "qk" if m.qk_norm]
+            out.append((b + "norm1.weight", L + "input_layernorm.weight", None))
+            out += self.attention_names(m, b, L)
             out.append((b + "norm2.weight", L + "post_attention_layernorm.weight", None))
             out += self.ffn_names(m, b, L, i)
         out.append(("norm_f.weight", "model.norm.weight", None))
         if not m.tie_embeddings:
             out.append(("head", "lm_head.weight", None))
         return out
+
+    def attention_names(self, m: ModelConfig, b: str, L: str) -> list:
+        """The attention tensors of a block (prefix ``b``; HF layer prefix ``L``)."""
+        out = [(b + f"attn.w{x}", L + f"self_attn.{x}_proj.weight", None) for x in "qkvo"]
+        out += [(b + f"attn.b{x}", L + f"self_attn.{x}_proj.bias", None)
+                for x in "qkv" if m.qkv_bias]
+        return out + [(b + f"attn.{x}_norm.weight", L + f"self_attn.{x}_norm.weight", None)
+                      for x in "qk" if m.qk_norm]
 
     def ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """The feed-forward tensors of block ``i`` (prefix ``b``; HF layer prefix ``L``)."""

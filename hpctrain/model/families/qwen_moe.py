@@ -31,11 +31,6 @@ from .qwen import full_attention_refusal, head_size
 HF_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # hpctrain -> HF MLP
 
 
-def moe_block(m: ModelConfig, i: int) -> bool:
-    """Whether block ``i`` has experts (HF: ``(i + 1) % decoder_sparse_step == 0``)."""
-    return m.num_experts > 0 and (i + 1) % m.moe_every == 0
-
-
 class Qwen3MoeForm(MixtralForm):
     """Hugging Face's ``Qwen3MoeForCausalLM`` (llama's form where a block is dense)."""
 
@@ -78,7 +73,7 @@ class Qwen3MoeForm(MixtralForm):
     def ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """A dense block's MLP as llama's; an expert block's router, then one entry per
         expert slice ``[e]`` of the stacked (E, ...) tensors."""
-        if not moe_block(m, i):
+        if not m.moe_layer(i):
             return LlamaForm.ffn_names(self, m, b, L, i)
         return [(b + "mlp.router", L + "mlp.gate.weight", None)] + [
             (b + f"mlp.{w}", L + f"mlp.experts.{e}.{HF_EXPERT[w]}.weight", e)
@@ -129,7 +124,7 @@ class Qwen2MoeForm(Qwen3MoeForm):
     def ffn_names(self, m: ModelConfig, b: str, L: str, i: int) -> list:
         """Qwen3-MoE's, and in an expert block the shared expert and its gate."""
         out = super().ffn_names(m, b, L, i)
-        if moe_block(m, i):
+        if m.moe_layer(i):
             out += [(b + f"mlp.shared.{w}", L + f"mlp.shared_expert.{HF_EXPERT[w]}.weight",
                      None) for w in ("w1", "w3", "w2")]
             out.append((b + "mlp.shared_gate", L + "mlp.shared_expert_gate.weight", None))
