@@ -113,7 +113,8 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     device = params[0][1].device
     sampler, data_lineage = open_stream(d, "train", t.seq_len, t.global_batch_size,
                                         t.micro_batch_size, topo.dp_size, topo.dp_rank, t.seed,
-                                        device, topo.cp_size, topo.cp_rank)
+                                        device, topo.cp_size, topo.cp_rank,
+                                        cfg.model.mtp_depth)
     global_tokens = t.global_batch_size * t.seq_len
     log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, cp, tp) = {topo.dims}, "
              f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "

@@ -108,7 +108,8 @@ def _check_shards(top, zero: int, need) -> None:
 
 def _check_model(cfg: Config, world_size: int, need) -> None:
     top, m, t = cfg.topology, cfg.model, cfg.train
-    need(m.d_head > 0 or m.d_model % max(m.n_heads, 1) == 0,
+    latent = getattr(families.find(m), "latent_attention", False)  # heads sized otherwise
+    need(latent or m.d_head > 0 or m.d_model % max(m.n_heads, 1) == 0,
          f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; set "
          "model.d_head for heads of another size")
     need(m.n_heads % top.tp == 0,
@@ -125,6 +126,14 @@ def _check_model(cfg: Config, world_size: int, need) -> None:
     if m.tie_embeddings:
         need(top.pp == 1, "model.tie_embeddings needs topology.pp=1 (the embedding and the "
              "head would live on different pipeline stages)")
+    if m.mtp_depth:
+        need(top.pp == 1, f"model.mtp_depth={m.mtp_depth} needs topology.pp=1: the "
+             "multi-token-prediction modules read the embedding, which lives on the first "
+             "pipeline stage and hpctrain keeps no copy on the last; set pp=1 (use tp, cp, "
+             "ep or ZeRO) or mtp_depth=0")
+        need(cfg.optim.zero < 3, f"model.mtp_depth={m.mtp_depth} with optim.zero=3: "
+             "ZeRO-3 gathers the head once, after the last block, and the modules run after "
+             "it; use optim.zero <= 2")
 
 
 def _check_arch(cfg: Config, need) -> None:

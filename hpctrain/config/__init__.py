@@ -92,6 +92,8 @@ class ModelConfig:
     tie_embeddings: bool = key(False, "the head shares the embedding matrix (needs pp=1)")
     norm_eps: float = key(1e-5, "epsilon of the layer norms", gt=0)
     init_std: float = key(0.02, "standard deviation of the initial weights", ge=0)
+    mtp_depth: int = key(0, "multi-token prediction modules (DeepSeek-V3); 0: none", ge=0)
+    mtp_loss_weight: float = key(0.3, "weight of the modules' mean loss", ge=0)
     recompute: str = key("none", "activations recomputed in backward: none, selective (the "
                                  "attention core softmax(QK^T)V) or full (each whole block); "
                                  "true/false read as full/none", choices=RECOMPUTE)

@@ -110,7 +110,7 @@ class BlendedSampler(Sampler):
         self.names = list(names or range(len(parts)))
         self.T, self.G, self.mbs, self.dp, self.r = first.T, first.G, first.mbs, first.dp, first.r
         self.seed, self.microbatches = first.seed, first.microbatches
-        self.device, self.columns = first.device, first.columns
+        self.device, self.columns, self.ahead = first.device, first.columns, first.ahead
         self.n = sum(p.n for p in parts)
         self.documents = None
 
@@ -202,15 +202,15 @@ def blend_lineage(sources, lineages: list[dict]) -> dict:
 
 def open_stream(d, split: str, seq_len: int, global_batch: int, micro_batch: int, dp_size: int,
                 dp_rank: int, seed: int, device=None, cp_size: int = 1,
-                cp_rank: int = 0) -> tuple[Sampler, dict]:
+                cp_rank: int = 0, ahead: int = 0) -> tuple[Sampler, dict]:
     """The sampler of ``split`` of the run's data (``d``: the ``[data]`` section: one file,
-    the embedded corpus, or a blend of ``d.sources``) and its lineage. Every rank reads for
-    itself; no collective."""
+    the embedded corpus, or a blend of ``d.sources``) and its lineage; ``ahead``: targets
+    beyond the next token (``Sampler``). Every rank reads for itself; no collective."""
     from . import segments
     from .dataset import load_tokens
 
     args = (seq_len, global_batch, micro_batch, dp_size, dp_rank, seed)
-    kw = {"device": device, "cp_size": cp_size, "cp_rank": cp_rank}
+    kw = {"device": device, "cp_size": cp_size, "cp_rank": cp_rank, "ahead": ahead}
     if not d.sources:
         data = load_tokens(d.path, split, d.corpus_mb, d.val_fraction, d.tokenizer)
         return Sampler(data.tokens, *args, **kw,

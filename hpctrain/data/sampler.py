@@ -112,12 +112,14 @@ class Sampler:
     torch device, no MPI: safe in a read-ahead thread), :meth:`place` makes tensors on the
     device. With ``documents`` (``data.segments.Documents``) each microbatch is
     (x_j, y_j, d_j): d_j its windows' document ids and positions, (mbs, 2, T) (all T, with cp
-    too).
+    too). With ``ahead = D > 0`` (multi-token prediction) y_j is (mbs, 1 + D, T[/cp]): row
+    ``j`` holds the token ``j + 1`` after each input position, -1 past the window's end.
     """
 
     def __init__(self, tokens, seq_len: int, global_batch: int, micro_batch: int,
                  dp_size: int, dp_rank: int, seed: int, device=None, cp_size: int = 1,
-                 cp_rank: int = 0, documents=None, stream: int | None = None):
+                 cp_rank: int = 0, documents=None, stream: int | None = None,
+                 ahead: int = 0):
         if len(tokens) < seq_len + 2:
             raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2 = "
                              f"{seq_len + 2}")
@@ -130,6 +132,7 @@ class Sampler:
         self._orders: dict[int, EpochOrder] = {}
         self.documents = documents  # window starts -> (B, 2, T) ids and positions, or None
         self.stream = stream  # a blend's source index: keys its EpochOrder (data/blend.py)
+        self.ahead = ahead  # targets beyond the next token (multi-token prediction)
 
     def epoch_sizes(self) -> list[int]:
         """Samples per epoch of each source (one here; a blend's: one per source)."""
@@ -188,6 +191,8 @@ class Sampler:
         import torch  # not at module level: `hpctrain prepare` runs without it
 
         seq = torch.from_numpy(rows)
+        if self.ahead:
+            return self._split_ahead(seq, columns)
         if columns is not None:  # this cp rank's positions (inputs, then their targets)
             cols = torch.from_numpy(np.concatenate([columns, columns + 1]))
             seq = seq[:, cols]
@@ -196,6 +201,20 @@ class Sampler:
         if columns is None:
             return seq[:, :-1], seq[:, 1:]
         return seq[:, :len(columns)], seq[:, len(columns):]
+
+    def _split_ahead(self, seq, columns=None):
+        """(x (B, n), y (B, 1 + ahead, n)) of windows ``seq`` (B, T + 1) at ``columns`` (n of
+        them; None: all T): y[:, j] the tokens ``j + 1`` after, -1 past the window."""
+        import torch
+
+        cols = np.arange(self.T) if columns is None else np.asarray(columns)
+        idx = np.concatenate([cols + j for j in range(self.ahead + 2)])
+        picked = seq[:, torch.from_numpy(np.minimum(idx, self.T))]
+        picked[:, torch.from_numpy(idx > self.T)] = -1
+        if self.device is not None:
+            picked = picked.to(self.device)
+        n = len(cols)
+        return picked[:, :n], picked[:, n:].reshape(len(seq), self.ahead + 1, n)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._split(windows(self.tokens, self.starts(step), self.T + 1))

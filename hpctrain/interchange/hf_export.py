@@ -84,8 +84,11 @@ def hf_tensors(cfg: Config, tensors: dict, dtype: str) -> dict:
                                           f"(needed for {e.key})")
         t = torch.from_numpy(tensors[e.name])
         t = e.to_hf(t[e.expert] if e.expert is not None else t)
-        wide = e.name.endswith(".route_bias")  # routing state: float32, as HF keeps it
-        out[e.key] = t.to(torch.float32 if wide else TORCH[dtype]).contiguous()
+        wide = e.name.endswith(".route_bias") and dtype != "float64"  # HF keeps it float32
+        t = t.to(torch.float32 if wide else TORCH[dtype]).contiguous()
+        # a second HF key of one tensor (DeepSeek's copies) gets its own storage
+        out[e.key] = t.clone() if any(v.data_ptr() == t.data_ptr() for v in out.values()) \
+            else t
     unused = set(tensors) - {e.name for e in hf_map.entries(cfg.model)}
     if unused:
         raise hf_map.InterchangeError(f"checkpoint tensors with no HF counterpart: "

@@ -89,7 +89,7 @@ class HFReader:
         return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
 
     def model_config(self, dtype: str = "auto") -> ModelConfig:
-        section = hf_map.model_section(self.config)
+        section = hf_map.model_section(self.config, set(self.where))
         hf_dtype = self.config.get("dtype") or self.config.get("torch_dtype") or "float32"
         section["dtype"] = HF_DTYPES.get(str(hf_dtype), "float32") if dtype == "auto" else dtype
         try:
@@ -263,7 +263,8 @@ def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
     m = cfg.model
     final = write_checkpoint(Path(out), cfg, file_arrays(tensors, m.dtype), lineage)
     n = sum(a.size for a in tensors.values())
-    keys = ", ".join(f"model.{k}={v!r}" for k, v in hf_map.model_section(reader.config)
+    keys = ", ".join(f"model.{k}={v!r}" for k, v in hf_map.model_section(reader.config,
+                                                                         set(reader.where))
                      .items())
     say(f"wrote {final}: {reader.config.get('architectures', ['?'])[0]}, {len(tensors)} "
         f"tensors, {n:,} parameters ({m.dtype}); train from it with "

@@ -87,10 +87,13 @@ def _family_of_hf(hf: dict) -> Family:
     return family
 
 
-def model_section(hf: dict) -> dict:
+def model_section(hf: dict, keys=None) -> dict:
     """The hpctrain ``[model]`` keys an HF config.json describes (refusing what hpctrain
-    cannot express)."""
+    cannot express); with ``keys``, the tensor names the directory stores, also what they
+    decide (DeepSeek's multi-token-prediction layers)."""
     try:
-        return _family_of_hf(hf).hf.section(hf)
+        form = _family_of_hf(hf).hf
+        section = form.section(hf)
+        return section if keys is None else form.stored(section, hf, keys)
     except KeyError as e:
         raise InterchangeError(f"config.json has no {e.args[0]!r}") from None

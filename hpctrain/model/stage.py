@@ -26,6 +26,7 @@ from ..config import ModelConfig
 from .families import family_of
 from .latent import LatentAttention
 from .layers import MLP, NORMS, Attention, KVCache, ParamMeta, Rotary, _param, shard_range
+from .mtp import MTPModule, valid_rows, with_objective
 from .steps import RunBlock, RunExperts, drive
 from .weight_grad import linear
 
@@ -113,6 +114,9 @@ class DecoderStage(nn.Module):
     head and loss when ``last``. ``forward(x, targets)`` takes token ids (B, T) on the first
     stage, activations (B, T, C) elsewhere; the last stage returns the *sum* of token
     cross-entropies (the caller scales by the global token count), others the activations.
+    With ``model.mtp_depth`` the last stage (also the first: pp = 1) holds the
+    multi-token-prediction modules (``mtp.py``), whose blocks follow the main ones in
+    ``blocks``, and targets are (B, 1 + D, T) (``data.Sampler`` with ``ahead``).
     ``context`` (``parallel.ring_attention.RingContext``): this rank holds T/cp positions of each
     sequence and attention runs over the cp ring (None: the whole sequence).
     """
@@ -133,15 +137,18 @@ class DecoderStage(nn.Module):
         # One rotary table cache shared by the stage's blocks (a family without positions:
         # none).
         self.rotary = Rotary(family.rotary_dim(cfg), cfg.rope_theta) if family.rotary else None
+        mtp = range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth) if last else range(0)
         self.blocks = nn.ModuleDict({
             str(i): Block(cfg, ops, dtype, ffn_factory(i) if ffn_factory else None,
                           self.rotary, context)
-            for i in self.layers
+            for i in (*self.layers, *mtp)
         })
         if last:
             self.norm_f = NORMS[family.norm](C, cfg.norm_eps, dtype, ops.sequence_parallel)
             if not cfg.tie_embeddings:
                 self.head = _param((self.vocab_local, C), vocab_meta, dtype)
+            self.mtp = nn.ModuleList(MTPModule(cfg, family.norm, dtype, ops.sequence_parallel)
+                                     for _ in mtp)
 
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: rows outside this rank's range contribute zeros."""
@@ -153,12 +160,33 @@ class DecoderStage(nn.Module):
         return self.ops.exit_tp(h)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = self.ops.enter_tp(self.norm_f(x))  # (B, T, C)
+        """Sum of token cross-entropies of the final norm and head on x (B, T[/tp], C)."""
+        return self._cross_entropy(self.norm_f(x), targets)
+
+    def _cross_entropy(self, normed: torch.Tensor, targets: torch.Tensor, rows=None):
+        """The head on ``normed`` (B, T[/tp], C) and the summed cross-entropies against
+        ``targets`` (B, T), over the flat positions ``rows`` only when given."""
+        h = self.ops.enter_tp(normed)  # (B, T, C)
         # a tied head's weight also gets the embedding's gradient (in B): not deferred
         logits = F.linear(h, self.embed) if self.cfg.tie_embeddings else linear(h, self.head)
-        return self.ops.cross_entropy_sum(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-            self.vocab_start, self.cfg.vocab_size)
+        logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        if rows is not None:
+            logits, targets = logits.index_select(0, rows), targets.index_select(0, rows)
+        return self.ops.cross_entropy_sum(logits, targets, self.vocab_start,
+                                          self.cfg.vocab_size)
+
+    def mtp_steps(self, h: torch.Tensor, targets: torch.Tensor, doc=None):
+        """Generator: the multi-token-prediction modules on the last block's output ``h``
+        against ``targets`` (B, 1 + D, T); returns their summed token cross-entropies."""
+        total = None
+        for k, module in enumerate(self.mtp, 1):
+            tokens = targets[:, k - 1].clamp(min=0)  # the token k after each position
+            h = module.project(self.embed_tokens(tokens), h)
+            h = yield from self._block(self.blocks[str(self.cfg.n_layers + k - 1)], h, doc)
+            t = targets[:, k]
+            loss = self._cross_entropy(module.norm(h), t, valid_rows(t))
+            total = loss if total is None else total + loss
+        return total
 
     @torch.no_grad()
     def logits(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -172,8 +200,8 @@ class DecoderStage(nn.Module):
             x = drive(self.hidden_steps(idx))
         else:
             x = self.embed_tokens(idx)
-            for i, block in self.blocks.items():
-                x = block.decode(x, cache, int(i))
+            for i in self.layers:
+                x = self.blocks[str(i)].decode(x, cache, i)
             cache.length += idx.shape[1]
         w = self.embed if self.cfg.tie_embeddings else self.head
         return F.linear(self.ops.enter_tp(self.norm_f(x)), w)
@@ -185,18 +213,32 @@ class DecoderStage(nn.Module):
         ``doc``: document ids and positions (B, 2, T) (``data.document_mask``), or None."""
         if self.first:
             x = self.embed_tokens(x)
-        for block in self.blocks.values():
-            if self.cfg.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, *((x,) if doc is None else (x, doc)), use_reentrant=False)
-            else:
-                x = yield RunBlock(block, x, doc)
+        for i in self.layers:
+            x = yield from self._block(self.blocks[str(i)], x, doc)
+        return x
+
+    def _block(self, block: Block, x: torch.Tensor, doc=None):
+        """Generator: one block, requested with :class:`RunBlock` (or, with full recompute,
+        run in one go under activation checkpointing)."""
+        if self.cfg.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(block, *((x,) if doc is None else (x, doc)), use_reentrant=False)
+        x = yield RunBlock(block, x, doc)
         return x
 
     def steps(self, x: torch.Tensor, targets: torch.Tensor | None = None,
               doc: torch.Tensor | None = None):
-        """Generator: the stage's forward; returns what :meth:`forward` returns."""
+        """Generator: the stage's forward; returns what :meth:`forward` returns: on the last
+        stage the main loss, whose backward also carries the multi-token-prediction loss
+        (``mtp.with_objective``) when the targets look ahead."""
         x = yield from self.hidden_steps(x, doc)
-        return self.head_loss(x, targets) if self.last else x
+        if not self.last:
+            return x
+        ahead = targets.dim() == 3
+        loss = self.head_loss(x, targets[:, 0] if ahead else targets)
+        if ahead and len(self.mtp) and torch.is_grad_enabled():
+            extra = yield from self.mtp_steps(x, targets, doc)
+            loss = with_objective(loss, extra, self.cfg.mtp_loss_weight / len(self.mtp))
+        return loss
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 doc: torch.Tensor | None = None):

@@ -83,7 +83,7 @@ from .collectives import (
     tp_ep_costs,
     zero3_exposed,
 )
-from .flops import train_flops_per_token
+from .flops import mtp_flops, train_flops_per_token
 from .memory import DTYPE_BYTES, Estimate, estimate, stage_params
 
 SIMULATED_MAX = 256  # chunk-microbatches per rank above which the closed form is used
@@ -208,7 +208,7 @@ def rank_work(cfg: Config, full: bool = False) -> list[dict]:
         stages = chunks_of_rank(r, t.pp, S // t.pp, style_of(cfg.schedule.kind))
         layers = [i for s in stages for i in ranges[s]]
         flops = sum(layer_flops(cfg, i, full, terms) for i in layers)
-        flops += 2 * m.d_model * m.vocab_size if S - 1 in stages else 0
+        flops += 2 * m.d_model * m.vocab_size + mtp_flops(m, terms) if S - 1 in stages else 0
         moe = sum(1 for i in layers if m.moe_layer(i))
         first, last = 0 in stages, S - 1 in stages
         params = sum(params_of[len(ranges[s]), s == 0, s == S - 1] for s in stages)

@@ -46,7 +46,16 @@ def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -
     n_moe = moe_layer_count(m)
     n_dense = m.n_layers - n_moe
     return (m.n_layers * terms.attention + n_dense * terms.dense_mlp + n_moe * terms.moe_mlp
-            + 2 * m.d_model * m.vocab_size)
+            + 2 * m.d_model * m.vocab_size + mtp_flops(m, terms))
+
+
+def mtp_flops(m: ModelConfig, terms) -> float:
+    """Forward FLOPs per token of the multi-token-prediction modules (``model/mtp.py``):
+    each a block (index ``n_layers + k - 1``), its projection (C x 2C) and the head."""
+    C = m.d_model
+    return sum(terms.attention + (terms.moe_mlp if m.moe_layer(i) else terms.dense_mlp)
+               + 2 * C * 2 * C + 2 * C * m.vocab_size
+               for i in range(m.n_layers, m.n_layers + m.mtp_depth))
 
 
 def train_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:

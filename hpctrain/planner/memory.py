@@ -55,6 +55,9 @@ def stage_params(cfg: Config, layers: int, first: bool, last: bool) -> int:
         total += vocab_local * C
     if last:
         total += C + (0 if m.tie_embeddings else vocab_local * C)
+        for i in range(m.n_layers, m.n_layers + m.mtp_depth):  # multi-token prediction
+            ffn = family.expert_params(m, top.ep, tp) if m.moe_layer(i) else dense_mlp
+            total += per_block + ffn + 2 * C * C + 3 * C  # block, eh_proj, three norms
     return total
 
 
@@ -118,6 +121,7 @@ def _ends_activation_bytes(cfg: Config, first: bool, last: bool) -> int:
     out = 8 * T if first else 0
     if last:
         out += _norm_bytes(T, m.d_model, ps) + T * V * (4 if ps == 2 else ps) + 8 * T
+        out += m.mtp_depth * (block_activation_bytes(cfg) + T * V * (4 if ps == 2 else ps))
     return out
 
 
@@ -265,8 +269,7 @@ def report(cfg: Config, memory_per_rank: int = 0) -> str:
         f"{k} {fmt_bytes(v)}" for k, v in e.comm.items()) or "none"))
     m = cfg.model
     cache = family_of(m).kv_cache_elems(m) * m.n_layers * DTYPE_BYTES[m.dtype]
-    lines.append(f"KV cache of generation: {fmt_bytes(cache)} per token of context "
-                 f"({fmt_bytes(cache * cfg.train.seq_len)} per sequence of train.seq_len)")
+    lines.append(f"KV cache of generation: {fmt_bytes(cache)} per token")
     if memory_per_rank:
         if e.total > memory_per_rank:
             lines.append(f"WARNING: needs {fmt_bytes(e.total)} per rank but only "

@@ -108,3 +108,36 @@ def test_trains_the_same_on_tp2_ep2(hf_deepseek, tmp_path, cli):
     diff = (theirs - own_logits(next(ckpt.glob("step_*.h5")), x)).abs().max().item()
     assert diff < 1e-5, f"transformers and hpctrain logits differ by {diff:.2e}"
     print(f"deepseek_v3 trained on tp2 x ep2, exported: logits difference {diff:.2e}")
+
+
+def test_mtp_layers_export_in_deepseeks_layout_and_come_back(hf_deepseek, tmp_path, cli):
+    """A model trained with multi-token prediction exports its module as DeepSeek stores
+    it (layer n_layers: the block, enorm, hnorm, eh_proj, shared_head, with copies of the
+    embedding and head); transformers, which has no such layer, computes hpctrain's logits
+    from the rest; import gives every tensor back bit for bit, the module included."""
+    import h5py
+    from safetensors.numpy import load_file
+
+    run = train_cli(tmp_path / "mtp", 1, *model_sets(hf_deepseek), "model.mtp_depth=1",
+                    "train.steps=1", "train.global_batch_size=2")
+    ckpt = next((tmp_path / "mtp" / "checkpoints").glob("step_*.h5"))
+    out, back = tmp_path / "hf_mtp", tmp_path / "back.h5"
+    assert cli("export", ckpt, "--format", "hf", "--out", out)[0] == 0
+    stored = load_file(out / "model.safetensors")
+    layer = "model.layers.3."
+    for key in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                "shared_head.head.weight", "embed_tokens.weight", "self_attn.kv_b_proj.weight",
+                "mlp.gate.e_score_correction_bias", "mlp.experts.7.down_proj.weight"):
+        assert layer + key in stored, key
+    assert np.array_equal(stored[layer + "eh_proj.weight"], run.params["model/mtp.0.eh_proj"])
+    x = tokens(11)
+    mtp = [layer + "mlp.experts." + k for k in ("gate_up_proj", "down_proj")]  # HF fuses
+    theirs, _ = hf_logits(out, x, ignored=(*(k for k in stored if k.startswith(layer)), *mtp))
+    assert (theirs - own_logits(ckpt, x)).abs().max().item() < 1e-5
+    assert cli("import", out, "--out", back)[0] == 0
+    with h5py.File(back) as f, h5py.File(ckpt) as g:
+        names = sorted(n for n in g["model"])
+        assert sorted(f["model"]) == names and any(n.startswith("mtp.0.") for n in names)
+        differ = [n for n in names if not np.array_equal(f["model"][n][...], g["model"][n][...])]
+        assert not differ, differ
+        assert "mtp_depth = 1" in f.attrs["config"]

@@ -2,10 +2,12 @@
 latent attention (query compression, the shared rotary key, values narrower than keys) with
 DeepSeek-V3's experts (the first block dense, sigmoid scores, the selection bias moving,
 group-limited routing, a shared expert) on layouts that split it every way: heads over tp with
-sequence parallelism and pp; ring attention over cp with experts over ep; Ulysses over cp with
-tp; the zero-bubble schedule's deferred weight gradients over pp with ZeRO-1. The one-rank
-reference takes the global microbatch as its microbatch (tests/matrix/test_moe_equivalence.py).
-Transformers' logits and generation: tests/e2e/test_hf_deepseek.py."""
+sequence parallelism and pp; the zero-bubble schedule's deferred weight gradients over pp with
+ZeRO-1; and with two multi-token-prediction modules (their targets cut at each cp rank's
+positions) ring attention over cp with experts over ep, Ulysses over cp with tp and sequence
+parallelism. The one-rank reference takes the global microbatch as its microbatch
+(tests/matrix/test_moe_equivalence.py). Transformers' logits and generation:
+tests/e2e/test_hf_deepseek.py; the modules' objective: tests/unit/test_mtp.py."""
 
 import numpy as np
 import pytest
@@ -23,23 +25,26 @@ DEEPSEEK_V3 = ("model.family=\"deepseek_v3\"", "model.n_kv_heads=0", "model.n_la
 MB2 = "train.micro_batch_size=2"
 SP = "topology.sequence_parallel=true"
 
+MTP = "model.mtp_depth=2"
+
 LAYOUTS = [
-    ("tp2xpp2-sp", ["topology.tp=2", "topology.pp=2", SP, MB2]),
-    ("cp2-ring-ep2", ["topology.cp=2", "topology.dp=2", "topology.ep=2"]),
-    ("cp2-ulysses-tp2-sp", ["topology.cp=2", "topology.cp_kind=ulysses", "topology.tp=2", SP,
-                            MB2]),
-    ("pp2-zbv-dp2-zero1", ["topology.pp=2", "topology.dp=2", "schedule.kind=\"zbv\"",
-                           "optim.zero=1"]),
+    ("tp2xpp2-sp", [], ["topology.tp=2", "topology.pp=2", SP, MB2]),
+    ("pp2-zbv-dp2-zero1", [], ["topology.pp=2", "topology.dp=2", "schedule.kind=\"zbv\"",
+                               "optim.zero=1"]),
+    ("mtp-cp2-ring-ep2", [MTP], ["topology.cp=2", "topology.dp=2", "topology.ep=2"]),
+    ("mtp-cp2-ulysses-tp2-sp", [MTP], ["topology.cp=2", "topology.cp_kind=ulysses",
+                                       "topology.tp=2", SP, MB2]),
 ]
 
 
-@pytest.mark.parametrize("name,layout", LAYOUTS, ids=[c[0] for c in LAYOUTS])
-def test_deepseek_v3_equals_one_rank(tmp_path, session_dir, name, layout):
-    reference = baseline(session_dir, *DEEPSEEK_V3, MB2)
-    run = train_layout(tmp_path / name, 4, *DEEPSEEK_V3, *layout)
+@pytest.mark.parametrize("name,mtp,layout", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_deepseek_v3_equals_one_rank(tmp_path, session_dir, name, mtp, layout):
+    reference = baseline(session_dir, *DEEPSEEK_V3, *mtp, MB2)
+    run = train_layout(tmp_path / name, 4, *DEEPSEEK_V3, *mtp, *layout)
     assert_same(run, reference, rel=1e-9, what=name)
     biases = [n for n in run.params if n.endswith("mlp.route_bias")]
-    assert sorted(biases) == [f"model/blocks.{i}.mlp.route_bias" for i in (1, 2, 3)]
+    blocks = (1, 2, 3, 4, 5) if mtp else (1, 2, 3)  # the modules' blocks follow the model's
+    assert sorted(biases) == [f"model/blocks.{i}.mlp.route_bias" for i in blocks]
     assert all(np.abs(run.params[n]).max() > 0 for n in biases)  # the bias moved
     for a, b in zip(run.metrics, reference.metrics):
         assert a["moe_load"] == b["moe_load"]

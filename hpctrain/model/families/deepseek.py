@@ -15,10 +15,12 @@ Face's ``DeepseekV3ForCausalLM`` so that weights map 1:1 (the rotary rows permut
 
 Hugging Face stores each head's rotary rows of ``q_b_proj``/``q_proj`` and the rotary rows of
 ``kv_a_proj_with_mqa`` interleaved (``rope_interleave = true``, DeepSeek's own layout);
-import reorders them to rotate-half and export back. Refused on import: rope scaling (YaRN),
-attention biases, other activations; the multi-token-prediction layers of DeepSeek's
-checkpoints (``num_nextn_predict_layers``) are not held. An import trains aux-loss-free as
-DeepSeek-V3 did (bias update rate 0.001, no load-balancing or z-loss).
+import reorders them to rotate-half and export back. Multi-token-prediction modules
+(``model.mtp_depth``, ``model/mtp.py``) are DeepSeek's layers ``n_layers + k - 1`` (the block,
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the embedding and head);
+an import holds as many as the directory stores. Refused on import: rope scaling (YaRN),
+attention biases, other activations. An import trains aux-loss-free as DeepSeek-V3 did (bias
+update rate 0.001, no load-balancing or z-loss).
 """
 
 from __future__ import annotations
@@ -76,12 +78,41 @@ class DeepseekV3Form(Qwen3MoeForm):
 
     def names(self, m: ModelConfig, hf: dict | None = None) -> list:
         interleave = (hf or {}).get("rope_interleave", True)
-        out = super().names(m, hf)
+        out = super().names(m, hf) + self.mtp_names(m)
         rows = {"attn.wq": rope_rows(m.n_heads, m.qk_nope_dim, m.qk_rope_dim),
                 "attn.wkv_a": rope_rows(1, m.kv_lora_rank, m.qk_rope_dim)}
         rows["attn.wq_b"] = rows["attn.wq"]
         return [(n, k, e, rows.get(n.split(".", 2)[-1]) if interleave else None)
                 for n, k, e in out]
+
+    def mtp_names(self, m: ModelConfig) -> list:
+        """DeepSeek's multi-token-prediction layers after the last block: the block, its
+        norms and projection, and copies of the embedding and the head."""
+        out = []
+        for k in range(1, m.mtp_depth + 1):
+            i = m.n_layers + k - 1
+            b, L, p = f"blocks.{i}.", f"model.layers.{i}.", f"mtp.{k - 1}."
+            out += [(b + "norm1.weight", L + "input_layernorm.weight", None),
+                    *self.attention_names(m, b, L),
+                    (b + "norm2.weight", L + "post_attention_layernorm.weight", None),
+                    *self.ffn_names(m, b, L, i),
+                    (p + "enorm.weight", L + "enorm.weight", None),
+                    (p + "hnorm.weight", L + "hnorm.weight", None),
+                    (p + "eh_proj", L + "eh_proj.weight", None),
+                    (p + "norm.weight", L + "shared_head.norm.weight", None),
+                    ("embed", L + "embed_tokens.weight", None),
+                    ("embed" if m.tie_embeddings else "head", L + "shared_head.head.weight",
+                     None)]
+        return out
+
+    def stored(self, section: dict, hf: dict, keys) -> dict:
+        """``mtp_depth``: the multi-token-prediction layers stored (a config.json may count
+        some its directory does not hold, as transformers' own saves do)."""
+        depth, n = 0, int(hf["num_hidden_layers"])
+        while depth < int(hf.get("num_nextn_predict_layers") or 0) and \
+                f"model.layers.{n + depth}.eh_proj.weight" in keys:
+            depth += 1
+        return {**section, "mtp_depth": depth} if depth else section
 
     def attention_names(self, m: ModelConfig, b: str, L: str) -> list:
         q = ([("wq_a", "q_a_proj.weight"), ("q_a_norm.weight", "q_a_layernorm.weight"),
@@ -110,7 +141,7 @@ class DeepseekV3Form(Qwen3MoeForm):
                 "norm_topk_prob": self.renormalises(m),
                 "routed_scaling_factor": m.routed_scaling_factor,
                 "attention_bias": False, "attention_dropout": 0.0,
-                "num_nextn_predict_layers": 0}
+                "num_nextn_predict_layers": m.mtp_depth}
 
     def import_refusal(self, hf: dict) -> str | None:
         refusal = LlamaForm.import_refusal(self, hf)
@@ -204,8 +235,6 @@ class DeepseekV3(Mixtral):
                  f"qk_nope_dim 128, qk_rope_dim 64)")
         need(m.qk_rope_dim % 2 == 0, f"model.qk_rope_dim = {m.qk_rope_dim} must be even "
              "(rotary embeddings rotate pairs of channels)")
-        need(m.n_heads % top.tp == 0, f"model.n_heads = {m.n_heads} is not divisible by "
-             f"topology.tp = {top.tp} (each tp rank holds whole heads)")
         for key in ("qk_norm", "qkv_bias"):
             need(not getattr(m, key), f"model.{key} = true: the {self.name} family's latent "
                  "attention has no q/k norms or biases; set it false")

@@ -40,3 +40,8 @@ class HFForm:
     def section(self, hf: dict) -> dict:
         """The hpctrain ``[model]`` keys an HF config.json of this family describes."""
         raise NotImplementedError
+
+    def stored(self, section: dict, hf: dict, keys) -> dict:
+        """``section`` with what the tensors a directory stores (``keys``) decide beside
+        its config.json: the base, nothing."""
+        return section
