@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from .data.sampler import ReadAhead, Sampler
 from .evaluate import Evaluator
 from .interchange import init_from
 from .job import slurm
+from .job.launch import LAUNCHED_AT
 from .optim import NumericGuard, build_optimizer, lr_at
 from .parallel import build_model, grad_sync, named_parameters
 from .parallel.moe_exchange import MoeStep
@@ -39,6 +41,7 @@ from .planner.cluster import mfu_peak
 from .planner.flops import train_flops_per_token
 from .stopping import StopRules
 from .telemetry import Faults, Meter, RunLog, Telemetry
+from .telemetry.startup import Startup, report
 from .telemetry.summary import RunSummary
 from .topology import Topology
 
@@ -76,6 +79,7 @@ class Trainer:
     evaluator: Evaluator | None  # None: train.eval_every = 0
     stops: StopRules
     faults: Faults  # tests only
+    startup: Startup  # the start-up phases, reported after the first step
     losses: list = field(default_factory=list)
     pipeline_timing: dict = field(default_factory=dict)  # this rank's last step (runner)
 
@@ -89,15 +93,18 @@ def setup_run_dir(run_dir: Path, topo) -> Path:
     return run_dir
 
 
-def setup(cfg: Config, run_dir: Path, world) -> Trainer:
+def setup(cfg: Config, run_dir: Path, world, startup: Startup | None = None) -> Trainer:
     """1. Partition: the grid, this rank's model chunks, gradient buckets, optimizer (ZeRO
     0/1/2/3) and its slice of every batch; then restore, telemetry, the numeric guard,
-    evaluation and stop rules. Collective over the world."""
+    evaluation and stop rules; ``startup`` marks the end of each phase. Collective over the
+    world."""
+    startup = startup or Startup()
     topo = Topology(cfg.topology, world, placement=cfg.experimental.placement)
     run_dir = setup_run_dir(Path(run_dir), topo)
     log = RunLog(run_dir, topo, cfg.train.steps, cfg.train.log_every)
     log.info(f"MPI: {comm.library()}")  # the first line: which MPI this run found
     job = slurm.attach(topo.world, log.info)  # log the SLURM job; SIGUSR1/SIGTERM set a flag
+    startup.mark("topology")
     chunks = build_model(cfg, topo)
     params = named_parameters(chunks)
     moe = MoeStep(chunks, topo)
@@ -109,18 +116,11 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     if grads.overlap:
         log.info(f"gradient reduction overlapped with backward (progress: {grads.progress})")
     optimizer = build_optimizer(params, cfg.optim, topo, grads, cfg.model.dtype)
+    startup.mark("model")
     d, t = cfg.data, cfg.train
     device = params[0][1].device
-    sampler, data_lineage = open_stream(d, "train", t.seq_len, t.global_batch_size,
-                                        t.micro_batch_size, topo.dp_size, topo.dp_rank, t.seed,
-                                        device, topo.cp_size, topo.cp_rank,
-                                        cfg.model.mtp_depth)
-    global_tokens = t.global_batch_size * t.seq_len
-    log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, cp, tp) = {topo.dims}, "
-             f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "
-             f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "
-             f"data: {data_lineage.get('source')} "
-             f"({' + '.join(f'{n:,}' for n in sampler.epoch_sizes())} samples per epoch)")
+    sampler, data_lineage = open_data(cfg, topo, log, params)
+    startup.mark("data")
     if topo.hsdp:  # topology.shard_within
         shard, replica = topo.hsdp["dp"]
         log.info(f"HSDP: ZeRO-{cfg.optim.zero} state sharded over {shard.size} ranks "
@@ -132,6 +132,7 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
                         t.steps, info=log.info, warn=log.warn, model=cfg.model)
     start, ckpt_attrs = restore(cfg, topo, log, ckpts, saved, optimizer, data_lineage,
                                 run_dir)
+    startup.mark("restore")
     tc = cfg.telemetry  # MFU's denominator: a nominal peak (checked by hpctrain train)
     tel = Telemetry(cfg, topo, run_dir, log, mfu_peak(tc.peak_flops, tc.cluster, cfg.model.dtype),
                     json.loads(ckpt_attrs["lineage"]),
@@ -142,9 +143,25 @@ def setup(cfg: Config, run_dir: Path, world) -> Trainer:
     evaluator = (Evaluator(cfg, topo, chunks, device, log.info) if t.eval_every else None)
     stops = StopRules.from_config(t, topo.world, job.end_time)
     faults = Faults(cfg.experimental.faults, topo.world.rank)
+    startup.mark("telemetry")  # the matmul probe, mostly
     return Trainer(cfg, topo, log, job, chunks, params, saved, moe, grads, optimizer, sampler,
-                   ReadAhead(sampler, d.prefetch), global_tokens, meter, ckpts, start,
-                   ckpt_attrs, tel, guard, evaluator, stops, faults)
+                   ReadAhead(sampler, d.prefetch), t.global_batch_size * t.seq_len, meter,
+                   ckpts, start, ckpt_attrs, tel, guard, evaluator, stops, faults, startup)
+
+
+def open_data(cfg: Config, topo, log, params) -> tuple[Sampler, dict]:
+    """This rank's training stream and its lineage; logs the run's shape."""
+    d, t = cfg.data, cfg.train
+    sampler, data_lineage = open_stream(d, "train", t.seq_len, t.global_batch_size,
+                                        t.micro_batch_size, topo.dp_size, topo.dp_rank, t.seed,
+                                        params[0][1].device, topo.cp_size, topo.cp_rank,
+                                        cfg.model.mtp_depth)
+    log.info(f"{topo.world_size} ranks, grid (pp, dp_outer, ep, cp, tp) = {topo.dims}, "
+             f"{sampler.microbatches} microbatches of {t.micro_batch_size} per rank, "
+             f"{sum(p.numel() for _, p in params):,} parameters on rank 0, "
+             f"data: {data_lineage.get('source')} "
+             f"({' + '.join(f'{n:,}' for n in sampler.epoch_sizes())} samples per epoch)")
+    return sampler, data_lineage
 
 
 def restore(cfg: Config, topo, log, ckpts, params, optimizer, data_lineage: dict,
@@ -253,7 +270,10 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
     cfg = settled(cfg)  # recorded with its model family named
     t_run = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
-    tr = setup(cfg, Path(run_dir), world)
+    launched = os.environ.get(LAUNCHED_AT)
+    startup = Startup(float(launched) if launched else None)
+    startup.mark("entry")
+    tr = setup(cfg, Path(run_dir), world, startup)
     summary = RunSummary(tr.start, tr.global_tokens, tr.ckpts.recovery)
     stop = (f"finished: train.steps={cfg.train.steps} reached" if tr.start < cfg.train.steps
             else f"nothing to train: step {tr.start} of train.steps={cfg.train.steps} is done")
@@ -261,6 +281,10 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
         t0 = time.perf_counter()
         tr.tel.begin_step(step + 1)
         record = train_step(tr, step)
+        if step == tr.start:  # start-up ends with the first step (collective)
+            startup.mark("first_step")
+            record["startup_s"], line = report(tr.topo.world.allgather_obj(startup.phases()))
+            tr.log.info(line)
         reason = end_of_step(tr, record, t0)
         summary.add(record)
         if reason:

@@ -38,6 +38,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from ..telemetry.startup import note
+
+    note("python")  # the run's start-up phases (telemetry/startup.py)
     from .. import comm
     from ..checks.inputs import check_inputs
     from ..checks.validate import validate
@@ -45,6 +48,7 @@ def run(args) -> int:
     from ..job import slurm
 
     world = comm.world()
+    note("mpi")
     comm.abort_on_exception(world)  # a rank's uncaught exception ends the job, not a hang
     if (wrong_launch := slurm.launch_error(world.size, comm.library())) is not None:
         print(f"hpctrain train: {wrong_launch}", file=sys.stderr, flush=True)
@@ -57,10 +61,12 @@ def run(args) -> int:
     except ConfigError as e:  # InputError too: raised deliberately, never a bug's exception
         # Every rank reaches the same verdict before any collective: exit, no abort.
         return refused(world, "train", e)
+    note("checks")
     from ..checkpoint.background import CheckpointFailed
     from ..checkpoint.lineage import LineageError
     from ..train import train
 
+    note("torch")
     try:
         train(cfg, args.run_dir, world)
     except LineageError as e:  # raised alike on every rank (the checkpoint's attributes)

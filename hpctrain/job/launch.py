@@ -35,8 +35,11 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+LAUNCHED_AT = "HPCTRAIN_LAUNCHED_AT"  # epoch seconds at which `launch` started the ranks
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (the package's parent)
 # Not MPI settings but defaults of every local launch (the Makefile sets them too).
@@ -268,6 +271,7 @@ def run(a: argparse.Namespace) -> int:
                     oversubscribe=not a.no_oversubscribe)
     env = {**RUN_DEFAULTS, **os.environ, **launcher.env()}
     env.update({k: os.environ[k] for k in RUN_DEFAULTS if k in os.environ})  # the caller's win
+    env[LAUNCHED_AT] = repr(time.time())  # the ranks' start-up is measured from here
     os.execvpe(argv_[0], argv_, env)
     return 0  # not reached
 

@@ -226,8 +226,11 @@ def run_step(argv: list[str], on_step=lambda a: None, grace: float = 30.0) -> At
     """Run one step to its end, forwarding SIGUSR1/SIGTERM to the launcher (which hands them
     to every rank: preemption checkpoints and exits 75 as without this helper)."""
     attempt = Attempt()
+    from .launch import LAUNCHED_AT
+
+    env = {**os.environ, LAUNCHED_AT: repr(time.time())}  # this attempt's start-up from here
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            bufsize=1, start_new_session=True)
+                            bufsize=1, start_new_session=True, env=env)
     forward = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum))
                for s in (signal.SIGUSR1, signal.SIGTERM)}
     readers = [threading.Thread(target=_copy, args=(stream, out, attempt, on_step))

@@ -9,10 +9,21 @@
 - ``summary.py``: the end-of-run summary (``summary.json``).
 - ``memory.py``: the plan's memory estimate and the measured meter.
 - ``fault_injection.py``: faults for tests (kill, stall, poison, slow, raise).
+- ``startup.py``: where the start-up goes, phase by phase (standard library only).
+
+The names below load their modules when first asked for, so that ``startup.py`` is imported
+without torch or MPI.
 """
 
-from .fault_injection import Faults
-from .meter import Meter
-from .metrics import RunLog, Telemetry, Timers
+import importlib
 
-__all__ = ["Faults", "Meter", "RunLog", "Telemetry", "Timers"]
+_HOMES = {"Faults": ".fault_injection", "Meter": ".meter", "RunLog": ".metrics",
+          "Telemetry": ".metrics", "Timers": ".metrics"}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name], __name__), name)

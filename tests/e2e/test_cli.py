@@ -59,7 +59,13 @@ def test_prepare_then_train_on_it(tmp_path):
         assert key in rec
     assert (tmp_path / "run" / "config.toml").read_text().count("[topology]") == 1
     assert "step 3/3" in run.stdout and "tok/s" in run.stdout and "ETA" in run.stdout
-    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and "startup_s" not in run.metrics[1]
+    phases = first["startup_s"]  # the run's start-up, phase by phase, in order
+    assert list(phases) == ["python", "mpi", "checks", "torch", "entry", "topology", "model",
+                            "data", "restore", "telemetry", "first_step"]
+    assert all(s >= 0 for s in phases.values()) and phases["torch"] > 0.05
+    assert f"start-up to the end of the first step: {sum(phases.values()):.1f} s" in run.stdout
 
 
 def _refused(proc, command: str = "train") -> str:

@@ -1,0 +1,38 @@
+"""The start-up phases (hpctrain/telemetry/startup.py): from the process's start, then mark
+to mark; the launch before it when the launcher's start is known; the slowest rank's."""
+
+import time
+
+from hpctrain.telemetry import startup
+
+
+def test_process_start_is_this_process():
+    import subprocess
+    import sys
+
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); from hpctrain."
+                          "telemetry.startup import process_start; print(process_start())"],
+                         capture_output=True, text=True, check=True).stdout
+    assert t0 - 0.05 <= float(out) <= t0 + 0.3  # started after t0, before its sleep ended
+
+
+def test_phases_run_from_the_launch_and_the_process_start_mark_to_mark():
+    begun = startup.process_start()
+    startup.note("python")
+    s = startup.Startup(launched=begun - 0.5)
+    assert [p for p, _ in s.marks] == ["python"] and not startup._EARLY
+    s.mark("entry")
+    time.sleep(0.05)
+    s.mark("model")
+    phases = s.phases()
+    assert list(phases) == ["launch", "python", "entry", "model"]
+    assert abs(phases["launch"] - 0.5) < 1e-3 and 0.05 <= phases["model"] < 1
+    ends = [t for _, t in s.marks]
+    assert abs(sum(phases.values()) - (ends[-1] - begun + 0.5)) < 1e-3
+
+
+def test_report_takes_the_slowest_rank_per_phase():
+    slowest, line = startup.report([{"python": 1.0, "model": 0.2}, {"python": 0.5, "model": 0.4}])
+    assert slowest == {"python": 1.0, "model": 0.4}
+    assert line.startswith("start-up to the end of the first step: 1.4 s") and "model 0.40" in line
