@@ -26,6 +26,10 @@ HPCTRAIN = {  # name -> overrides on top of MODEL: the layouts that compete, eac
                                              BF16],
     "hpctrain overlapped, fp32": [*DP4, "optim.overlap=true"],
     "hpctrain hierarchical, fp32": [*DP4, 'topology.dp_reduction="hierarchical"'],
+    "hpctrain hierarchical overlapped, bf16": [*DP4, 'topology.dp_reduction="hierarchical"',
+                                               "optim.overlap=true", BF16],
+    "hpctrain hierarchical overlapped, fp32": [*DP4, 'topology.dp_reduction="hierarchical"',
+                                               "optim.overlap=true"],
     "hpctrain HSDP (zero 3 in a node), bf16":
         [*DP4, "optim.zero=3", 'topology.shard_within="node"', BF16],
 }

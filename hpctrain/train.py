@@ -281,10 +281,12 @@ def train(cfg: Config, run_dir: str | Path, world=None) -> Result:
         t0 = time.perf_counter()
         tr.tel.begin_step(step + 1)
         record = train_step(tr, step)
-        if step == tr.start:  # start-up ends with the first step (collective)
+        if step == tr.start:  # start-up ends with the first step
             startup.mark("first_step")
+        if startup.marks and tr.tel.logs(step + 1):  # exchanged on a logging step only
             record["startup_s"], line = report(tr.topo.world.allgather_obj(startup.phases()))
             tr.log.info(line)
+            startup.marks = []
         reason = end_of_step(tr, record, t0)
         summary.add(record)
         if reason:

@@ -132,6 +132,17 @@ class ProgressThread:
                           lambda: dup.reduce_scatter(send, recv, op),
                           lambda: dup.ireduce_scatter(send, recv, op), (send, recv))
 
+    def call(self, groups: list[Group], fn, nbytes: int, keep, op: str = "call") -> Handle:
+        """``fn(*dups)`` on the thread, given its duplicates of ``groups`` (each among the
+        thread's): a sequence of blocking collectives, e.g. a two-level reduction. The
+        blocking thread only (``poll_s = 0``). ``keep``: the tensors ``fn`` works on, held
+        until the wait; ``nbytes`` and ``op`` are what the recorder is told."""
+        if self.poll_s:
+            raise ValueError("ProgressThread.call runs blocking sequences: poll_s must be 0")
+        dups = [self._dups[id(g)] for g in groups]
+        return self._post(groups[0], f"{op} (progress thread)", nbytes, lambda: fn(*dups),
+                          None, keep)
+
     def close(self) -> None:
         """Stop the thread after the operations already posted."""
         if self._thread.is_alive():

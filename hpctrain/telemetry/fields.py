@@ -48,8 +48,8 @@ METRICS: list[tuple[str, dict[str, str]]] = [
                          "nodes); not MFU's denominator",
         "pipeline_s": "pipeline timer categories (`pp_*`) kept apart from `time_s`, when "
                       "timed",
-        "startup_s": "the run's first step only: seconds from the launch to its end, per "
-                     "phase the slowest rank's ([telemetry](telemetry.md))",
+        "startup_s": "the first logged step only: seconds from the launch to the first "
+                     "step's end, the slowest rank's per phase ([telemetry](telemetry.md))",
     }),
     ("The numeric guard and the loss scale", {
         "skipped": "the step's update was skipped (non-finite or spiking loss or norm)",

@@ -1,13 +1,14 @@
 """Where a run's start-up goes: seconds from the launch to the end of the first step, by phase
-(``startup_s`` in the first step's record, one line in the log; docs/telemetry.md). No MPI.
+(``startup_s`` in the first logged step's record, one line in the log; docs/telemetry.md).
+No MPI.
 
 Phases run from the process's start (the kernel's record of it, ``/proc/self/stat``; without
-``/proc``, from the first mark) to each mark in turn: ``hpctrain train`` notes ``python`` (the
-interpreter and the command line), ``mpi`` (MPI's initialisation), ``checks`` (the config and
-its inputs) and ``torch`` (importing torch and the trainer) with :func:`note`; the loop marks
-``entry``, then setup's phases and ``first_step``. ``launch``, given the launcher's start
-(``hpctrain launch`` exports it: ``job.launch.LAUNCHED_AT``), runs from there to the process's
-start.
+``/proc``, or for a later run in the same process, from the first mark) to each mark in turn:
+``hpctrain train`` notes ``python`` (the interpreter and the command line), ``mpi`` (MPI's
+initialisation), ``checks`` (the config and its inputs) and ``torch`` (importing torch and the
+trainer) with :func:`note`; the loop marks ``entry``, then setup's phases and ``first_step``.
+``launch``, given the launcher's start (``hpctrain launch`` exports it:
+``job.launch.LAUNCHED_AT``), runs from there to the process's start.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def process_start() -> float | None:
 
 
 _EARLY: list[tuple[str, float]] = []  # phases noted before the run's Startup exists
+_FIRST = [True]  # the process's first run: its phases start at the process's start
 
 
 def note(phase: str) -> None:
@@ -42,6 +44,8 @@ class Startup:
         self.launched = launched  # the launcher's start (epoch seconds), when known
         self.marks: list[tuple[str, float]] = list(_EARLY)
         _EARLY.clear()
+        # a later run in the same process (the Python API) starts at its first mark
+        self.from_process, _FIRST[0] = _FIRST[0], False
 
     def mark(self, phase: str) -> None:
         """``phase`` ends now."""
@@ -49,7 +53,7 @@ class Startup:
 
     def phases(self) -> dict[str, float]:
         """Seconds per phase, in order (``launch`` and ``imports`` when known)."""
-        out, start = {}, process_start()
+        out, start = {}, process_start() if self.from_process else None
         if self.launched is not None and start is not None:
             out["launch"] = max(0.0, start - self.launched)
         prev = start

@@ -79,10 +79,18 @@ def test_hierarchical_equals_flat_across_nodes(cluster, tmp_path, session_dir):
     flat = train_cli(tmp_path / "flat", 4, "topology.dp=4", launcher=cluster)
     hier = train_cli(tmp_path / "hier", 4, "topology.dp=4",
                      "topology.dp_reduction=hierarchical", launcher=cluster)
+    both = train_cli(tmp_path / "hier_overlap", 4, "topology.dp=4", "optim.overlap=true",
+                     "topology.dp_reduction=hierarchical", launcher=cluster)
     assert_same(hier, ref, rel=1e-9, what="hierarchical dp4 on 2 nodes")
+    assert_same(both, ref, rel=1e-9, what="overlapped hierarchical dp4 on 2 nodes")
+    # optim.overlap: the two levels run on the progress thread during backward (recorded as
+    # the dp group's, whose duplicates the thread uses)
+    assert all(m["grad_buckets_posted_in_backward"] > 0 for m in both.metrics)
+    assert all(m["comm_bytes"].get("dp", 0) > 0 for m in both.metrics)
     assert_same(flat, ref, rel=1e-9, what="flat dp4 on 2 nodes")
     assert rel_err(hier.losses, flat.losses) <= 1e-12
-    # hierarchical never overlaps; flat across nodes does (optim.overlap_across_nodes)
+    # hierarchical overlaps only when asked; flat across nodes does by default
+    # (optim.overlap_across_nodes)
     assert all(m["grad_buckets_posted_in_backward"] == 0 for m in hier.metrics)
     assert all(m["grad_buckets_posted_in_backward"] > 0 for m in flat.metrics)
     # Both levels carried gradients: within the node and across the link.

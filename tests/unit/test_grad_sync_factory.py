@@ -24,6 +24,7 @@ from hpctrain.parallel.grad_sync.buckets import (
     HierarchicalBuckets,
     NonblockingBuckets,
     OverlappedBuckets,
+    OverlappedHierarchical,
     PerParameter,
 )
 from hpctrain.parallel.grad_sync.sharded import Zero1, Zero2, Zero3
@@ -50,6 +51,8 @@ CASES = [
     (['experimental.reduction="bucketed-nonblocking"'], True, NonblockingBuckets),
     (['experimental.reduction="per-parameter"'], False, PerParameter),
     (['topology.dp_reduction="hierarchical"'], True, HierarchicalBuckets),
+    (['topology.dp_reduction="hierarchical"', "optim.overlap=true"], True,
+     OverlappedHierarchical),
     (["optim.zero=1"], False, Zero1),
     (["optim.zero=1", "optim.overlap=true"], False, Zero1),
     (["optim.zero=2"], False, Zero2),
@@ -73,7 +76,8 @@ def test_build_picks_the_documented_strategy(overrides, crosses, want, monkeypat
     cfg, _, grads = _build(overrides, crosses, monkeypatch)
     assert type(grads) is want
     assert grads.zero_level == cfg.optim.zero
-    assert grads.overlap == (want in (OverlappedBuckets, Zero2, Zero3) or cfg.optim.overlap)
+    assert grads.overlap == (want in (OverlappedBuckets, OverlappedHierarchical, Zero2, Zero3)
+                             or cfg.optim.overlap)
     assert (grads.sharded is not None) == (want is Zero3)
     grads.close()
 
@@ -111,7 +115,7 @@ def test_every_strategy_sums_like_one_backward(overrides, crosses, want, monkeyp
 @pytest.mark.parametrize("zero, overlap, mode, dp_reduction", [
     (1, False, "bucketed", "hierarchical"), (2, True, "bucketed", "hierarchical"),
     (0, True, "per-parameter", "flat"), (1, False, "bucketed-nonblocking", "flat"),
-    (0, False, "per-parameter", "hierarchical"), (0, True, "bucketed", "hierarchical")])
+    (0, False, "per-parameter", "hierarchical")])
 def test_unsupported_combinations_are_refused(zero, overlap, mode, dp_reduction):
     """The factory refuses, and the config checks report its message (the key and the fix)."""
     with pytest.raises(ValueError) as e:

@@ -20,6 +20,7 @@ def test_process_start_is_this_process():
 def test_phases_run_from_the_launch_and_the_process_start_mark_to_mark():
     begun = startup.process_start()
     startup.note("python")
+    startup._FIRST[0] = True  # as in a fresh process
     s = startup.Startup(launched=begun - 0.5)
     assert [p for p, _ in s.marks] == ["python"] and not startup._EARLY
     s.mark("entry")
@@ -30,6 +31,10 @@ def test_phases_run_from_the_launch_and_the_process_start_mark_to_mark():
     assert abs(phases["launch"] - 0.5) < 1e-3 and 0.05 <= phases["model"] < 1
     ends = [t for _, t in s.marks]
     assert abs(sum(phases.values()) - (ends[-1] - begun + 0.5)) < 1e-3
+    later = startup.Startup(launched=begun)  # a second run in this process
+    later.mark("entry")
+    later.mark("model")
+    assert list(later.phases()) == ["model"]
 
 
 def test_report_takes_the_slowest_rank_per_phase():

@@ -32,6 +32,9 @@ on every rank; and the posting machinery they share with the ZeRO strategies.
   all-gather within the node. Each node's link then carries one copy of the bucket per node
   rather than one per rank. The two-level groups are built at set-up (:func:`levels`);
   nodes holding unequal numbers of a group's ranks fall back to the flat all-reduce.
+  :class:`OverlappedHierarchical` (with ``optim.overlap``): the same three steps per bucket,
+  posted from the gradient hooks and run by the progress thread on duplicates of the two
+  levels while backward goes on.
 """
 
 from __future__ import annotations
@@ -316,3 +319,45 @@ class HierarchicalBuckets(GradSync):
             h = self.split[b.group.axis]
             carried(b.group, b.flat, self.layout.wire,
                     lambda t, *op, h=h: reduce_hierarchical(h, t, *op))
+
+
+class OverlappedHierarchical(OverlappedBuckets):
+    """Buckets posted from the gradient hooks during the last microbatch's backward, each
+    summed by :func:`reduce_hierarchical` on the progress thread (its duplicates of the
+    group's two levels, ``split``) while backward goes on. Always the blocking thread: the
+    three steps are one job."""
+
+    name = "overlapped-hierarchical"
+    algorithm = "hierarchical"
+
+    def __init__(self, layout, split: dict[str, Hierarchy], *, microbatches: int = 1):
+        self.split = split  # before the progress thread, which duplicates its groups
+        super().__init__(layout, microbatches=microbatches, progress="thread")
+
+    @classmethod
+    def from_choices(cls, layout, *, split: dict[str, Hierarchy], microbatches: int = 1,
+                     **_) -> OverlappedHierarchical:
+        return cls(layout, split, microbatches=microbatches)
+
+    def _progress_thread(self) -> comm.ProgressThread | None:
+        """The thread over the groups and both levels of every hierarchy with a bucket to
+        reduce. Collective over each of them."""
+        used = {b.group.axis: self.split[b.group.axis] for b in self.buckets
+                if b.group.size > 1}
+        groups = list({id(g): g for h in used.values()
+                       for g in (h.group, h.local, h.cross)}.values())
+        return comm.ProgressThread(groups) if groups else None
+
+    def _start(self, b: Bucket, thread) -> tuple | None:
+        if b.group.size == 1:
+            return None
+        h = self.split[b.group.axis]
+        sent = outgoing(b.flat, b.group, self.layout.wire)
+        op = op_for(sent, self.layout.wire)
+
+        def reduce(group, local, cross):
+            reduce_hierarchical(Hierarchy(group, local, cross, h.uniform), sent, *op)
+
+        handle = thread.call([h.group, h.local, h.cross], reduce, sent.nbytes, sent,
+                             "hierarchical allreduce")
+        return handle, (None if sent is b.flat else sent)

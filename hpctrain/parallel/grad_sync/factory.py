@@ -30,7 +30,7 @@ class Choice(NamedTuple):
     dp_reduction: str = "flat"
 
 
-HIERARCHICAL = "topology.dp_reduction=hierarchical needs optim.zero=0 and optim.overlap=false"
+HIERARCHICAL = "topology.dp_reduction=hierarchical needs optim.zero=0"
 
 
 def _mode_alone(c: Choice) -> str:
@@ -48,10 +48,6 @@ def _sharded_needs(c: Choice) -> str | None:
 def _mode_needs(c: Choice) -> str | None:
     """A reduction mode replaces the bucketed reduction: no ZeRO, overlap or hierarchy."""
     return _mode_alone(c) if c.zero or c.overlap or c.dp_reduction != "flat" else None
-
-
-def _hierarchical_needs(c: Choice) -> str | None:
-    return HIERARCHICAL if c.overlap else None
 
 
 @dataclass(frozen=True)
@@ -76,8 +72,9 @@ TABLE = [  # the registry, in the order rows are tried
     Row(".sharded:Zero3", lambda c: c.zero == 3, _sharded_needs),  # always overlapped
     Row(".buckets:PerParameter", lambda c: c.mode == "per-parameter", _mode_needs),
     Row(".buckets:NonblockingBuckets", lambda c: c.mode == "bucketed-nonblocking", _mode_needs),
-    Row(".buckets:HierarchicalBuckets", lambda c: c.dp_reduction == "hierarchical",
-        _hierarchical_needs),
+    Row(".buckets:OverlappedHierarchical", lambda c: c.dp_reduction == "hierarchical"
+        and c.overlap),  # the progress thread runs each bucket's two levels
+    Row(".buckets:HierarchicalBuckets", lambda c: c.dp_reduction == "hierarchical"),
     Row(".buckets:OverlappedBuckets", lambda c: c.overlap),  # optim.overlap, or across nodes
     Row(".buckets:BlockingBuckets", lambda c: True),  # the default
 ]
