@@ -5,7 +5,7 @@ group-limited routing, a shared expert) on layouts that split it every way: head
 sequence parallelism and pp; the zero-bubble schedule's deferred weight gradients over pp with
 ZeRO-1; and with two multi-token-prediction modules (their targets cut at each cp rank's
 positions) ring attention over cp with experts over ep, Ulysses over cp with tp and sequence
-parallelism. The one-rank reference takes the global microbatch as its microbatch
+parallelism, the hybrid of both over cp=4. The one-rank reference takes the global microbatch as its microbatch
 (tests/matrix/test_moe_equivalence.py). Transformers' logits and generation:
 tests/e2e/test_hf_deepseek.py; the modules' objective: tests/unit/test_mtp.py."""
 
@@ -34,6 +34,9 @@ LAYOUTS = [
     ("mtp-cp2-ring-ep2", [MTP], ["topology.cp=2", "topology.dp=2", "topology.ep=2"]),
     ("mtp-cp2-ulysses-tp2-sp", [MTP], ["topology.cp=2", "topology.cp_kind=ulysses",
                                        "topology.tp=2", SP, MB2]),
+    # hybrid: Ulysses groups of 2 cp ranks, the ring across the 2 groups
+    ("mtp-cp4-hybrid", [MTP], ["topology.cp=4", "topology.cp_kind=hybrid",
+                               "topology.cp_ulysses=2", MB2]),
 ]
 
 
