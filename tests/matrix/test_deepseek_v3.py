@@ -5,8 +5,9 @@ group-limited routing, a shared expert) on layouts that split it every way: head
 sequence parallelism and pp; the zero-bubble schedule's deferred weight gradients over pp with
 ZeRO-1; and with two multi-token-prediction modules (their targets cut at each cp rank's
 positions) ring attention over cp with experts over ep, Ulysses over cp with tp and sequence
-parallelism, the hybrid of both over cp=4. The one-rank reference takes the global microbatch as its microbatch
-(tests/matrix/test_moe_equivalence.py). Transformers' logits and generation:
+parallelism, the hybrid of both over cp=4. The one-rank reference takes the global
+microbatch as its microbatch (tests/matrix/test_moe_equivalence.py). Transformers' logits and
+generation:
 tests/e2e/test_hf_deepseek.py; the modules' objective: tests/unit/test_mtp.py."""
 
 import numpy as np
