@@ -20,8 +20,6 @@ pytestmark = pytest.mark.mpi
 
 def test_overlapped_two_levels_sum_every_ranks_gradients():
     world = comm.world()
-    if not comm.thread_multiple()[0]:
-        pytest.skip("this MPI has no MPI_THREAD_MULTIPLE: the progress thread cannot run")
     per_node = 2 if world.size % 2 == 0 and world.size > 2 else 1
     dp = comm.split(world, 0, world.rank, "dp")  # the gradient group, named as a run's
     h = build_hierarchy(dp, node_color=world.rank // per_node)
