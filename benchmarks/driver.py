@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -94,17 +95,32 @@ def launch(name: str, ranks: int, args, parts: Path) -> dict:
         {"bench": name, "ranks": ranks, "error": why, "log": str(log)}
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """End a launch and every rank it started (its own process group)."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """End a launch and every rank it started (its own process group): SIGTERM, then SIGKILL
+    to whatever of the group is left after ``grace`` seconds. Returns once the launcher is
+    reaped and no process of the group runs (ranks outlive their launcher by a moment)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=grace)
-            return
         except ProcessLookupError:
             return
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_runs(proc.pid):
+                return
+            time.sleep(0.1)
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is alive (zombies are not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
             continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
+            return True
+    return False
 
 
 def available(name: str) -> bool:
