@@ -213,3 +213,21 @@ def _llama_like(m):
     model = generation.whole_model(m)
     init_parameters([model], 3)
     return model
+
+
+def test_deepseek_v3_export_refuses_what_its_class_cannot_hold():
+    """DeepSeek-V3 exports refuse softmax scores, experts in every other block, a gated or
+    missing shared expert and dropped tokens, each in one message naming the key."""
+    base = dict(family="deepseek_v3", arch="llama", n_heads=4, kv_lora_rank=8, qk_nope_dim=4,
+                qk_rope_dim=4, num_experts=4, top_k=2, expert_d_ff=8, shared_experts=1,
+                router_score="sigmoid")
+    assert hf_map.hf_config(ModelConfig(**base), 64, "float32", {})["n_shared_experts"] == 1
+    for change, said in ((dict(router_score="softmax"), "model.router_score = 'softmax'"),
+                         (dict(moe_every=2), "model.moe_every = 2"),
+                         (dict(shared_expert_gate=True), "model.shared_expert_gate = true"),
+                         (dict(shared_experts=0), "shared experts of 0"),
+                         (dict(capacity_factor=1.25), "model.capacity_factor = 1.25")):
+        with pytest.raises(hf_map.InterchangeError) as e:
+            hf_map.hf_config(ModelConfig(**{**base, **change}), 64, "float32", {})
+        assert str(e.value).startswith(said) and "DeepseekV3ForCausalLM would compute " \
+            "otherwise" in str(e.value), str(e.value)

@@ -59,6 +59,8 @@ class DeepseekV3Form(Qwen3MoeForm):
 
     def refusal(self, m: ModelConfig) -> str | None:
         refusal = LlamaForm.refusal(self, m)
+        if refusal is not None:
+            return refusal
         for bad, what in ((m.capacity_factor > 0, f"model.capacity_factor = "
                            f"{m.capacity_factor} (HF routes every token)"),
                           (m.router_score != "sigmoid", f"model.router_score = "
@@ -71,10 +73,9 @@ class DeepseekV3Form(Qwen3MoeForm):
                            * m.shared_experts, f"shared experts of {m.shared_dim} with "
                            f"expert_d_ff {m.expert_dim} (HF: expert_d_ff * shared_experts, "
                            f"at least one)")):
-            if refusal is None and bad:
-                refusal = (f"{what}: {self.architecture} would compute otherwise, so the "
-                           f"logits would differ; export --format safetensors")
-        return refusal
+            if bad:
+                return self.differs(what, "compute otherwise")
+        return None
 
     def names(self, m: ModelConfig, hf: dict | None = None) -> list:
         interleave = (hf or {}).get("rope_interleave", True)

@@ -61,9 +61,13 @@ class Qwen3MoeForm(MixtralForm):
                           (groups, f"model.route_top_groups = {m.route_top_groups} (HF "
                            f"routes over all experts)")):
             if bad:
-                return (f"{what}: {self.architecture} would route differently, so the "
-                        f"logits would differ; export --format safetensors")
+                return self.differs(what, "route differently")
         return None
+
+    def differs(self, what: str, how: str) -> str:
+        """The refusal of an export whose ``what`` makes the HF class ``how``."""
+        return (f"{what}: {self.architecture} would {how}, so the logits would differ; "
+                f"export --format safetensors")
 
     def renormalises(self, m: ModelConfig) -> bool:
         """Whether the top-k gates are renormalised (HF ``norm_topk_prob``)."""
