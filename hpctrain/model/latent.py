@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .layers import Attention, KVCache, ParamMeta, RMSNorm, _param
+from .layers import Attention, KVCache, ParamMeta, RMSNorm, _param, decode_core
 from .weight_grad import linear
 
 LATENT_EPS = 1e-6  # the latent norms' epsilon (Hugging Face's DeepseekV3RMSNorm default)
@@ -110,12 +110,9 @@ class LatentAttention(Attention):
     def _latent_decode(self, x, cache: KVCache, layer):
         """New queries at positions ``cache.length`` onwards against the cached latents and
         rotary keys extended by the new ones. Returns (B, T_new, H_local * v)."""
-        start, T = cache.length, x.shape[1]
+        start = cache.length
         q = self.rotary.apply(self._queries(x), start)
         c, k_rot = self._latent(x)
         c, k_rot = cache.extend(layer, c, self.rotary.apply(k_rot, start))
         k, v = self._expand(c, k_rot)  # (B, H_local, start + T, ...)
-        keys = torch.arange(start + T, device=x.device)
-        mask = keys <= torch.arange(start, start + T, device=x.device).unsqueeze(1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return y.transpose(1, 2).reshape(x.shape[0], T, -1)
+        return decode_core(q, k, v, start)

@@ -140,6 +140,20 @@ class Rotary:
         return x * cos + rotated * sin
 
 
+def decode_core(q, k, v, start: int) -> torch.Tensor:
+    """Attention of new queries q (B, H, T, d) at positions start .. start+T-1 over keys and
+    values (B, H, start + T, d) at positions 0 .. start+T-1: query i sees keys 0 .. start + i.
+    Returns (B, T, H * v)."""
+    B, _, T, _ = q.shape
+    if start:
+        keys = torch.arange(start + T, device=q.device)
+        mask = keys <= torch.arange(start, start + T, device=q.device).unsqueeze(1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y.transpose(1, 2).reshape(B, T, -1)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype, sp_partial: bool):
         super().__init__()
@@ -247,7 +261,6 @@ class Attention(nn.Module):
     def _cached_attention(self, q, k, v, cache: KVCache, layer):
         """New queries at positions ``cache.length`` onwards against the cached keys and
         values extended by the new ones. Returns (B, T_new, H_local * hd)."""
-        B, _, T, _ = q.shape
         start = cache.length
         if self.rotary is not None:
             q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
@@ -255,13 +268,7 @@ class Attention(nn.Module):
         if self.kv != self.heads:
             k = k.repeat_interleave(self.heads // self.kv, dim=1)
             v = v.repeat_interleave(self.heads // self.kv, dim=1)
-        if start:  # new query i sits at position start + i and sees keys 0 .. start + i
-            keys = torch.arange(start + T, device=q.device)
-            mask = keys <= torch.arange(start, start + T, device=q.device).unsqueeze(1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return y.transpose(1, 2).reshape(B, T, -1)
+        return decode_core(q, k, v, start)
 
     def _document_attention(self, q, k, v, doc):
         """Attention inside documents: q (B, H_local, T, hd), k/v (B, kv_local, T, hd); a
