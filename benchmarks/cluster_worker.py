@@ -111,10 +111,11 @@ def worker_args(prog: str, argv=None):
     return p.parse_args(argv)
 
 
-def interleave(world, names: list[str], repeats: int, one, out: str, tag: str) -> None:
+def interleave(world, names: list[str], repeats: int, one, out: str, tag: str,
+               extra: dict | None = None) -> None:
     """``one(name)`` for every variant, ``repeats`` times, the order reversed every other
-    repeat; rank 0 writes each variant's samples to ``out`` (JSON). Collective when ``one``
-    is."""
+    repeat; rank 0 writes each variant's samples to ``out`` (JSON), with ``extra``'s keys.
+    Collective when ``one`` is."""
     samples: dict[str, list] = {k: [] for k in names}
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
@@ -123,7 +124,7 @@ def interleave(world, names: list[str], repeats: int, one, out: str, tag: str) -
                 samples[name].append(res)
                 print(f"[{tag}] {name}: {res['step_s']}", flush=True)
     if world.rank == 0:
-        Path(out).write_text(json.dumps(samples))
+        Path(out).write_text(json.dumps({**samples, **(extra or {})}))
 
 
 def main(argv=None) -> int:

@@ -19,8 +19,10 @@ Ratios are taken between equal precisions only (float32 or bfloat16 gradient tra
 variant's name says which). The limit is max(``compute``, the link time of the bytes that must
 cross each node's link: every gradient element once in each direction, at the wire dtype of
 hpctrain's fastest variant, at the link's nominal rate); compute + link is the second line.
-The plan's prediction of each hpctrain variant comes from
-``share/clusters/this-machine-2node.toml``. Every missed target prints its measured reason.
+The plan's prediction of each hpctrain variant comes from the description ``hpctrain plan
+--calibrate`` measures of this model on these nodes at the start of the same ``mpirun``
+(written beside the result as ``plan_cluster``; long messages for the link's rate, the
+ports of a node's link, the 16-bit sum). Every missed target prints its measured reason.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from hpctrain.job.launch import ROOT
 from .cluster import RATE, begin
 from .cluster_worker import MODEL
 from .common import median, pair_ratios, ratio, row, same_losses
-from .nodes_worker import hpctrain_variants
+from .nodes_worker import CALIBRATED, hpctrain_variants
 
 RANKS = (1,)
 DESCRIPTION = ROOT / "share" / "clusters" / "this-machine-2node.toml"
@@ -62,13 +64,18 @@ def _config(size: str, overrides: list[str]):
     return train_config(size, *MODEL[size], *overrides)
 
 
-def predicted(size: str) -> dict[str, dict]:
-    """The plan's step (checkpoint left out) of each hpctrain variant on the description,
-    and its parts: ``{"step": s, "compute": s, "dp": s}``."""
+def predicted(size: str, description: str | None = None) -> dict[str, dict]:
+    """The plan's step (checkpoint left out) of each hpctrain variant on ``description``
+    (TOML: the one calibrated in the run; None: :data:`DESCRIPTION`), and its parts:
+    ``{"step": s, "compute": s, "dp": s}``."""
+    import tomllib
+
+    from hpctrain.planner.cluster import from_dict
     from hpctrain.planner.cluster import load as load_cluster
     from hpctrain.planner.cost import predict
 
-    cluster = load_cluster(str(DESCRIPTION))
+    cluster = (from_dict(tomllib.loads(description), "calibrated in the run") if description
+               else load_cluster(str(DESCRIPTION)))
     out = {}
     for name, overrides in hpctrain_variants().items():  # (tiny runs only some)
         p = predict(_config(size, overrides), cluster)
@@ -167,13 +174,15 @@ def run(world, size: str, repeats: int) -> dict:
                          "nodes_worker")
     if samples is None:
         return out
+    description = samples.pop(CALIBRATED, None)
     per = {k: [median(_steady(s["step_s"])) for s in v] for k, v in samples.items()}
     step = {k: median(v) for k, v in per.items()}
     comm = {k: median([_comm(s) for s in v]) for k, v in samples.items()
             if k == "naive baseline" or k.startswith("hpctrain")}
     best = min((n for n in step if n.startswith("hpctrain")), key=step.get)
     link = wire_s(size, traffic(best) == "bf16")
-    plan = predicted(size)
+    plan = predicted(size, description)
+    out["plan_cluster"] = description
     out["rows"] = [row(k, v, "s/step") for k, v in per.items()]
     out["ratios"] = ratios(per, step, comm, plan, size)
     out["table"] = [{"variant": k, "step_s": step[k], "exposed_comm_s": comm.get(k),

@@ -171,9 +171,29 @@ def main(argv=None) -> int:
     args = worker_args("python -m benchmarks.nodes_worker", argv)
     world = comm.world()
     solo = comm.split(world, world.rank, 0, "bench-solo")
+    description = calibrated(world, args.size)
     interleave(world, variant_names(args.size), args.repeats,
-               lambda n: one(world, solo, n, args.size), args.out, "nodes")
+               lambda n: one(world, solo, n, args.size), args.out, "nodes",
+               {CALIBRATED: description})
     return 0
+
+
+CALIBRATED = "plan --calibrate"  # the samples' key of the description measured here
+
+
+def calibrated(world, size: str) -> str | None:
+    """``hpctrain plan --calibrate`` of the benchmark's model on these nodes, before the
+    variants: the description the plan's predictions use (TOML, rank 0; None elsewhere).
+    Collective."""
+    from hpctrain.planner.calibrate import calibrate
+    from hpctrain.planner.cluster import dumps, load
+
+    from .common import train_config
+    from .nodes import DESCRIPTION
+
+    cfg = train_config(size, *MODEL[size], *DP4)
+    c = calibrate(cfg, load(str(DESCRIPTION)), "nodes-calibrated")
+    return dumps(c) if c is not None else None
 
 
 if __name__ == "__main__":

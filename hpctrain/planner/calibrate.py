@@ -7,9 +7,12 @@ OUT.toml``; one process measures compute only, the links keep the base descripti
   model's rate and its per-layer and per-stage overheads fitted over 3 depths x 3
   microbatch sizes, the gradient hooks', ring attention's and split backward's costs, the
   optimizer step (``step_overhead_s``); then every rank at once for ``compute_share``;
-- **links** (all ranks together, through ``comm`` only): all-reduces of 8 B and 1 MiB over
-  the ranks of one node (``intra``) and, when the ranks span nodes, over all ranks
-  (``inter``); latency and bandwidth from the ring formula's two unknowns;
+- **links** (all ranks together, through ``comm`` only): all-reduces of 8 B, 1 MiB and 8 MiB
+  over the ranks of one node (``intra``) and, when the ranks span nodes, over all ranks
+  (``inter``); the bandwidth from the ring formula's slope between the long ones, the
+  latency from the short one; across nodes also the ``ports`` (how many of a node's ranks
+  cross at that bandwidth at once: :func:`ports_of`);
+- **sum16** (every rank): the software sum of bfloat16 gradient traffic, per element;
 - **calls** (the ranks of each node): the model split over them by tensor parallelism,
   with and without its collectives; what each call costs beyond the intra link's
   alpha-beta is ``call_overhead_s``;
@@ -37,7 +40,9 @@ from .collectives import allreduce
 from .compute import compute_rate, step_seconds, trimmed_mean, whole_model, zero2_backwards
 from .cost import layer_flops
 
-SIZES = (8, 1 << 20)
+# bytes of the calibration's all-reduces: one for the latency, two long ones whose
+# difference gives the bandwidth (8 MiB: 0.5 s at 200 Mbit/s, many times a shaper's burst)
+SIZES = (8, 1 << 20, 8 << 20)
 
 
 def post_cost(cfg: Config, group, alone, link: Link, repeats: int = 20,
@@ -68,10 +73,12 @@ def link_of(group, repeats: int = 60) -> Link:
     """Latency and bandwidth of ``group``'s ring all-reduce (collective). As in training,
     every all-reduce follows about 1 ms of computation, so the latency includes the time a
     rank that yielded its core (or lost it to other work) takes to come back. The
-    computation alone, with an 8 B and with a 1 MiB all-reduce are interleaved in every
-    repeat (a change of the machine's speed falls on all three alike); each is the mean
-    of its repeats without the slowest and fastest tenth (:func:`trimmed_mean`: a step pays
-    the tail of many such delays, but one descheduling of 50 ms is not a link's cost)."""
+    computation alone and with an all-reduce of each of :data:`SIZES` are interleaved in
+    every repeat (a change of the machine's speed falls on all alike); each is the mean of
+    its repeats without the slowest and fastest tenth (:func:`trimmed_mean`: a step pays
+    the tail of many such delays, but one descheduling of 50 ms is not a link's cost). The
+    bandwidth is the slope between the two long sizes: what a burst lets the first bytes
+    of a message gain (a token bucket, a switch's buffer) is not the link's rate."""
     d = group.size
     a = torch.randn(96, 96)
     xs = [torch.ones(max(1, n // 4), dtype=torch.float32) for n in SIZES]
@@ -81,6 +88,7 @@ def link_of(group, repeats: int = 60) -> Link:
             a @ a
 
     def timed(x=None) -> float:
+        group.barrier()  # a rank that left the last long transfer first waits here, not below
         t0 = time.perf_counter()
         work()
         if x is not None:
@@ -89,10 +97,54 @@ def link_of(group, repeats: int = 60) -> Link:
     runs = [[timed(), *(timed(x) for x in xs)] for _ in range(repeats + 1)][1:]
     base = trimmed_mean([r[0] for r in runs])
     t = [max(1e-9, group.allreduce(trimmed_mean([r[i] for r in runs]) - base, "max"))
-         for i in (1, 2)]
-    beta = max(1e-15, (t[1] - t[0]) / (2 * (d - 1) / d * (SIZES[1] - SIZES[0])))
-    alpha = max(0.0, (t[0] - 2 * (d - 1) / d * SIZES[0] * beta) / (2 * (d - 1)))
+         for i in (1, 2, 3)]
+    ring = 2 * (d - 1) / d  # bytes a rank sends per byte reduced
+    beta = max(1e-15, (t[2] - t[1]) / (ring * (SIZES[2] - SIZES[1])))
+    alpha = max(0.0, (t[0] - ring * SIZES[0] * beta) / (2 * (d - 1)))
     return Link(latency=alpha, bandwidth=1 / beta)
+
+
+def ports_of(world, node, nbytes: int = 8 << 20, repeats: int = 4) -> int:
+    """How many ranks of a node send across at the inter link's bandwidth at once
+    (collective over the world; ``node``: this rank's node, all of one size): the ranks of
+    one local number form a group across the nodes (as the cross-node step of a
+    hierarchical reduction, or HSDP's all-reduce across shard groups), which all-reduces
+    ``nbytes``; first the group of local rank 0 alone, then every group at once,
+    interleaved; ``rpn x t_one / t_all`` (medians, slowest rank), rounded, within 1 and the
+    node's ranks. 1: the node's ranks share one link (the simulated nodes)."""
+    rpn = node.size
+    if world.allreduce(rpn, "min") != world.allreduce(rpn, "max"):
+        return 1  # nodes of unequal sizes: no groups by local number; assume one port
+    cross = comm.split(world, node.rank, world.rank, "cross")
+    x = torch.ones(nbytes // 4)
+
+    def timed(active: bool) -> float:
+        world.barrier()
+        t0 = time.perf_counter()
+        if active:
+            cross.allreduce_(x)
+        return world.allreduce(time.perf_counter() - t0, "max")
+    one, every = [], []
+    for _ in range(repeats):
+        one.append(timed(node.rank == 0))
+        every.append(timed(True))
+    ratio = rpn * statistics.median(one) / max(1e-9, statistics.median(every))
+    return max(1, min(rpn, round(ratio)))
+
+
+def sum16_cost(elements: int = 1 << 21, repeats: int = 5) -> float:
+    """Seconds per element of the ``sum16`` op (the software sum of bfloat16 gradient
+    traffic, ``comm/sum16.py``) on this rank: the median over ``repeats``."""
+    from ..comm.sum16 import add_bf16
+
+    a = torch.ones(elements, dtype=torch.bfloat16)
+    b = torch.ones(elements, dtype=torch.bfloat16)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        add_bf16(memoryview(a.view(torch.int16).numpy()), memoryview(b.view(torch.int16).numpy()))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / elements
 
 
 def call_overhead(cfg: Config, group, link: Link, repeats: int = 30) -> dict | None:
@@ -188,7 +240,10 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     node = comm.node_local(world)
     nodes = world.allreduce(1.0 if node.rank == 0 else 0.0)
     intra = link_of(node) if node.size > 1 else base.intra
-    inter = link_of(world) if nodes > 1 else base.inter
+    inter = link_of(world, repeats=16) if nodes > 1 else base.inter
+    if nodes > 1 and node.size > 1:
+        inter = dataclasses.replace(inter, ports=ports_of(world, node))
+    sum16 = world.allreduce(sum16_cost(), "max")
     calls = call_overhead(cfg, node, intra) if node.size > 1 else None
     posted = post_cost(cfg, node, alone, intra) if node.size > 1 else None
     # one rank per node measures neither: the base description's values stand
@@ -214,7 +269,7 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
         **{k: pick[k] for k in ("split_b", "split_w") if k in pick},
         step_overhead_s=pick["step_overhead_s"], intra=intra, inter=inter,
         call_overhead_s=overhead,
-        post_overhead_s=post,
+        post_overhead_s=post, sum16_s=sum16,
         compute_share=share,
         extra={"load_average": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
                "ranks": world.size, "nodes": int(nodes),

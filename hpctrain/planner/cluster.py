@@ -25,6 +25,8 @@ or a path)::
                                  # fixed time around each call beyond its link's alpha-beta
     post_overhead_s = 0.0        # per reduction a gradient hook posts (ZeRO-2: every bucket
                                  # and microbatch; overlap: every bucket) beyond alpha-beta
+    sum16_s = 0.0                # per element a 16-bit gradient reduction sums in software
+                                 # (optim.grad_comm_dtype: MPI's sum16 op), on the rank's CPU
     compute_share = 1.0          # fraction of its device a rank gets (< 1: oversubscribed)
     [peak_flops]                 # per rank, by model dtype
     bfloat16 = 312e12
@@ -34,12 +36,15 @@ or a path)::
     [link.inter]                 # between nodes (per rank's share of its node's network)
     latency = 5e-6
     bandwidth = 25e9
+    ports = 0                    # ranks of a node that send across at that bandwidth at once
+                                 # (0: each rank has its own); more flows share the ports
 
 Bad files raise :class:`ClusterError` naming the file, the key, the value and the rule.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
@@ -63,9 +68,19 @@ class ClusterError(ValueError):
 class Link:
     latency: float  # seconds per message (alpha)
     bandwidth: float  # bytes per second per rank, one direction (1 / beta)
+    # how many transfers of one node cross at ``bandwidth`` at once (0: one port per rank, as
+    # on nodes with a NIC per GPU; 1: one shared link, as on the simulated nodes)
+    ports: int = 0
 
     def p2p(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
+
+    def carrying(self, flows: int) -> Link:
+        """This link while ``flows`` transfers of each node cross it at once: where they
+        outnumber its ports, each gets ``bandwidth x ports / flows``."""
+        if not self.ports or flows <= self.ports:
+            return self
+        return dataclasses.replace(self, bandwidth=self.bandwidth * self.ports / flows)
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,8 @@ class Cluster:
     # microbatch, overlap per bucket) costs beyond its link's alpha-beta: posting the
     # schedule and the tests that drive it (``plan --calibrate``; 0 where not measured)
     post_overhead_s: float = 0.0
+    # seconds per element a software 16-bit sum costs (``comm/sum16.py``; 0: not measured)
+    sum16_s: float = 0.0
     compute_share: float = 1.0
     source: str = ""
     device: str = "cpu"  # what a rank computes on: cpu, or cuda (one rank per GPU)
@@ -148,8 +165,11 @@ def _link(where: str, raw: dict, level: str) -> Link:
     if not isinstance(body, dict):
         raise ClusterError(f"{where}: [link.{level}] with latency and bandwidth is missing")
     w = f"{where} [link.{level}]"
+    ports = body.get("ports", 0)
+    if isinstance(ports, bool) or not isinstance(ports, int) or ports < 0:
+        raise ClusterError(f"{w}: ports = {ports!r} must be an integer >= 0 (0: one per rank)")
     return Link(_number(w, body, "latency", low=0.0, strict_low=False),
-                _number(w, body, "bandwidth"))
+                _number(w, body, "bandwidth"), ports)
 
 
 def from_dict(raw: dict, where: str = "cluster") -> Cluster:
@@ -188,6 +208,7 @@ def from_dict(raw: dict, where: str = "cluster") -> Cluster:
         step_overhead_s=num("step_overhead_s", 0.0, strict_low=False),
         call_overhead_s=num("call_overhead_s", 0.0, strict_low=False),
         post_overhead_s=num("post_overhead_s", 0.0, strict_low=False),
+        sum16_s=num("sum16_s", 0.0, strict_low=False),
         compute_share=num("compute_share", 1.0, high=1.0), device=device,
         extra=dict(raw.get("measured", {})))
 
@@ -226,12 +247,13 @@ def dumps(c: Cluster) -> str:
              f"split_b = {c.split_b:.6g}", f"split_w = {c.split_w:.6g}",
              f"step_overhead_s = {c.step_overhead_s:.6g}",
              f"call_overhead_s = {c.call_overhead_s:.6g}",
-             f"post_overhead_s = {c.post_overhead_s:.6g}",
+             f"post_overhead_s = {c.post_overhead_s:.6g}", f"sum16_s = {c.sum16_s:.6g}",
              f"compute_share = {c.compute_share:.6g}", "", "[peak_flops]"]
     lines += [f"{k} = {v:.6g}" for k, v in c.peak_flops.items()]
     for level, link in (("intra", c.intra), ("inter", c.inter)):
         lines += ["", f"[link.{level}]", f"latency = {link.latency:.6g}",
                   f"bandwidth = {link.bandwidth:.6g}"]
+        lines += [f"ports = {link.ports}"] if link.ports else []
     if c.extra:
         lines += ["", "[measured]"]
         lines += [f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"'

@@ -35,15 +35,30 @@ from .memory import DTYPE_BYTES
 
 
 def allreduce(n: float, d: int, link: Link, algo: str = "ring", k: int = 1,
-              intra: Link | None = None) -> float:
-    """Seconds of an all-reduce of ``n`` bytes over ``d`` ranks (``k`` of them per node)."""
+              intra: Link | None = None, flows: int = 1) -> float:
+    """Seconds of an all-reduce of ``n`` bytes over ``d`` ranks (``k`` of them per node),
+    while ``flows`` such groups cross each node's ``link`` at once (hierarchical: each of
+    them as ``k`` rings of ``n/k``; :meth:`Link.carrying`)."""
     if d <= 1 or n <= 0:
         return 0.0
     if algo == "hierarchical" and intra is not None and 1 < k < d and d % k == 0:
-        return 2 * scatter(n, k, intra) + allreduce(n / k, d // k, link, "ring")
+        return 2 * scatter(n, k, intra) + allreduce(n / k, d // k, link, "ring",
+                                                    flows=flows * k)
+    link = link.carrying(flows)
     if algo == "tree":
         return 2 * math.ceil(math.log2(d)) * link.latency + 2 * n / link.bandwidth
     return 2 * (d - 1) * link.latency + 2 * (d - 1) / d * n / link.bandwidth
+
+
+def summed(n: float, d: int, algo: str = "ring", k: int = 1) -> float:
+    """Elements of ``n`` a rank adds in an all-reduce over ``d`` ranks (``k`` per node): the
+    ring's reduce-scatter ``(d-1)/d n``; hierarchical: inside the node, then across on
+    ``n/k``."""
+    if d <= 1:
+        return 0.0
+    if algo == "hierarchical" and 1 < k < d and d % k == 0:
+        return (k - 1) / k * n + summed(n / k, d // k)
+    return (d - 1) / d * n
 
 
 def scatter(n: float, d: int, link: Link) -> float:

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config, microbatches, shard_size
 from ..model.families import family_of
-from ..parallel.grad_sync.factory import strategy_of
+from ..parallel.grad_sync.factory import decided, strategy_of
 from ..parallel.grad_sync.interface import wire_bytes
 from ..pipeline.schedules import kind_of, style_of
 from . import hsdp
@@ -80,6 +80,7 @@ from .collectives import (
     context_exposed,
     rank_sizes,
     scatter,
+    summed,
     tp_ep_costs,
     zero3_exposed,
 )
@@ -307,7 +308,9 @@ class DpNet:
     """The dp x cp reduction as a gradient-sync strategy prices it (``GradSync.dp_seconds``):
     ``d`` replicas on ``link`` (``k`` per node, ``intra`` inside one), shard groups of ``s``
     on ``shard_link`` (HSDP; else all ``d``), ``cross`` seconds of HSDP's all-reduce across
-    groups, ``M`` microbatches, ``ps`` bytes per parameter, ``gs`` per gradient on the wire."""
+    groups, ``M`` microbatches, ``ps`` bytes per parameter, ``gs`` per gradient on the wire;
+    ``flows`` groups cross each node's link at once (``Link.carrying``), ``sum_s`` seconds
+    per element a rank adds in software (16-bit traffic: ``Cluster.sum16_s``)."""
 
     d: int
     s: int
@@ -320,14 +323,19 @@ class DpNet:
     intra: Link
     collective: str  # the cluster's all-reduce algorithm
     cross: float
+    flows: int = 1
+    sum_s: float = 0.0
 
     def allreduce(self, n: float, algo: str | None = None) -> float:
-        """An all-reduce of ``n`` bytes over the ``d`` replicas (``algo``: the cluster's)."""
-        return allreduce(n, self.d, self.link, algo or self.collective, self.k, self.intra)
+        """An all-reduce of ``n`` bytes over the ``d`` replicas (``algo``: the cluster's),
+        with the software sums it adds."""
+        algo = algo or self.collective
+        adds = summed(n / self.gs, self.d, algo, self.k) * self.sum_s
+        return adds + allreduce(n, self.d, self.link, algo, self.k, self.intra, self.flows)
 
     def scatter(self, n: float) -> float:
         """A reduce-scatter (or all-gather) of ``n`` bytes over a shard group."""
-        return scatter(n, self.s, self.shard_link)
+        return scatter(n, self.s, self.shard_link.carrying(self.flows))
 
 
 def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras,
@@ -347,7 +355,10 @@ def dp_time(cfg: Config, cluster: Cluster, links: dict, P: int, ex: Extras,
     if ex.fsdp:  # a gather forward, one backward, a reduce-scatter
         return M * (2 * scatter(P * ps, d, link) + scatter(P * gs, d, link))
     k = max(1, min(d, cluster.ranks_per_node // t.tp))
-    net = DpNet(d, s, k, M, ps, gs, link, shard_link, cluster.intra, cluster.collective, cross)
+    flows = max(1, min(cluster.ranks_per_node, t.dp * t.tp * t.pp * t.cp) // k)
+    sum_s = cluster.sum16_s if gs == 2 else 0.0
+    net = DpNet(d, s, k, M, ps, gs, link, shard_link, cluster.intra, cluster.collective, cross,
+                flows, sum_s)
     return strategy_of(cfg).dp_seconds(net, P, nb)
 
 
@@ -359,6 +370,11 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     t, m, tr = c.topology, c.model, c.train
     world = t.dp * t.tp * t.pp * t.cp
     links = axis_links(c, cluster)
+    # overlap as a run decides it (optim.overlap_across_nodes; ZeRO-2/3 post from their
+    # hooks whatever it says); MPI_THREAD_MULTIPLE assumed
+    progress, overlap = decided(c, links["dp"] is cluster.inter)
+    if c.optim.zero < 2:
+        c = dataclasses.replace(c, optim=dataclasses.replace(c.optim, overlap=overlap))
     links["zero3"] = hsdp.groups(c, cluster, links)[1]  # ZeRO-3's gathers: the shard groups
     work = rank_work(c, ex.attention_full)
     costs = pass_costs(c, cluster, links, work)
@@ -378,7 +394,8 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     window = span if ex.fsdp else (costs[busiest][1] if sync.overlapped(c) else 0.0)
     # reductions posted from the gradient hooks: post_overhead_s each, in the backward
     calls = sync.posts(c, nb, M) if t.dp * t.cp > 1 else 0
-    parts["dp"] = max(0.0, dp - window) + calls * cluster.post_overhead_s
+    spins = sync.spins(c, progress) and cluster.compute_share < 1
+    parts["dp"] = exposed(dp, window, spins) + calls * cluster.post_overhead_s
     parts.update(_update_and_save(c, cluster, mem, P, ex))
     step = sum(parts.values())
     tokens = tr.global_batch_size * tr.seq_len
@@ -388,6 +405,16 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     return Prediction(step, parts, tokens / step, mfu, mem, world, bubble,
                       {a: ("inter" if ln is cluster.inter else "intra")
                        for a, ln in links.items()})
+
+
+def exposed(dp: float, window: float, spins: bool) -> float:
+    """Seconds of the step's ``dp`` traffic not hidden by the backward ``window`` it overlaps
+    with. A thread waiting inside MPI on a core its rank shares (``spins``: a progress
+    thread where ranks outnumber cores) halves the backward's speed while the traffic
+    lasts: the backward then takes ``window + min(dp, 2 window) / 2``."""
+    if not spins:
+        return max(0.0, dp - window)
+    return max(dp - window, min(dp, 2 * window) / 2)
 
 
 def _update_and_save(cfg: Config, cluster: Cluster, mem: Estimate, P: int,

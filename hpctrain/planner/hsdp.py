@@ -12,7 +12,7 @@ import dataclasses
 from ..config import Config, shard_size
 from ..parallel.grad_sync.interface import wire_bytes
 from .cluster import Cluster, Link
-from .collectives import allreduce
+from .collectives import allreduce, summed
 
 
 def on_cluster(cfg: Config, cluster: Cluster) -> Config:
@@ -51,5 +51,9 @@ def across(cfg: Config, cluster: Cluster, link: Link, P: int, calls: int) -> flo
         return 0.0
     gs = wire_bytes(cfg)
     r = d // s
-    return allreduce(P * gs / s, r, link, cluster.collective) \
+    # the across groups touching a node, each with its share of the node's dp ranks
+    rpn = min(cluster.ranks_per_node, d * t.tp * t.pp)
+    per_node = max(1, min(d, rpn // t.tp) // s)
+    adds = summed(P / s, r) * (cluster.sum16_s if gs == 2 else 0.0)
+    return adds + allreduce(P * gs / s, r, link, cluster.collective, flows=rpn // per_node) \
         + (calls - 1) * 2 * (r - 1) * link.latency

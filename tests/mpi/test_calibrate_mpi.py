@@ -67,3 +67,22 @@ def test_post_cost_counts_the_buckets_the_hooks_post(latency):
     want = max(0.0, got["per_post"] - scatter(got["bytes"], group.size, link))
     assert got["per_post"] >= 0 and got["overhead"] == want
     assert world.allgather_obj(got["overhead"]) == [got["overhead"]] * world.size
+
+
+def test_the_link_the_ports_and_the_sum16_are_measured_alike_on_every_rank():
+    """link_of fits a latency and a bandwidth from all-reduces of 8 B, 1 MiB and 8 MiB;
+    ports_of all-reduces across pretended nodes of 2 ranks (1 at 2 ranks: one per node),
+    within 1 and the node's ranks; sum16_cost is a time per element. Every rank gets the
+    same link and ports (the slowest rank's times)."""
+    from hpctrain.planner.calibrate import link_of, ports_of, sum16_cost
+
+    world = comm.world()
+    group = comm.Group(world.mpi.Dup(), "dp")
+    link = link_of(group, repeats=2)
+    assert link.latency >= 0 and link.bandwidth > 0
+    node = comm.split(world, world.rank // 2, world.rank, "node")
+    ports = ports_of(world, node, nbytes=1 << 16, repeats=2)
+    assert 1 <= ports <= node.size
+    got = (link.latency, link.bandwidth, ports)
+    assert world.allgather_obj(got) == [got] * world.size
+    assert 0 < sum16_cost(elements=1 << 12, repeats=2) < 1e-3

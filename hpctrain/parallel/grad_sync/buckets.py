@@ -97,6 +97,11 @@ class PostedSync(GradSync):
         poll_s = POLL_S if self.progress == "poll" else 0.0
         return comm.ProgressThread(used, poll_s) if used else None
 
+    @classmethod
+    def spins(cls, cfg, progress: str) -> bool:
+        """The blocking progress thread of an overlapped reduction (``poll`` sleeps)."""
+        return progress == "thread" and cls.overlapped(cfg)
+
     def close(self) -> None:
         """Stop the progress thread, if any (after the reductions already posted)."""
         if self.progress_thread is not None:
@@ -338,6 +343,11 @@ class OverlappedHierarchical(OverlappedBuckets):
     def from_choices(cls, layout, *, split: dict[str, Hierarchy], microbatches: int = 1,
                      **_) -> OverlappedHierarchical:
         return cls(layout, split, microbatches=microbatches)
+
+    @classmethod
+    def spins(cls, cfg, progress: str) -> bool:
+        """Always the blocking thread."""
+        return True
 
     def _progress_thread(self) -> comm.ProgressThread | None:
         """The thread over the groups and both levels of every hierarchy with a bucket to

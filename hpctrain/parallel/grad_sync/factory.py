@@ -1,5 +1,6 @@
 """The one place a gradient-sync strategy is chosen and made: what the configuration asks
-(:func:`reduction_mode`, :func:`progress_for`, :func:`overlap_on`), the registry
+(:func:`reduction_mode`, :func:`progress_for`, :func:`overlap_on`; :func:`decided` for the
+planner), the registry
 (:data:`TABLE`: one row per strategy, its class, when it is chosen and what it refuses),
 :func:`choose` (choices -> the class), :func:`strategy_of` (a configuration -> the class,
 without a Topology: the planner's prices), :func:`refusal` (the config checks'),
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
+from types import SimpleNamespace
 from typing import NamedTuple
 
 from ...config import microbatches as microbatches_per_rank
@@ -132,17 +134,29 @@ def reduction_mode(cfg) -> str:
     return cfg.experimental.reduction
 
 
-def progress_for(ocfg, topo) -> str:
+def progress_for(ocfg, topo, multiple: bool | None = None) -> str:
     """``optim.overlap_progress`` with ``auto`` decided: the progress thread where the dp
     groups cross nodes (``topo.within_node``, the same on every rank) and MPI provides
-    ``MPI_THREAD_MULTIPLE``, else ``test`` (the comparison: docs/results.md, "Overlapped
-    gradient reduction")."""
-    from ... import comm
-
+    ``MPI_THREAD_MULTIPLE`` (``multiple``; None: ask MPI), else ``test`` (the comparison:
+    docs/results.md, "Overlapped gradient reduction")."""
     if ocfg.overlap_progress != "auto":
         return ocfg.overlap_progress
+    if multiple is None:
+        from ... import comm
+
+        multiple = comm.thread_multiple()[0]
     crosses = not topo.within_node.get("dp", True)
-    return "thread" if crosses and comm.thread_multiple()[0] else "test"
+    return "thread" if crosses and multiple else "test"
+
+
+def decided(cfg, dp_crosses: bool, multiple: bool = True) -> tuple[str, bool]:
+    """(progress, overlap) as :func:`build` decides them for dp groups that do or do not
+    cross nodes and an MPI with or without ``MPI_THREAD_MULTIPLE``: what the planner asks,
+    without MPI or a Topology."""
+    where = SimpleNamespace(within_node={"dp": not dp_crosses})
+    progress = progress_for(cfg.optim, where, multiple)
+    return progress, overlap_on(cfg.optim, where, cfg.topology.dp_reduction, progress,
+                                reduction_mode(cfg))
 
 
 def overlap_on(ocfg, topo, dp_reduction: str, progress: str, reduction: str = "bucketed") -> bool:

@@ -411,6 +411,13 @@ class GradSync(abc.ABC):
         return cfg.optim.overlap
 
     @classmethod
+    def spins(cls, cfg, progress: str) -> bool:
+        """Whether a thread of the rank waits inside MPI, on the rank's core, while backward
+        computes (``progress``: ``optim.overlap_progress`` as the factory decides it): no
+        thread here."""
+        return False
+
+    @classmethod
     def dp_bytes(cls, cfg, P: int, ps: int, M: int) -> int:
         """Bytes a rank sends per step over dp x cp (ring algorithms, ``M`` microbatches):
         one all-reduce of the gradients, ``2 P ps (d-1)/d``."""
