@@ -261,7 +261,7 @@ def test_search_recommends_what_megatron_used():
 def test_search_explains_a_faster_layout_than_megatrons():
     """GPT 39.1B on 64 nodes: the authors' tp=8 pp=2 is predicted within 10 % of the best,
     tp=4 with a longer pipeline (pp 4 or 8, interleaved): half the tp all-reduce bytes and
-    fewer parameters (gradient bytes over dp) per rank, the longer pipeline's bubble hidden
+    about as many parameters (gradient bytes over dp) per rank, the longer pipeline's bubble hidden
     by its virtual stages. That explanation is of the best layout without HSDP (which the
     authors' code did not have either); the 10 % is against the best of all."""
     run = published.RUNS[4]
@@ -274,8 +274,10 @@ def test_search_explains_a_faster_layout_than_megatrons():
     assert flat.cfg.topology.tp == 4 and flat.cfg.topology.pp in (4, 8)
     assert flat.cfg.schedule.kind == "interleaved"
     assert best.parts["tp"] < theirs.prediction.parts["tp"]
-    assert best.parts["dp"] <= theirs.prediction.parts["dp"]
-    assert theirs.prediction.step_s < 1.10 * cands[0].prediction.step_s
+    # about the gradient bytes over dp per rank (the seconds exposed differ: each hides
+    # behind its own last backward, overlap_across_nodes)
+    assert best.memory.params <= 1.05 * theirs.prediction.memory.params
+    assert best.step_s < theirs.prediction.step_s < 1.10 * cands[0].prediction.step_s
 
 
 def test_best_layout_as_set_arguments_and_slurm_line():
