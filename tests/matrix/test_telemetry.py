@@ -15,13 +15,13 @@ SLOW_RANK = 3  # world rank slowed on purpose: (pp=0, dp=1, ep=0, tp=1) on dp=2 
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    """4 ranks (dp=2 x tp=2), 3 steps, every step traced, rank 3 sleeping 1.5 s per step
+    """4 ranks (dp=2 x tp=2), 3 steps, every step traced, rank 3 sleeping 4 s per step
     (more than a loaded machine takes from another rank), MFU against the cpu-epyc-7763
     description's peak."""
     d = tmp_path_factory.mktemp("telemetry") / "run"
     return train_layout(d, 4, "topology.dp=2", "topology.tp=2", "train.steps=3",
                      "telemetry.trace=true", 'telemetry.trace_steps="all"',
-                     f'experimental.faults="slow@{SLOW_RANK}:1:1.5"',
+                     f'experimental.faults="slow@{SLOW_RANK}:1:4"',
                      'telemetry.cluster="cpu-epyc-7763"')  # MFU's nominal peak
 
 
