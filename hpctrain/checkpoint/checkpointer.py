@@ -17,12 +17,14 @@ from memory) and hands it to a :class:`~.write.Writer`: in the training loop, or
 ``checkpoint.async`` in a background thread on a duplicated communicator (background.py),
 at most one at a time. Every rank writes only its own hyperslabs (ZeRO shards included; no
 rank gathers); the commit is atomic and durable (``.tmp``, fsync by every rank, rename,
-``latest``). Loading reads the hyperslabs the *current* layout owns (read.py: strided ones
-from a memory map), so any layout restores any checkpoint; checksums are verified first.
+``latest``). Loading reads the hyperslabs the *current* layout owns (read.py: ``preadv``,
+strided ones from a memory map), so any layout restores any checkpoint; checksums are
+verified first.
 
-Without MPI in h5py (or with ``HPCTRAIN_CKPT_SERIAL=1``) ranks write the same format in
-turn. ``HDF5_USE_FILE_LOCKING`` defaults to FALSE (see integrity.disable_file_locking).
-Nothing in a checkpoint is executed on load: tensors, numbers and strings only (no pickle).
+Without MPI in h5py (or with ``HPCTRAIN_CKPT_SERIAL=1``) rank 0 creates each file alone and
+the ranks write their bytes in place as with MPI-IO (the same format).
+``HDF5_USE_FILE_LOCKING`` defaults to FALSE (see integrity.disable_file_locking). Nothing
+in a checkpoint is executed on load: tensors, numbers and strings only (no pickle).
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ class Checkpointer:
         self.mpio = h5py_has_mpi() and not forced
         if not self.mpio and topo.world.rank == 0:
             why = f"{SERIAL_ENV} is set" if forced else "h5py was built without MPI"
-            self.warn(f"checkpoints use the serial fallback ({why}): ranks write in turn")
+            self.warn(f"checkpoints use the serial fallback ({why}): rank 0 creates each "
+                      f"file alone, MPI-IO hints do not apply")
         self.metrics: dict[str, float] = {}
         self._env: dict | None = None  # versions and git commit, once per run (rank 0)
         self.writer = Writer(topo.world, self.dir, self._opener(topo.world), self.mpio, ccfg,

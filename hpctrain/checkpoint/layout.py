@@ -38,6 +38,7 @@ import torch
 from ..model.stage import local_slice
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, count) in global coordinates
+PLAIN_KINDS = "biuf"  # plain numbers: their bytes in the file are the array's
 
 
 def file_dtype(t: torch.Tensor) -> np.dtype:
@@ -253,6 +254,18 @@ def unknown_params(f, paths) -> list[str]:
     """Parameters in ``f`` that the model (``paths``: every rank's datasets) does not have."""
     return [f"this model has no parameter {p}"
             for p in sorted({f"model/{n}" for n in f["model"]} - set(paths))]
+
+
+def dataset_offset(dset) -> int | None:
+    """Byte offset of ``dset``'s elements in its file where they may be read or written
+    without HDF5 (a memory map, ``pwrite``): stored contiguously, allocated, no filters, no
+    external file, a plain numeric dtype. None otherwise."""
+    dt = dset.dtype
+    if dset.chunks is not None or dset.is_virtual or dt.kind not in PLAIN_KINDS or dt.fields:
+        return None
+    if dset.id.get_create_plist().get_external_count() > 0:
+        return None
+    return dset.id.get_offset()
 
 
 def transfer(dset, piece: Piece | None, write: bool, collective: bool,

@@ -1,16 +1,20 @@
 """Reading this rank's pieces of a checkpoint: the part of a load that moves the bytes.
 
-A piece whose boxes are each one contiguous run of the global array (a row split, a whole
-tensor, most ZeRO boxes) is read with one HDF5 hyperslab read, straight into the tensor's
-memory where it can (:meth:`~.layout.Piece.direct`). A piece whose boxes are *strided* (a
-column split read on another layout: one short run per row) is copied out of a read-only
-memory map of the file instead, one NumPy slice per box (:func:`mapped_read`): one copy from
-the page cache into the tensor, no read call per run (a hyperslab read of a strided
-selection issues one ``MPI_File_read_at`` per run; the ways compared are in
-docs/decisions.md and docs/checkpoints.md). The map needs the dataset stored
-contiguously in the file itself, without filters (how hpctrain writes every dataset:
-:func:`dataset_offset`); any other dataset is read through HDF5, and so is everything
-where the file system refuses the map.
+Where a dataset is stored contiguously in the file itself, without filters, in the host's
+byte order (how hpctrain writes every dataset: :func:`~.layout.dataset_offset`), its bytes
+are read without HDF5 (:class:`FileBytes`):
+
+* a piece whose boxes are each one contiguous run of the global array (a row split, a
+  whole tensor, most ZeRO boxes) with ``preadv``, straight into the tensor's memory where
+  it can (:meth:`~.layout.Piece.direct`): an HDF5 hyperslab read of the same run took
+  about 3x as long;
+* a piece whose boxes are *strided* (a column split read on another layout: one short run
+  per row) is copied out of a read-only memory map, one NumPy slice per box
+  (:func:`mapped_read`): one copy from the page cache into the tensor, no read call per run
+  (the ways compared are in docs/decisions.md and docs/checkpoints.md).
+
+Any other dataset (chunked, compressed, another byte order: a file written by other tools)
+is read through HDF5, and so is everything where the file system refuses the map.
 
 Independent reads (the default, ``checkpoint.collective_io = false``) therefore open the
 file on each rank alone (``sec2``: no collective open); with collective I/O every rank
@@ -21,13 +25,12 @@ selection where it needs nothing).
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 import torch
 
-from .layout import Piece, transfer
-
-MAP_KINDS = "biuf"  # plain numbers: their bytes in the file are the array's
+from .layout import Piece, dataset_offset, transfer
 
 
 def contiguous(shape, start, count) -> bool:
@@ -46,23 +49,13 @@ def strided(piece: Piece | None) -> bool:
                                      for _, (s, c) in piece.parts)
 
 
-def dataset_offset(dset) -> int | None:
-    """Byte offset of ``dset``'s elements in its file when a memory map may read them: stored
-    contiguously, allocated, no filters, no external file, a plain numeric dtype."""
-    dt = dset.dtype
-    if dset.chunks is not None or dset.is_virtual or dt.kind not in MAP_KINDS or dt.fields:
-        return None
-    if dset.id.get_create_plist().get_external_count() > 0:
-        return None
-    return dset.id.get_offset()
-
-
-class Mapped:
-    """A read-only memory map of one checkpoint file, opened at the first use; ``usable`` is
-    False where the file system cannot map it (then HDF5 reads every piece)."""
+class FileBytes:
+    """One checkpoint file's bytes read without HDF5, opened at the first use: ``preadv``
+    into memory, or a read-only memory map; ``usable`` is False where the file system
+    cannot map it (then HDF5 reads every strided piece)."""
 
     def __init__(self, path):
-        self.path, self._map, self.usable = path, None, True
+        self.path, self._map, self._fd, self.usable = path, None, None, True
 
     def array(self, offset: int, shape, dtype) -> np.ndarray:
         if self._map is None:
@@ -71,7 +64,25 @@ class Mapped:
         n = int(np.prod(shape, dtype=np.int64))
         return np.frombuffer(self._map, dtype=dtype, count=n, offset=offset).reshape(shape)
 
+    def read_runs(self, base: int, buf: np.ndarray, runs) -> None:
+        """Fill the 1-D ``buf`` with ``runs`` ``[(flat element offset, elements)]`` of the
+        dataset whose elements start at byte ``base`` (the inverse of write.write_runs)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        raw = memoryview(buf).cast("B")
+        size, pos = buf.dtype.itemsize, 0
+        for offset, n in runs:
+            end, at = pos + n * size, base + offset * size
+            while pos < end:
+                got = os.preadv(self._fd, [raw[pos:end]], at)
+                if got == 0:
+                    raise OSError(f"{self.path} ends inside a dataset (at byte {at})")
+                pos, at = pos + got, at + got
+
     def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._map is not None:
             try:
                 self._map.close()
@@ -81,7 +92,7 @@ class Mapped:
 
 
 @torch.no_grad()
-def mapped_read(mapped: Mapped, offset: int, dset, piece: Piece) -> None:
+def mapped_read(mapped: FileBytes, offset: int, dset, piece: Piece) -> None:
     """Copy each box of ``piece`` from the mapped dataset into its view of the tensor."""
     src = mapped.array(offset, piece.global_shape, dset.dtype)
     for view, (start, count) in piece.parts:
@@ -108,9 +119,9 @@ def read_pieces(f, path, paths, pieces: dict, collective_min_bytes: int,
     """Read every dataset of ``paths`` (every rank's, the same list everywhere) that this rank
     holds a piece of; returns the checkpoint's bytes. ``collective``: ``f`` is open over
     MPI-IO, and datasets of at least ``collective_min_bytes`` are read collectively by every
-    rank (then no dataset is memory-mapped)."""
+    rank (HDF5 reads them all)."""
     nbytes = 0
-    mapped = Mapped(path)
+    raw = FileBytes(path)
     try:
         with torch.no_grad():
             for dpath in paths:
@@ -118,17 +129,39 @@ def read_pieces(f, path, paths, pieces: dict, collective_min_bytes: int,
                 size = dset.size * dset.dtype.itemsize
                 nbytes += size  # the checkpoint's bytes: the same on every rank
                 coll = collective and size >= collective_min_bytes
-                offset = dataset_offset(dset) if not coll and strided(piece) else None
-                if offset is not None and mapped.usable:
-                    try:
-                        mapped_read(mapped, offset, dset, piece)
-                        continue
-                    except OSError:  # no mmap here: HDF5 reads it (and all the rest)
-                        mapped.usable = False
+                if not coll and piece is not None and _read_raw(raw, dset, piece):
+                    continue
                 into = piece.direct() if piece is not None else None
                 buf = transfer(dset, piece, write=False, collective=coll, buf=into)
                 if piece is not None and into is None:  # via a buffer
                     piece.scatter(buf)
     finally:
-        mapped.close()
+        raw.close()
     return nbytes
+
+
+def _read_raw(raw: FileBytes, dset, piece: Piece) -> bool:
+    """Read ``piece`` without HDF5 where the dataset allows it (module docstring); False
+    where HDF5 must read it."""
+    offset = dataset_offset(dset)
+    if offset is None or not piece.parts:
+        return False
+    if strided(piece):
+        if not raw.usable:
+            return False
+        try:
+            mapped_read(raw, offset, dset, piece)
+            return True
+        except OSError:  # no mmap here: HDF5 reads it (and all the rest)
+            raw.usable = False
+            return False
+    if not dset.dtype.isnative and dset.dtype.itemsize > 1:
+        return False  # HDF5 converts the byte order
+    buf = piece.direct()
+    direct = buf is not None and buf.dtype == dset.dtype
+    if not direct:  # via a buffer of the file's dtype
+        buf = np.empty((sum(int(np.prod(c)) for _, (_, c) in piece.parts),), dset.dtype)
+    raw.read_runs(offset, buf, piece.runs())
+    if not direct:
+        piece.scatter(buf)
+    return True

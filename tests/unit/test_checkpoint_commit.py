@@ -1,5 +1,6 @@
 """The commit of a checkpoint without MPI (one rank, the serial writer): what is fsynced and
-renamed in which order, and a dataset region that nobody writes is refused, not certified.
+renamed in which order, a dataset region that nobody writes is refused, not certified, and
+the bytes are written in place (or through HDF5 where there is no place).
 (Every rank's fsync under MPI-IO: tests/mpi/test_checkpoint_commit_mpi.py.)"""
 
 import os
@@ -9,7 +10,8 @@ import pytest
 import torch
 from fakes import fake_topology
 
-from hpctrain.checkpoint import checkpointer
+from hpctrain.checkpoint import checkpointer, write
+from hpctrain.checkpoint import integrity as cv
 from hpctrain.checkpoint.integrity import verify
 from hpctrain.config import CheckpointConfig, OptimConfig
 from hpctrain.model.stage import ParamMeta
@@ -87,3 +89,57 @@ def test_a_region_nobody_writes_is_refused(tmp_path, monkeypatch):
     d = saver.dir
     assert (d / "latest").read_text().strip() == first.name
     assert sorted(p.name for p in d.iterdir()) == ["commits.jsonl", "latest", first.name]  # no .tmp
+
+
+def _reloaded(saver, path, named, opt):
+    """Load ``path`` into zeroed copies of ``named`` and ``opt``; True when every parameter
+    and moment comes back bit for bit."""
+    fresh = [(n, torch.nn.Parameter(torch.zeros_like(p))) for n, p in named]
+    for (_, p), (_, q) in zip(named, fresh):
+        q.hp = p.hp
+    opt2 = AdamW(fresh, OptimConfig())
+    saver.load(path, fresh, opt2)
+    same = all(torch.equal(p, q) for (_, p), (_, q) in zip(named, fresh))
+    return same and all(torch.equal(opt.state[n][k], opt2.state[n][k])
+                        for n in opt.state for k in opt.state[n])
+
+
+def _trained(named, opt):
+    for _, p in named:
+        p.grad = torch.randn_like(p)
+    opt.step(1e-3)
+
+
+def test_bytes_go_in_place_in_chunks_with_the_disk_started_behind(tmp_path, monkeypatch):
+    """Every rank ``pwrite``s its bytes at the dataset's offset in the file: a write that
+    takes fewer bytes than asked is continued, and the disk's writing is started behind
+    every chunk; the file is a plain HDF5 file that verifies and loads bit for bit."""
+    saver, named, opt = _saver(tmp_path, monkeypatch)
+    _trained(named, opt)
+    monkeypatch.setattr(write, "CHUNK_BYTES", 64)
+    real_pwrite, ranges = os.pwrite, []
+    monkeypatch.setattr(write.os, "pwrite", lambda fd, b, at: real_pwrite(fd, b[:40], at))
+    monkeypatch.setattr(cv, "_sync_file_range", lambda fd, at, n: ranges.append((at, n)))
+    path = saver.save(1, named, opt, {})
+    assert verify(path) == [] and _reloaded(saver, path, named, opt)
+    size = path.stat().st_size
+    assert len(ranges) >= 30 * 8 * 3 // 64  # model/w and its moments, at least
+    assert all(0 < n <= 64 + 40 and at + n <= size for at, n in ranges), ranges
+
+
+def test_a_dataset_without_an_offset_is_written_through_hdf5(tmp_path, monkeypatch):
+    """Where HDF5 gives no offset to write at (a dtype or layout not written in place), the
+    ranks write that dataset through HDF5, in turn."""
+    saver, named, opt = _saver(tmp_path, monkeypatch)
+    _trained(named, opt)
+    real = write.dataset_offset
+    monkeypatch.setattr(write, "dataset_offset",
+                        lambda d: None if d.name == "/model/b" else real(d))
+    in_place = []
+    real_runs = write.write_runs
+    monkeypatch.setattr(write, "write_runs", lambda fd, base, buf, runs: (
+        in_place.append(buf.size), real_runs(fd, base, buf, runs)))
+    path = saver.save(1, named, opt, {})
+    assert verify(path) == [] and _reloaded(saver, path, named, opt)
+    # model/b through HDF5; its two moments (7,) and model/w's three (30,) in place
+    assert in_place.count(7) == 2 and in_place.count(30) == 3, in_place

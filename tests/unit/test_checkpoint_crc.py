@@ -83,15 +83,18 @@ def test_verify_write_refuses_bytes_that_differ_from_memory(tmp_path, monkeypatc
     is not committed and `latest` stays; without it the checksum still catches it on load."""
     saver, named, opt = _serial_saver(tmp_path, monkeypatch, verify_write=verify)
     first = saver.save(1, named, opt, {})
-    real = write.transfer
+    real = write.write_runs
+    seen = []
 
-    def corrupting(dset, piece, write, collective, buf=None):
-        if piece is not None and piece.path == "model/w":
+    def corrupting(fd, base, buf, runs):  # datasets in sorted order: model/b, model/w, ...
+        seen.append(buf.size)
+        if len(seen) == 2:  # model/w's 6 x 5
+            assert buf.size == 30
             buf = buf.copy()
             buf[3] += 1.0  # what reaches the file is not what was in memory
-        return real(dset, piece, write, collective, buf)
+        return real(fd, base, buf, runs)
 
-    monkeypatch.setattr(write, "transfer", corrupting)
+    monkeypatch.setattr(write, "write_runs", corrupting)
     if verify:
         with pytest.raises(checkpointer.CorruptCheckpoint, match=r"model/w"):
             saver.save(2, named, opt, {})

@@ -1,6 +1,7 @@
-"""Loads without MPI (checkpoint/read.py): strided pieces copied from a memory map equal what
-HDF5's hyperslab read gives, for tp column shards with padding, 3-D boxes, ZeRO flat boxes,
-16-bit tensors, big-endian and chunked datasets; contiguous pieces still go through HDF5."""
+"""Loads without MPI (checkpoint/read.py): strided pieces copied from a memory map and
+contiguous ones read with ``preadv`` equal what HDF5's hyperslab read gives, for tp column
+and row shards with padding, 3-D boxes, ZeRO flat boxes, 16-bit tensors and a file dtype
+other than the tensor's; big-endian contiguous and chunked datasets go through HDF5."""
 
 import itertools
 
@@ -50,7 +51,10 @@ CASES = [  # (global shape, tp_dim, tp, file dtype, tensor dtype, ZeRO dp, chunk
     ((6, 8), 1, 2, "<f4", torch.bfloat16, 0, False),  # 16-bit tensor, float32 file
     ((12, 9), 1, 2, "<f8", torch.float64, 3, False),  # ZeRO flat boxes of column shards
     ((6, 8), 1, 2, "<f8", torch.float64, 0, True),  # chunked: HDF5 reads it
-    ((8, 6), 0, 2, "<f8", torch.float64, 0, False),  # row split: contiguous, HDF5 reads it
+    ((8, 6), 0, 2, "<f8", torch.float64, 0, False),  # row split: contiguous, preadv
+    ((7, 6), 0, 2, "<f8", torch.float32, 0, False),  # padded rows, float64 file: a buffer
+    ((8, 6), 0, 2, ">f4", torch.float32, 0, False),  # big-endian contiguous: HDF5
+    ((12, 9), 0, 3, "<f4", torch.bfloat16, 2, False),  # ZeRO boxes of row shards, 16-bit
 ]
 
 
@@ -64,9 +68,12 @@ def test_mapped_read_equals_hdf5_read(tmp_path, monkeypatch, shape, tp_dim, tp, 
         f.create_dataset("model/w", data=full.astype(fdt), chunks=(2,) * len(shape)
                          if chunked else None)
     meta = ParamMeta(shape, tp_dim=tp_dim)
-    mapped = []
+    mapped, preads = [], []
     real = read.mapped_read
     monkeypatch.setattr(read, "mapped_read", lambda *a: (mapped.append(1), real(*a)))
+    real_runs = read.FileBytes.read_runs
+    monkeypatch.setattr(read.FileBytes, "read_runs",
+                        lambda *a: (preads.append(1), real_runs(*a)))
     with h5py.File(path, "r") as f:
         got, want = _pieces(meta, tp, tdt, dp), _pieces(meta, tp, tdt, dp)
         for g, w in zip(got, want):
@@ -77,6 +84,10 @@ def test_mapped_read_equals_hdf5_read(tmp_path, monkeypatch, shape, tp_dim, tp, 
             assert (g.tensor == -1).any() == (w.tensor == -1).any()  # padding left alone
     expected = 0 if chunked else sum(read.strided(p) for p in got)
     assert len(mapped) == expected and (expected > 0) == (tp_dim != 0 and not chunked)
+    contiguous = sum(not read.strided(p) and bool(p.parts) for p in got)
+    native = np.dtype(fdt).isnative
+    assert len(preads) == (0 if chunked or not native else contiguous)
+    assert (len(preads) > 0) == (tp_dim == 0 and native)
 
 
 def test_a_file_system_without_mmap_falls_back_to_hdf5(tmp_path, monkeypatch):
