@@ -256,6 +256,17 @@ def unknown_params(f, paths) -> list[str]:
             for p in sorted({f"model/{n}" for n in f["model"]} - set(paths))]
 
 
+def byte_spans(runs, itemsize: int, base: int = 0):
+    """For each run ``(flat element offset, elements)`` of a 1-D buffer that holds ``runs``
+    one after another (:meth:`Piece.gather`'s order): ``(start, stop, at)``, its bytes
+    ``[start, stop)`` in the buffer and their place ``at`` in a file whose dataset elements
+    start at byte ``base``."""
+    pos = 0
+    for offset, n in runs:
+        yield pos, pos + n * itemsize, base + offset * itemsize
+        pos += n * itemsize
+
+
 def dataset_offset(dset) -> int | None:
     """Byte offset of ``dset``'s elements in its file where they may be read or written
     without HDF5 (a memory map, ``pwrite``): stored contiguously, allocated, no filters, no

@@ -30,7 +30,7 @@ import os
 import numpy as np
 import torch
 
-from .layout import Piece, dataset_offset, transfer
+from .layout import Piece, byte_spans, dataset_offset, transfer
 
 
 def contiguous(shape, start, count) -> bool:
@@ -70,9 +70,7 @@ class FileBytes:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
         raw = memoryview(buf).cast("B")
-        size, pos = buf.dtype.itemsize, 0
-        for offset, n in runs:
-            end, at = pos + n * size, base + offset * size
+        for pos, end, at in byte_spans(runs, buf.dtype.itemsize, base):
             while pos < end:
                 got = os.preadv(self._fd, [raw[pos:end]], at)
                 if got == 0:
@@ -143,8 +141,8 @@ def read_pieces(f, path, paths, pieces: dict, collective_min_bytes: int,
 def _read_raw(raw: FileBytes, dset, piece: Piece) -> bool:
     """Read ``piece`` without HDF5 where the dataset allows it (module docstring); False
     where HDF5 must read it."""
-    offset = dataset_offset(dset)
-    if offset is None or not piece.parts:
+    offset = dataset_offset(dset) if piece.parts else None
+    if offset is None:
         return False
     if strided(piece):
         if not raw.usable:

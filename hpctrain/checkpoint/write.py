@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import faults
 from . import integrity as cv
-from .layout import Piece, dataset_offset, transfer, uncovered
+from .layout import Piece, byte_spans, dataset_offset, transfer, uncovered
 from .trajectory import LATEST, trajectory
 from .trajectory import append as log_event
 
@@ -314,10 +314,8 @@ def write_runs(fd: int, base: int, buf: np.ndarray, runs) -> None:
     one after another (Piece.gather), into the dataset whose elements start at byte ``base``
     of the file ``fd``, at most ``CHUNK_BYTES`` a call, the disk's writing started behind
     them (integrity.Writeback). ``buf`` has the dataset's dtype, so its bytes are the file's."""
-    raw = memoryview(buf).cast("B")
-    size, pos, flush = buf.dtype.itemsize, 0, cv.Writeback(fd, CHUNK_BYTES)
-    for offset, n in runs:
-        end, at = pos + n * size, base + offset * size
+    raw, flush = memoryview(buf).cast("B"), cv.Writeback(fd, CHUNK_BYTES)
+    for pos, end, at in byte_spans(runs, buf.dtype.itemsize, base):
         while pos < end:  # pwrite may write less than asked
             done = os.pwrite(fd, raw[pos:min(end, pos + CHUNK_BYTES)], at)
             flush.wrote(at, done)
