@@ -134,17 +134,23 @@ class Writeback:
     """Starts the writing of a file's dirty pages to disk every ``every`` bytes written
     through ``fd`` (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it does not wait), so the
     copies into the page cache and the disk's writing overlap, as databases do
-    (PostgreSQL's ``checkpoint_flush_after``). Does nothing where the call is missing."""
+    (PostgreSQL's ``checkpoint_flush_after``). Only this writer's own spans (adjacent writes
+    joined): another rank's pages in between are left to it. Does nothing where the call is
+    missing."""
 
     def __init__(self, fd: int, every: int = 8 << 20):
-        self.fd, self.every, self.lo, self.hi, self.pending = fd, every, None, 0, 0
+        self.fd, self.every, self.spans, self.pending = fd, every, [], 0
 
     def wrote(self, at: int, nbytes: int) -> None:
-        self.lo = at if self.lo is None else min(self.lo, at)
-        self.hi, self.pending = max(self.hi, at + nbytes), self.pending + nbytes
+        if self.spans and self.spans[-1][1] == at:
+            self.spans[-1][1] = at + nbytes
+        else:
+            self.spans.append([at, at + nbytes])
+        self.pending += nbytes
         if self.pending >= self.every:
-            _sync_file_range(self.fd, self.lo, self.hi - self.lo)
-            self.lo, self.hi, self.pending = None, 0, 0
+            for lo, hi in self.spans:
+                _sync_file_range(self.fd, lo, hi - lo)
+            self.spans, self.pending = [], 0
 
 
 @functools.cache

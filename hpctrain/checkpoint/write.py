@@ -148,9 +148,11 @@ class Writer:
             raise
         finally:
             crc.join()
+        t_sync = time.perf_counter()
         cv.fsync_file(tmp)  # every rank: its own writes on disk before rank 0 renames
         world.barrier()
         t_write = time.perf_counter() - t0
+        t_sync = t0 + t_write - t_sync
         if self.cfg.verify_write:
             self._verify(tmp, sums)
         slow = faults.find("ckpt_slow", self.world.rank, snap.step)
@@ -161,8 +163,9 @@ class Writer:
         if world.rank == 0 and self.on_commit is not None:
             self.on_commit(snap.step, final, dt + snap.taken_s)
         return {"ckpt_save_s": dt + snap.taken_s, "ckpt_save_bytes": total,
-                "ckpt_write_s": t_write, "ckpt_save_GBps": total / (dt + snap.taken_s) / 1e9,
-                "path": str(final)}
+                "ckpt_write_s": t_write, "ckpt_fsync_s": t_sync,
+                "ckpt_commit_s": dt - t_write,
+                "ckpt_save_GBps": total / (dt + snap.taken_s) / 1e9, "path": str(final)}
 
     def _plan(self, snap: Snapshot):
         """(specs, attributes, bytes of all datasets), the same on every rank (one
@@ -251,6 +254,7 @@ class Writer:
         (:func:`write_runs`: what independent HDF5 writes do, without their cost), or by
         HDF5 independently where there is no offset (only with ``dsets``: the file open)."""
         fd = os.open(tmp, os.O_WRONLY)
+        flush = cv.Writeback(fd, CHUNK_BYTES)
         try:
             for i, (path, shape, dt) in enumerate(specs):
                 if i == len(specs) // 2:
@@ -260,7 +264,7 @@ class Writer:
                 if dsets is not None and (big or offsets[path] is None):
                     transfer(dsets[path], piece, write=True, collective=big, buf=buf)
                 elif offsets[path] is not None and buf is not None:
-                    write_runs(fd, offsets[path], buf, piece.runs())
+                    write_runs(fd, offsets[path], buf, piece.runs(), flush)
         finally:
             os.close(fd)
 
@@ -309,12 +313,13 @@ class Writer:
                 (self.dir / old).unlink(missing_ok=True)
 
 
-def write_runs(fd: int, base: int, buf: np.ndarray, runs) -> None:
+def write_runs(fd: int, base: int, buf: np.ndarray, runs, flush: cv.Writeback) -> None:
     """``pwrite`` the 1-D ``buf``, which holds ``runs`` ``[(flat element offset, elements)]``
     one after another (Piece.gather), into the dataset whose elements start at byte ``base``
     of the file ``fd``, at most ``CHUNK_BYTES`` a call, the disk's writing started behind
-    them (integrity.Writeback). ``buf`` has the dataset's dtype, so its bytes are the file's."""
-    raw, flush = memoryview(buf).cast("B"), cv.Writeback(fd, CHUNK_BYTES)
+    them by ``flush`` (one for the whole file: many small datasets add up). ``buf`` has the
+    dataset's dtype, so its bytes are the file's."""
+    raw = memoryview(buf).cast("B")
     for pos, end, at in byte_spans(runs, buf.dtype.itemsize, base):
         while pos < end:  # pwrite may write less than asked
             done = os.pwrite(fd, raw[pos:min(end, pos + CHUNK_BYTES)], at)

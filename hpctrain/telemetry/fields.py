@@ -118,6 +118,8 @@ METRICS: list[tuple[str, dict[str, str]]] = [
                           "and any wait)",
         "ckpt_save_s": "the whole save",
         "ckpt_write_s": "the write up to the fsync, without the commit",
+        "ckpt_fsync_s": "of the write: its fsync",
+        "ckpt_commit_s": "after the write: `verify_write`'s read-back, rename, `latest`",
         "ckpt_save_bytes": "bytes of the checkpoint file's datasets (all ranks)",
         "ckpt_save_GBps": "those bytes / save seconds (GB/s)",
         "ckpt_background_s": "asynchronous: the writer thread's seconds",

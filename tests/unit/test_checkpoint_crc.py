@@ -86,13 +86,13 @@ def test_verify_write_refuses_bytes_that_differ_from_memory(tmp_path, monkeypatc
     real = write.write_runs
     seen = []
 
-    def corrupting(fd, base, buf, runs):  # datasets in sorted order: model/b, model/w, ...
+    def corrupting(fd, base, buf, runs, flush):  # in sorted order: model/b, model/w, ...
         seen.append(buf.size)
         if len(seen) == 2:  # model/w's 6 x 5
             assert buf.size == 30
             buf = buf.copy()
             buf[3] += 1.0  # what reaches the file is not what was in memory
-        return real(fd, base, buf, runs)
+        return real(fd, base, buf, runs, flush)
 
     monkeypatch.setattr(write, "write_runs", corrupting)
     if verify:
