@@ -138,7 +138,7 @@ class Writeback:
     joined): another rank's pages in between are left to it. Does nothing where the call is
     missing."""
 
-    def __init__(self, fd: int, every: int = 8 << 20):
+    def __init__(self, fd: int, every: int):
         self.fd, self.every, self.spans, self.pending = fd, every, [], 0
 
     def wrote(self, at: int, nbytes: int) -> None:

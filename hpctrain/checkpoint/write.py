@@ -148,11 +148,11 @@ class Writer:
             raise
         finally:
             crc.join()
-        t_sync = time.perf_counter()
+        copied = time.perf_counter()
         cv.fsync_file(tmp)  # every rank: its own writes on disk before rank 0 renames
         world.barrier()
-        t_write = time.perf_counter() - t0
-        t_sync = t0 + t_write - t_sync
+        synced = time.perf_counter()
+        t_write, t_sync = synced - t0, synced - copied
         if self.cfg.verify_write:
             self._verify(tmp, sums)
         slow = faults.find("ckpt_slow", self.world.rank, snap.step)
