@@ -13,6 +13,7 @@ Under MPI an exception on any rank aborts the whole job, never a hang
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
@@ -72,5 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     return args._module.run(args)
 
 
+def program() -> None:
+    """``hpctrain`` as a process (the console script, ``python -m hpctrain``): exits with
+    :func:`main`'s status. What is still alive then (torch's modules among it) is frozen out
+    of the garbage collector first, so that the interpreter's last collection does not walk
+    it: about 0.4 s of a core for every rank of every command, spent on memory the process
+    is about to give back. Exit handlers, MPI's finalisation and the closing of files run
+    as always."""
+    status = main()
+    gc.freeze()
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    program()

@@ -41,3 +41,32 @@ def test_report_takes_the_slowest_rank_per_phase():
     slowest, line = startup.report([{"python": 1.0, "model": 0.2}, {"python": 0.5, "model": 0.4}])
     assert slowest == {"python": 1.0, "model": 0.4}
     assert line.startswith("start-up to the end of the first step: 1.4 s") and "model 0.40" in line
+
+
+def test_the_command_exits_with_mains_status_and_leaves_its_objects_to_the_exit(monkeypatch):
+    """``program`` (the console script, ``python -m hpctrain``) exits with ``main``'s status
+    and freezes what is alive out of the garbage collector's last pass."""
+    import gc
+
+    import pytest
+
+    import hpctrain.__main__ as entry
+
+    monkeypatch.setattr(entry, "main", lambda: 3)
+    gc.unfreeze()
+    try:
+        with pytest.raises(SystemExit) as e:
+            entry.program()
+        assert e.value.code == 3 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
+def test_the_console_script_is_the_program():
+    import configparser
+    from pathlib import Path
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).parents[2] / "setup.cfg")
+    assert cfg["options.entry_points"]["console_scripts"].split() == [
+        "hpctrain", "=", "hpctrain.__main__:program"]
