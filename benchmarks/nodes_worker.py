@@ -14,7 +14,6 @@ Rank 0 writes each variant's samples (step seconds, exposed communication per ax
 from __future__ import annotations
 
 import socket
-import sys
 
 from .cluster_worker import MODEL, interleave, train_once, worker_args
 
@@ -197,4 +196,6 @@ def calibrated(world, size: str) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hpctrain.__main__ import finish
+
+    finish(main())

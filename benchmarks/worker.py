@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -46,4 +45,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hpctrain.__main__ import finish
+
+    finish(main())

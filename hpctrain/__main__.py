@@ -73,16 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     return args._module.run(args)
 
 
-def program() -> None:
-    """``hpctrain`` as a process (the console script, ``python -m hpctrain``): exits with
-    :func:`main`'s status. What is still alive then (torch's modules among it) is frozen out
-    of the garbage collector first, so that the interpreter's last collection does not walk
-    it: about 0.4 s of a core for every rank of every command, spent on memory the process
-    is about to give back. Exit handlers, MPI's finalisation and the closing of files run
-    as always."""
-    status = main()
+def finish(status: int) -> None:
+    """End this process with ``status``. What is still alive (torch's modules among it) is
+    frozen out of the garbage collector first, so that the interpreter's last collection does
+    not walk it: about 0.4 s of a core for every rank of every command, spent on memory the
+    process is about to give back. Exit handlers, MPI's finalisation and the closing of files
+    run as always."""
     gc.freeze()
     sys.exit(status)
+
+
+def program() -> None:
+    """``hpctrain`` as a process (the console script, ``python -m hpctrain``)."""
+    finish(main())
 
 
 if __name__ == "__main__":

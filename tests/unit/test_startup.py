@@ -56,7 +56,7 @@ def test_the_command_exits_with_mains_status_and_leaves_its_objects_to_the_exit(
     gc.unfreeze()
     try:
         with pytest.raises(SystemExit) as e:
-            entry.program()
+            entry.program()  # finish(main())
         assert e.value.code == 3 and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
