@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from . import refused
@@ -40,6 +41,10 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..telemetry.startup import note
 
+    # The imports below make about 175,000 objects that live as long as the process:
+    # collecting while they are made finds nothing (0.1-0.2 s of a core per rank), and once
+    # frozen no later collection walks them.
+    gc.disable()
     note("python")  # the run's start-up phases (telemetry/startup.py)
     from .. import comm
     from ..checks.inputs import check_inputs
@@ -67,6 +72,8 @@ def run(args) -> int:
     from ..train import train
 
     note("torch")
+    gc.freeze()
+    gc.enable()
     try:
         train(cfg, args.run_dir, world)
     except LineageError as e:  # raised alike on every rank (the checkpoint's attributes)
