@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +27,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    stop_cleanly()
     from hpctrain import comm
 
     world = comm.world()
@@ -42,6 +45,13 @@ def main(argv=None) -> int:
             with open(Path(args.out) / f"{name}_n{world.size}.json", "w") as f:
                 json.dump(res, f, indent=1)
     return 0
+
+
+def stop_cleanly() -> None:
+    """SIGTERM (the driver stopping a part past its budget) ends this process through
+    SystemExit, so that a part's ``finally`` runs: the simulated cluster it made is taken
+    down, with the ranks it started there, which are not in the driver's process group."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 if __name__ == "__main__":

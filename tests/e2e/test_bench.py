@@ -155,3 +155,23 @@ def test_a_part_out_of_its_budget_is_reported_and_the_rest_kept(tmp_path, monkey
                           capture_output=True)
     assert left.returncode == 1, left.stdout
     assert "gradsync: FAILED: ran out of its budget" in capsys.readouterr().out
+
+
+def test_a_stopped_part_runs_its_cleanup(tmp_path):
+    """The driver stops a part with SIGTERM: the worker ends through SystemExit, so a part's
+    ``finally`` (taking its simulated cluster down) runs before the SIGKILL that follows."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    done = tmp_path / "cleaned"
+    code = ("import time\nfrom benchmarks.worker import stop_cleanly\nstop_cleanly()\n"
+            f"try:\n    print('up', flush=True)\n    time.sleep(60)\n"
+            f"finally:\n    open({str(done)!r}, 'w').write('down')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 128 + signal.SIGTERM and time.monotonic() - t0 < 5
+    assert done.read_text() == "down"
