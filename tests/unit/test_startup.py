@@ -70,3 +70,14 @@ def test_the_console_script_is_the_program():
     cfg.read(Path(__file__).parents[2] / "setup.cfg")
     assert cfg["options.entry_points"]["console_scripts"].split() == [
         "hpctrain", "=", "hpctrain.__main__:program"]
+
+
+def test_a_refused_train_leaves_the_collector_on(tmp_path, capsys):
+    """``hpctrain train`` called in a process that goes on (a refusal returns 2): the
+    collector it turned off for its imports is on again."""
+    import gc
+
+    from hpctrain.__main__ import main
+
+    assert main(["train", str(tmp_path / "missing.toml"), "--run-dir", str(tmp_path / "r")]) == 2
+    assert gc.isenabled()
