@@ -16,11 +16,11 @@ make one faster.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import time
 
 import torch
+
+from .common import interleaved, loadavg, median
 
 PER_PARAMETER = 67  # the nodes part's model: 67 gradient tensors
 
@@ -59,23 +59,23 @@ def measure(world, nbytes: int, repeats: int) -> list[dict]:
 
     node = comm.node_local(world)
     x = torch.ones(max(PER_PARAMETER, nbytes // 4))
-    todo = designs(world, x)
-    times: dict[str, list] = {k: [] for k in todo}
-    sent: dict[str, list] = {k: [] for k in todo}
-    for r in range(repeats):
-        for name in todo if r % 2 == 0 else list(todo)[::-1]:
+
+    def sampled(run):
+        def sample() -> tuple[float, float]:  # (slowest rank's seconds, busiest node's bytes)
             world.barrier()
             before, t0 = sent_bytes(), time.perf_counter()
-            todo[name]()
+            run()
             dt = time.perf_counter() - t0
             world.barrier()
             mine = sent_bytes() - before if node.rank == 0 else 0
-            times[name].append(world.allreduce(dt, "max"))
-            sent[name].append(world.allreduce(float(mine), "max"))
+            return world.allreduce(dt, "max"), world.allreduce(float(mine), "max")
+        return sample
+
+    samples = interleaved({k: sampled(run) for k, run in designs(world, x).items()}, repeats)
     message = x.numel() * x.element_size()
-    return [{"design": k, "median_s": statistics.median(times[k]),
-             "sent_bytes": statistics.median(sent[k]), "message_bytes": message}
-            for k in todo]
+    return [{"design": k, "median_s": median([t for t, _ in s]),
+             "sent_bytes": median([b for _, b in s]), "message_bytes": message}
+            for k, s in samples.items()]
 
 
 def main(argv=None) -> int:
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     rows = measure(world, int(args.mb * 1e6), args.repeats)
     if world.rank == 0:
         print(f"{world.size} ranks, {args.mb:g} MB, {args.repeats} repeats, load "
-              f"{os.getloadavg()[0]:.2f}")
+              f"{loadavg()[0]}")
         for r in rows:
             rate = r["sent_bytes"] / r["median_s"] / 1e6
             print(f"{r['design']:20s} {r['median_s'] * 1e3:8.1f} ms   node sent "
