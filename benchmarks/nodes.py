@@ -18,7 +18,10 @@ data and global batch, interleaved repeat by repeat:
 Ratios are taken between equal precisions only (float32 or bfloat16 gradient traffic, each
 variant's name says which). The limit is max(``compute``, the link time of the bytes that must
 cross each node's link: every gradient element once in each direction, at the wire dtype of
-hpctrain's fastest variant, at the link's nominal rate); compute + link is the second line.
+hpctrain's fastest variant, at the rate ``plan --calibrate`` measured for a node's link in the
+same run: one rank per node all-reducing, both directions at once, as every all-reduce across
+nodes moves them; the nominal rate where the run measured none); compute + link is the second
+line.
 The plan's prediction of each hpctrain variant comes from the description ``hpctrain plan
 --calibrate`` measures of this model on these nodes at the start of the same ``mpirun``
 (written beside the result as ``plan_cluster``; long messages for the link's rate, the
@@ -84,12 +87,28 @@ def predicted(size: str, description: str | None = None) -> dict[str, dict]:
     return out
 
 
-def wire_s(size: str, bf16: bool) -> float:
-    """Seconds the gradients need on one node's link: every element in and out once."""
+def node_rate(description: str | None) -> tuple[float, str]:
+    """Bytes per second one node's link carries each way during an all-reduce, and where the
+    figure comes from: the calibrated description's inter link (``bandwidth`` times the
+    ports; ``ports = 0``: one per rank), else ``RATE``, the shaper's nominal rate."""
+    if not description:
+        return rate_bytes(RATE), f"{RATE} (nominal)"
+    import tomllib
+
+    from hpctrain.planner.cluster import from_dict
+
+    c = from_dict(tomllib.loads(description), "calibrated in the run")
+    rate = c.inter.bandwidth * (c.inter.ports or c.ranks_per_node)
+    return rate, f"{rate / 1e6:.1f} MB/s (measured; nominal {RATE})"
+
+
+def wire_s(size: str, bf16: bool, rate: float) -> float:
+    """Seconds the gradients need on one node's link at ``rate`` bytes/s: every element in
+    and out once."""
     from .common import local_model
 
     n = sum(p.numel() for p in local_model(_config(size, [])).parameters())
-    return n * (2 if bf16 else 4) / rate_bytes(RATE)
+    return n * (2 if bf16 else 4) / rate
 
 
 def _why(name: str, step: dict, comm: dict, compute: float) -> str:
@@ -127,20 +146,22 @@ def peer_ratios(per: dict, step: dict, comm: dict) -> list[dict]:
     return out
 
 
-def ratios(per: dict, step: dict, comm: dict, plan: dict, size: str) -> list[dict]:
+def ratios(per: dict, step: dict, comm: dict, plan: dict, size: str,
+           rate: tuple[float, str]) -> list[dict]:
     """The targets of the issue, each with its measured reason (``why``); against a peer,
     the median of per-repeat ratios (``per``: each variant's step per repeat, interleaved).
     The limit of a step whose communication hides behind compute is max(compute, link time
-    of the bytes that must cross); compute + link stays as a second line."""
+    of the bytes that must cross at ``rate``, :func:`node_rate`); compute + link stays as a
+    second line."""
     compute, out = step["compute"], peer_ratios(per, step, comm)
     best = min((n for n in step if n.startswith("hpctrain")), key=step.get)
-    link = wire_s(size, traffic(best) == "bf16")
+    link = wire_s(size, traffic(best) == "bf16", rate[0])
     for what, each, target in (
             ("limit max(compute, link)", [max(c, link) for c in per["compute"]], "<= 1.25"),
             ("bound compute + link", [c + link for c in per["compute"]], "<= 1.25")):
         q = ratio(f"{best[9:]} / {what}", 0.0, target, pair_ratios(per[best], each))
-        q["why"] = (f"compute {compute * 1e3:.0f} ms, link {link * 1e3:.0f} ms at {RATE} "
-                    f"(nominal); {_why(best, step, comm, compute)}")
+        q["why"] = (f"compute {compute * 1e3:.0f} ms, link {link * 1e3:.0f} ms at {rate[1]}; "
+                    f"{_why(best, step, comm, compute)}")
         out.append(q)
     for name in (n for n in step if n.startswith("hpctrain")):
         p = plan[name]
@@ -180,11 +201,12 @@ def run(world, size: str, repeats: int) -> dict:
     comm = {k: median([_comm(s) for s in v]) for k, v in samples.items()
             if k == "naive baseline" or k.startswith("hpctrain")}
     best = min((n for n in step if n.startswith("hpctrain")), key=step.get)
-    link = wire_s(size, traffic(best) == "bf16")
+    rate = node_rate(description)
+    link = wire_s(size, traffic(best) == "bf16", rate[0])
     plan = predicted(size, description)
     out["plan_cluster"] = description
     out["rows"] = [row(k, v, "s/step") for k, v in per.items()]
-    out["ratios"] = ratios(per, step, comm, plan, size)
+    out["ratios"] = ratios(per, step, comm, plan, size, rate)
     out["table"] = [{"variant": k, "step_s": step[k], "exposed_comm_s": comm.get(k),
                      "predicted_s": plan[k]["step"] if k in plan else None} for k in step]
     out["table"] += [{"variant": f"limit max(compute, link), {traffic(best)}",

@@ -7,11 +7,11 @@ OUT.toml``; one process measures compute only, the links keep the base descripti
   model's rate and its per-layer and per-stage overheads fitted over 3 depths x 3
   microbatch sizes, the gradient hooks', ring attention's and split backward's costs, the
   optimizer step (``step_overhead_s``); then every rank at once for ``compute_share``;
-- **links** (all ranks together, through ``comm`` only): all-reduces of 8 B, 1 MiB and 8 MiB
-  over the ranks of one node (``intra``) and, when the ranks span nodes, over all ranks
-  (``inter``); the bandwidth from the ring formula's slope between the long ones, the
-  latency from the short one; across nodes also the ``ports`` (how many of a node's ranks
-  cross at that bandwidth at once: :func:`ports_of`);
+- **links** (through ``comm`` only): all-reduces of 8 B, 1 MiB and 8 MiB over the ranks
+  of one node (``intra``) and, when the ranks span nodes, over one rank of each node
+  (``inter``, :func:`inter_link`); the bandwidth from the ring formula's slope between the
+  long ones, the latency from the short one; across nodes also the ``ports`` (how many of
+  a node's ranks cross at that bandwidth at once: :func:`ports_of`);
 - **sum16** (every rank): the software sum of bfloat16 gradient traffic, per element;
 - **calls** (the ranks of each node): the model split over them by tensor parallelism,
   with and without its collectives; what each call costs beyond the intra link's
@@ -102,6 +102,20 @@ def link_of(group, repeats: int = 60) -> Link:
     beta = max(1e-15, (t[2] - t[1]) / (ring * (SIZES[2] - SIZES[1])))
     alpha = max(0.0, (t[0] - ring * SIZES[0] * beta) / (2 * (d - 1)))
     return Link(latency=alpha, bandwidth=1 / beta)
+
+
+def inter_link(world, node) -> Link:
+    """The link between nodes (collective over the world; ``node``: this rank's node). With
+    one rank per node, :func:`link_of` over them all. Otherwise over one rank of each node
+    (local rank 0's, the others sleeping): then every byte it reduces crosses once in each
+    direction whatever algorithm MPI picks, so the bandwidth is what the node's link
+    carries, not what a formula assumes a many-rank all-reduce sends; with the ports of a
+    node's link (:func:`ports_of`)."""
+    if world.allreduce(node.size, "max") == 1:
+        return link_of(world, repeats=16)
+    cross = comm.split(world, node.rank, world.rank, "cross")
+    link = world.bcast_obj(_only(world, node.rank == 0, lambda: link_of(cross, repeats=16)))
+    return dataclasses.replace(link, ports=ports_of(world, node))
 
 
 def ports_of(world, node, nbytes: int = 8 << 20, repeats: int = 4) -> int:
@@ -217,8 +231,14 @@ def compute_share(cfg: Config, world, rounds: int = 4, repeats: int = 5) -> floa
 def _alone(world, fn):
     """Run ``fn`` on rank 0 while the others sleep (not spin in MPI: rank 0 keeps a core to
     itself); collective, returns ``fn``'s result on rank 0, None elsewhere."""
+    return _only(world, world.rank == 0, fn)
+
+
+def _only(world, active: bool, fn):
+    """Run ``fn`` on the ranks where ``active`` while the others sleep (collective);
+    ``fn``'s result there, None elsewhere."""
     flag = torch.zeros(1)
-    if world.rank == 0:
+    if active:
         out = fn()
         world.iallreduce_(flag).wait()
         return out
@@ -240,9 +260,7 @@ def calibrate(cfg: Config, base: Cluster, name: str) -> Cluster | None:
     node = comm.node_local(world)
     nodes = world.allreduce(1.0 if node.rank == 0 else 0.0)
     intra = link_of(node) if node.size > 1 else base.intra
-    inter = link_of(world, repeats=16) if nodes > 1 else base.inter
-    if nodes > 1 and node.size > 1:
-        inter = dataclasses.replace(inter, ports=ports_of(world, node))
+    inter = inter_link(world, node) if nodes > 1 else base.inter
     sum16 = world.allreduce(sum16_cost(), "max")
     calls = call_overhead(cfg, node, intra) if node.size > 1 else None
     posted = post_cost(cfg, node, alone, intra) if node.size > 1 else None

@@ -38,12 +38,21 @@ def allreduce(n: float, d: int, link: Link, algo: str = "ring", k: int = 1,
               intra: Link | None = None, flows: int = 1) -> float:
     """Seconds of an all-reduce of ``n`` bytes over ``d`` ranks (``k`` of them per node),
     while ``flows`` such groups cross each node's ``link`` at once (hierarchical: each of
-    them as ``k`` rings of ``n/k``; :meth:`Link.carrying`)."""
+    them as ``k`` rings of ``n/k``; :meth:`Link.carrying`).
+
+    On a link a node's ranks share (``ports``), a flat all-reduce is priced by the bytes that
+    leave each node, ``2 (N-1)/N n`` for ``N`` nodes, the least any algorithm sends, over
+    the ports its ``k`` ranks can fill: what MPI's large all-reduce sends there
+    (``benchmarks.crossing``: 1.00x the message out of each of 2 nodes), and what the
+    hierarchical one costs on the same link."""
     if d <= 1 or n <= 0:
         return 0.0
     if algo == "hierarchical" and intra is not None and 1 < k < d and d % k == 0:
         return 2 * scatter(n, k, intra) + allreduce(n / k, d // k, link, "ring",
                                                     flows=flows * k)
+    if algo == "ring" and link.ports and 1 < k < d and d % k == 0:
+        nodes, rate = d // k, link.bandwidth * min(link.ports, flows * k) / flows
+        return 2 * (d - 1) * link.latency + 2 * (nodes - 1) / nodes * n / rate
     link = link.carrying(flows)
     if algo == "tree":
         return 2 * math.ceil(math.log2(d)) * link.latency + 2 * n / link.bandwidth

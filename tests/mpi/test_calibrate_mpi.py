@@ -86,3 +86,19 @@ def test_the_link_the_ports_and_the_sum16_are_measured_alike_on_every_rank():
     got = (link.latency, link.bandwidth, ports)
     assert world.allgather_obj(got) == [got] * world.size
     assert 0 < sum16_cost(elements=1 << 12, repeats=2) < 1e-3
+
+
+def test_the_inter_link_is_measured_over_one_rank_per_node():
+    """inter_link over pretended nodes of 2 ranks (of 1 at 2 ranks: then over all ranks, each
+    its own node): the same link and ports on every rank, ports within 1 and the node's
+    ranks; the ranks left out of the measurement wait for it."""
+    from hpctrain.planner.calibrate import inter_link
+
+    world = comm.world()
+    per = 2 if world.size >= 4 else 1
+    node = comm.split(world, world.rank // per, world.rank, "node")
+    link = inter_link(world, node)
+    assert link.latency >= 0 and link.bandwidth > 0
+    assert 1 <= link.ports <= node.size if per > 1 else link.ports == 0
+    got = (link.latency, link.bandwidth, link.ports)
+    assert world.allgather_obj(got) == [got] * world.size

@@ -107,3 +107,27 @@ def test_the_planner_overlaps_where_a_run_does(crosses, want):
     assert not strategy_of(off).overlapped(off)
     if crosses:
         assert predict(off, c).parts["hooks"] == 0
+
+
+def test_a_flat_all_reduce_on_a_shared_link_costs_the_bytes_that_leave_a_node():
+    """2 nodes x 2 ranks, one port: each node sends the message once (what Open MPI's flat
+    all-reduce was measured to send, benchmarks.crossing), as the hierarchical one's
+    crossing does, not the 1.5x a rank's ring share; with a port per rank: the ring's."""
+    n, link = 1e7, Link(0.0, 2.5e7, ports=1)
+    assert allreduce(n, 4, link, "ring", 2) == pytest.approx(n / link.bandwidth)
+    hier = allreduce(n, 4, link, "hierarchical", 2, NODES.intra) - 2 * scatter(n, 2, NODES.intra)
+    assert allreduce(n, 4, link, "ring", 2) == pytest.approx(hier)
+    assert allreduce(n, 8, link, "ring", 2) == pytest.approx(1.5 * n / link.bandwidth)
+    assert allreduce(n, 4, Link(0.0, 2.5e7, ports=2), "ring", 2) == pytest.approx(
+        n / 2 / link.bandwidth)
+    assert allreduce(n, 4, Link(0.0, 2.5e7), "ring", 2) == pytest.approx(1.5 * n / 2.5e7)
+
+
+def test_the_benchmark_limit_uses_the_measured_node_rate():
+    from benchmarks.nodes import node_rate
+
+    assert node_rate(None)[0] == pytest.approx(25e6) and "nominal" in node_rate(None)[1]
+    rate, what = node_rate(dumps(NODES))
+    assert rate == pytest.approx(2.5e7) and "measured" in what
+    own = dataclasses.replace(NODES, inter=dataclasses.replace(NODES.inter, ports=0))
+    assert node_rate(dumps(own))[0] == pytest.approx(2 * 2.5e7)  # a port per rank
