@@ -127,9 +127,11 @@ def fastest(step: dict, prefix: str, precision: str) -> str | None:
     return min(names, key=step.get) if names else None
 
 
-def peer_ratios(per: dict, step: dict, comm: dict) -> list[dict]:
+def peer_ratios(per: dict, step: dict, comm: dict, limits: dict | None = None) -> list[dict]:
     """Like for like: at each precision, hpctrain's fastest against the fastest DDP and
-    FSDP2 of that precision (>= 1.3) and, in float32, against the naive baseline (>= 1.5)."""
+    FSDP2 of that precision (>= 1.3) and, in float32, against the naive baseline (>= 1.5).
+    ``limits``: the limit's seconds per precision; a missed target then also says how close
+    the peer runs to it (:func:`headroom`)."""
     compute, out = step["compute"], []
     for precision in ("float32", "bf16"):
         best = fastest(step, "hpctrain", precision)
@@ -142,8 +144,19 @@ def peer_ratios(per: dict, step: dict, comm: dict) -> list[dict]:
                 continue
             q = ratio(f"{peer} / {best}", 0.0, target, pair_ratios(per[peer], per[best]))
             q["why"] = f"{_why(best, step, comm, compute)}; {_why(peer, step, comm, compute)}"
+            if not q["met"] and limits:
+                q["why"] += headroom(peer, step[peer], limits[precision], target)
             out.append(q)
     return out
+
+
+def headroom(peer: str, peer_s: float, limit_s: float, target: str) -> str:
+    """What the target asks of hpctrain against the limit: a peer at ``x`` times the limit
+    leaves ``x / target``; below 1, the target asks for a step faster than the limit."""
+    need = peer_s / limit_s / float(target.split()[1])
+    return (f"; {peer} runs at {peer_s / limit_s:.2f}x the limit ({limit_s * 1e3:.0f} ms), "
+            f"so the target needs hpctrain at {need:.2f}x it"
+            + (" (faster than the limit: not reachable on this link)" if need < 1 else ""))
 
 
 def ratios(per: dict, step: dict, comm: dict, plan: dict, size: str,
@@ -153,7 +166,9 @@ def ratios(per: dict, step: dict, comm: dict, plan: dict, size: str,
     The limit of a step whose communication hides behind compute is max(compute, link time
     of the bytes that must cross at ``rate``, :func:`node_rate`); compute + link stays as a
     second line."""
-    compute, out = step["compute"], peer_ratios(per, step, comm)
+    compute = step["compute"]
+    limits = {p: max(compute, wire_s(size, p == "bf16", rate[0])) for p in ("float32", "bf16")}
+    out = peer_ratios(per, step, comm, limits)
     best = min((n for n in step if n.startswith("hpctrain")), key=step.get)
     link = wire_s(size, traffic(best) == "bf16", rate[0])
     for what, each, target in (

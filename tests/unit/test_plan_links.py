@@ -131,3 +131,19 @@ def test_the_benchmark_limit_uses_the_measured_node_rate():
     assert rate == pytest.approx(2.5e7) and "measured" in what
     own = dataclasses.replace(NODES, inter=dataclasses.replace(NODES.inter, ports=0))
     assert node_rate(dumps(own))[0] == pytest.approx(2 * 2.5e7)  # a port per rank
+
+
+def test_a_missed_peer_target_says_what_it_asks_of_the_limit():
+    """A peer at 1.04x the limit leaves a 1.3x target 0.80x it: not reachable; at 1.40x,
+    1.08x: reachable."""
+    from benchmarks.nodes import headroom, peer_ratios
+
+    assert "0.80x it (faster than the limit" in headroom("p", 1.04, 1.0, ">= 1.3")
+    assert "1.08x it" in headroom("p", 1.40, 1.0, ">= 1.3")
+    assert "not reachable" not in headroom("p", 1.40, 1.0, ">= 1.3")
+    per = {"hpctrain a, bf16": [1.0, 1.0], "DDP x, bf16": [1.1, 1.1], "compute": [0.2, 0.2]}
+    step = {k: v[0] for k, v in per.items()}
+    [q] = peer_ratios(per, step, {}, {"float32": 2.0, "bf16": 0.9})
+    assert not q["met"] and "runs at 1.22x the limit (900 ms)" in q["why"]
+    [q] = peer_ratios(per, step, {})
+    assert "the limit" not in q["why"]
