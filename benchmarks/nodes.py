@@ -30,6 +30,7 @@ ports of a node's link, the 16-bit sum). Every missed target prints its measured
 
 from __future__ import annotations
 
+import functools
 import re
 
 from hpctrain.job.launch import ROOT
@@ -102,13 +103,18 @@ def node_rate(description: str | None) -> tuple[float, str]:
     return rate, f"{rate / 1e6:.1f} MB/s (measured; nominal {RATE})"
 
 
+@functools.cache
+def _elements(size: str) -> int:
+    """The benchmark model's parameter elements (the model built once per size)."""
+    from .common import local_model
+
+    return sum(p.numel() for p in local_model(_config(size, [])).parameters())
+
+
 def wire_s(size: str, bf16: bool, rate: float) -> float:
     """Seconds the gradients need on one node's link at ``rate`` bytes/s: every element in
     and out once."""
-    from .common import local_model
-
-    n = sum(p.numel() for p in local_model(_config(size, [])).parameters())
-    return n * (2 if bf16 else 4) / rate
+    return _elements(size) * (2 if bf16 else 4) / rate
 
 
 def _why(name: str, step: dict, comm: dict, compute: float) -> str:
@@ -167,10 +173,10 @@ def ratios(per: dict, step: dict, comm: dict, plan: dict, size: str,
     of the bytes that must cross at ``rate``, :func:`node_rate`); compute + link stays as a
     second line."""
     compute = step["compute"]
-    limits = {p: max(compute, wire_s(size, p == "bf16", rate[0])) for p in ("float32", "bf16")}
-    out = peer_ratios(per, step, comm, limits)
+    wires = {p: wire_s(size, p == "bf16", rate[0]) for p in ("float32", "bf16")}
+    out = peer_ratios(per, step, comm, {p: max(compute, w) for p, w in wires.items()})
     best = min((n for n in step if n.startswith("hpctrain")), key=step.get)
-    link = wire_s(size, traffic(best) == "bf16", rate[0])
+    link = wires[traffic(best)]
     for what, each, target in (
             ("limit max(compute, link)", [max(c, link) for c in per["compute"]], "<= 1.25"),
             ("bound compute + link", [c + link for c in per["compute"]], "<= 1.25")):
