@@ -78,7 +78,9 @@ def link_of(group, repeats: int = 60) -> Link:
     its repeats without the slowest and fastest tenth (:func:`trimmed_mean`: a step pays
     the tail of many such delays, but one descheduling of 50 ms is not a link's cost). The
     bandwidth is the slope between the two long sizes: what a burst lets the first bytes
-    of a message gain (a token bucket, a switch's buffer) is not the link's rate."""
+    of a message gain (a token bucket, a switch's buffer) is not the link's rate. A latency
+    below what the repeats resolve (the computation's own jitter, tens of microseconds here)
+    comes out 0."""
     d = group.size
     a = torch.randn(96, 96)
     xs = [torch.ones(max(1, n // 4), dtype=torch.float32) for n in SIZES]
