@@ -68,18 +68,23 @@ def _config(size: str, overrides: list[str]):
     return train_config(size, *MODEL[size], *overrides)
 
 
+def cluster_of(description: str):
+    """The cluster description ``plan --calibrate`` measured in the run (its TOML text)."""
+    import tomllib
+
+    from hpctrain.planner.cluster import from_dict
+
+    return from_dict(tomllib.loads(description), "calibrated in the run")
+
+
 def predicted(size: str, description: str | None = None) -> dict[str, dict]:
     """The plan's step (checkpoint left out) of each hpctrain variant on ``description``
     (TOML: the one calibrated in the run; None: :data:`DESCRIPTION`), and its parts:
     ``{"step": s, "compute": s, "dp": s}``."""
-    import tomllib
-
-    from hpctrain.planner.cluster import from_dict
     from hpctrain.planner.cluster import load as load_cluster
     from hpctrain.planner.cost import predict
 
-    cluster = (from_dict(tomllib.loads(description), "calibrated in the run") if description
-               else load_cluster(str(DESCRIPTION)))
+    cluster = cluster_of(description) if description else load_cluster(str(DESCRIPTION))
     out = {}
     for name, overrides in hpctrain_variants().items():  # (tiny runs only some)
         p = predict(_config(size, overrides), cluster)
@@ -94,11 +99,7 @@ def node_rate(description: str | None) -> tuple[float, str]:
     ports; ``ports = 0``: one per rank), else ``RATE``, the shaper's nominal rate."""
     if not description:
         return rate_bytes(RATE), f"{RATE} (nominal)"
-    import tomllib
-
-    from hpctrain.planner.cluster import from_dict
-
-    c = from_dict(tomllib.loads(description), "calibrated in the run")
+    c = cluster_of(description)
     rate = c.inter.bandwidth * (c.inter.ports or c.ranks_per_node)
     return rate, f"{rate / 1e6:.1f} MB/s (measured; nominal {RATE})"
 
