@@ -19,9 +19,9 @@ Ratios are taken between equal precisions only (float32 or bfloat16 gradient tra
 variant's name says which). The limit is max(``compute``, the link time of the bytes that must
 cross each node's link: every gradient element once in each direction, at the wire dtype of
 hpctrain's fastest variant, at the rate ``plan --calibrate`` measured for a node's link in the
-same run: one rank per node all-reducing, both directions at once, as every all-reduce across
-nodes moves them; the nominal rate where the run measured none); compute + link is the second
-line.
+same run: one rank's bandwidth across times the ports, what all of a node's ranks carry across
+at once, both directions at once, as an all-reduce across nodes moves them; the nominal rate
+where the run measured none); compute + link is the second line.
 The plan's prediction of each hpctrain variant comes from the description ``hpctrain plan
 --calibrate`` measures of this model on these nodes at the start of the same ``mpirun``
 (written beside the result as ``plan_cluster``; long messages for the link's rate, the

@@ -1,10 +1,20 @@
 """Subcommands of the ``hpctrain`` CLI, one module each, and how a command on many ranks
-refuses its input (:func:`refused`)."""
+refuses its input (:func:`refused`).
+
+Importing it sets what Open MPI reads at ``MPI_Init`` (which a command's first import of
+``hpctrain.comm`` runs) where the launch or the site left it unset: libnbc's nonblocking
+all-reduce as reduce-scatter + all-gather (``job.launch.LIBNBC_ALLREDUCE``,
+docs/decisions.md), so that ``srun hpctrain train`` reduces as ``hpctrain launch`` does.
+Other MPI families ignore it."""
 
 from __future__ import annotations
 
 import os
 import sys
+
+from ..job.launch import LIBNBC_ALLREDUCE
+
+os.environ.setdefault(*LIBNBC_ALLREDUCE)
 
 
 def refused(world, command: str, why) -> int:

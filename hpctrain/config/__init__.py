@@ -209,8 +209,8 @@ class OptimConfig:
                                         "collective as it is posted; needs MPI_THREAD_MULTIPLE), "
                                         "test (MPI_Test from every gradient hook), poll (the "
                                         "thread tests nonblocking collectives every 0.5 ms), wait "
-                                        "(the final wait alone), auto (thread where dp crosses "
-                                        "nodes and MPI is multi-threaded, else test)",
+                                        "(the final wait alone), auto (test: measured fastest "
+                                        "where ranks share their cores)",
                                         choices=OVERLAP_PROGRESS)
     grad_comm_dtype: str = key("", "what gradient reductions carry: \"\" the gradients' dtype; "
                                    "bfloat16 half float32's bytes (accumulation and the "

@@ -44,6 +44,9 @@ LAUNCHED_AT = "HPCTRAIN_LAUNCHED_AT"  # epoch seconds at which `launch` started 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (the package's parent)
 # Not MPI settings but defaults of every local launch (the Makefile sets them too).
 RUN_DEFAULTS = {"OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE"}
+# Open MPI's nonblocking all-reduce algorithm (libnbc; 3: Rabenseifner's reduce-scatter +
+# all-gather), read at MPI_Init: set by the launch, and by hpctrain.cli before MPI starts.
+LIBNBC_ALLREDUCE = ("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "3")
 # Open MPI on one machine: running as root (containers, CI); more ranks than cores (laptops,
 # CI): idle ranks yield the CPU instead of spinning, and oversubscription is allowed (Open MPI
 # 4: rmaps_base; Open MPI 5: PRRTE's mapping policy).
@@ -53,9 +56,9 @@ OPENMPI_ENV = {
     "OMPI_MCA_mpi_yield_when_idle": "1",
     "OMPI_MCA_rmaps_base_oversubscribe": "1",
     "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-    # Nonblocking all-reduce (libnbc: overlapped and nonblocking gradient reductions) as a
-    # ring rather than libnbc's default choice for a few ranks (docs/decisions.md).
-    "OMPI_MCA_coll_libnbc_iallreduce_algorithm": "1",
+    # libnbc's nonblocking all-reduce (overlapped gradient reductions) as reduce-scatter +
+    # all-gather (docs/decisions.md); hpctrain.cli sets it too where nothing did
+    LIBNBC_ALLREDUCE[0]: LIBNBC_ALLREDUCE[1],
     # A rank proves itself to its node's PMIx server by the kernel's peer credentials, not
     # munge: a munge socket left behind by a stopped munged costs every launch 2.3 s of retries.
     "PMIX_MCA_psec": "native",

@@ -120,14 +120,15 @@ def inter_link(world, node) -> Link:
     return dataclasses.replace(link, ports=ports_of(world, node))
 
 
-def ports_of(world, node, nbytes: int = 8 << 20, repeats: int = 4) -> int:
+def ports_of(world, node, nbytes: int = 8 << 20, repeats: int = 4) -> float:
     """How many ranks of a node send across at the inter link's bandwidth at once
     (collective over the world; ``node``: this rank's node, all of one size): the ranks of
     one local number form a group across the nodes (as the cross-node step of a
     hierarchical reduction, or HSDP's all-reduce across shard groups), which all-reduces
     ``nbytes``; first the group of local rank 0 alone, then every group at once,
-    interleaved; ``rpn x t_one / t_all`` (medians, slowest rank), rounded, within 1 and the
-    node's ranks. 1: the node's ranks share one link (the simulated nodes)."""
+    interleaved; ``rpn x t_one / t_all`` (medians, slowest rank) to 2 decimals, within 1
+    and the node's ranks. 1: the node's ranks share one link; on the simulated nodes two
+    flows carry more than one (TCP, both directions at once), less than two."""
     rpn = node.size
     if world.allreduce(rpn, "min") != world.allreduce(rpn, "max"):
         return 1  # nodes of unequal sizes: no groups by local number; assume one port
@@ -145,7 +146,7 @@ def ports_of(world, node, nbytes: int = 8 << 20, repeats: int = 4) -> int:
         one.append(timed(node.rank == 0))
         every.append(timed(True))
     ratio = rpn * statistics.median(one) / max(1e-9, statistics.median(every))
-    return max(1, min(rpn, round(ratio)))
+    return max(1.0, min(float(rpn), round(ratio, 2)))
 
 
 def sum16_cost(elements: int = 1 << 21, repeats: int = 5) -> float:

@@ -36,8 +36,9 @@ or a path)::
     [link.inter]                 # between nodes (per rank's share of its node's network)
     latency = 5e-6
     bandwidth = 25e9
-    ports = 0                    # ranks of a node that send across at that bandwidth at once
-                                 # (0: each rank has its own); more flows share the ports
+    ports = 0                    # how many ranks' bandwidth a node's link carries at once
+                                 # (0: each rank has its own; 1.5: one and a half); more
+                                 # flows share the ports
 
 Bad files raise :class:`ClusterError` naming the file, the key, the value and the rule.
 """
@@ -69,8 +70,9 @@ class Link:
     latency: float  # seconds per message (alpha)
     bandwidth: float  # bytes per second per rank, one direction (1 / beta)
     # how many transfers of one node cross at ``bandwidth`` at once (0: one port per rank, as
-    # on nodes with a NIC per GPU; 1: one shared link, as on the simulated nodes)
-    ports: int = 0
+    # on nodes with a NIC per GPU; 1: one shared link; a fraction: several flows carry more
+    # than one, less than one each, as on the simulated nodes)
+    ports: float = 0
 
     def p2p(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -166,8 +168,9 @@ def _link(where: str, raw: dict, level: str) -> Link:
         raise ClusterError(f"{where}: [link.{level}] with latency and bandwidth is missing")
     w = f"{where} [link.{level}]"
     ports = body.get("ports", 0)
-    if isinstance(ports, bool) or not isinstance(ports, int) or ports < 0:
-        raise ClusterError(f"{w}: ports = {ports!r} must be an integer >= 0 (0: one per rank)")
+    if isinstance(ports, bool) or not isinstance(ports, (int, float)) or not (
+            ports == 0 or 1 <= ports < float("inf")):
+        raise ClusterError(f"{w}: ports = {ports!r} must be 0 (one per rank) or a number >= 1")
     return Link(_number(w, body, "latency", low=0.0, strict_low=False),
                 _number(w, body, "bandwidth"), ports)
 
@@ -253,7 +256,7 @@ def dumps(c: Cluster) -> str:
     for level, link in (("intra", c.intra), ("inter", c.inter)):
         lines += ["", f"[link.{level}]", f"latency = {link.latency:.6g}",
                   f"bandwidth = {link.bandwidth:.6g}"]
-        lines += [f"ports = {link.ports}"] if link.ports else []
+        lines += [f"ports = {link.ports:.6g}"] if link.ports else []
     if c.extra:
         lines += ["", "[measured]"]
         lines += [f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"'

@@ -371,7 +371,7 @@ def predict(cfg: Config, cluster: Cluster, ex: Extras = Extras(),
     world = t.dp * t.tp * t.pp * t.cp
     links = axis_links(c, cluster)
     # overlap as a run decides it (optim.overlap_across_nodes; ZeRO-2/3 post from their
-    # hooks whatever it says); MPI_THREAD_MULTIPLE assumed
+    # hooks whatever it says)
     progress, overlap = decided(c, links["dp"] is cluster.inter)
     if c.optim.zero < 2:
         c = dataclasses.replace(c, optim=dataclasses.replace(c.optim, overlap=overlap))

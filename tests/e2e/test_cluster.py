@@ -67,9 +67,9 @@ def test_dp_x_tp_across_nodes_equals_one_rank(cluster, tmp_path, session_dir):
                     launcher=cluster)
     assert_same(run, ref, rel=1e-9, what="dp2 x tp2 on 2 nodes")
     # dp groups cross the link: overlap is on by default there (optim.overlap_across_nodes),
-    # advanced by the progress thread (optim.overlap_progress = "auto" with THREAD_MULTIPLE)
+    # advanced by MPI_Test from the gradient hooks (optim.overlap_progress = "auto")
     assert all(m["grad_buckets_posted_in_backward"] > 0 for m in run.metrics), run.metrics
-    assert "overlapped with backward (progress: thread)" in \
+    assert "overlapped with backward (progress: test)" in \
         (run.run_dir / "train.log").read_text()
 
 

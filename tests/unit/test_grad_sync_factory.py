@@ -46,7 +46,8 @@ def _topo(cfg, crosses_nodes: bool = False):
 CASES = [
     ([], False, BlockingBuckets),
     (["optim.overlap=true"], False, OverlappedBuckets),
-    (['optim.overlap_progress="thread"'], True, OverlappedBuckets),  # across nodes
+    ([], True, OverlappedBuckets),  # across nodes: overlapped by default
+    (['optim.overlap_progress="thread"'], True, OverlappedBuckets),
     (['optim.overlap_progress="thread"'], False, BlockingBuckets),  # inside a node: off
     (['experimental.reduction="bucketed-nonblocking"'], True, NonblockingBuckets),
     (['experimental.reduction="per-parameter"'], False, PerParameter),

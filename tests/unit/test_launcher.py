@@ -72,6 +72,19 @@ def test_exports_for_a_shell():
     assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}" in out.splitlines()
 
 
+@pytest.mark.parametrize("site", [None, "1"])
+def test_the_cli_sets_the_nonblocking_allreduce_unless_the_site_did(site):
+    """``srun hpctrain train`` (no ``hpctrain launch``) gets libnbc's reduce-scatter +
+    all-gather before MPI starts; a value the site or the user set is kept."""
+    name, value = launch.LIBNBC_ALLREDUCE
+    env = {k: v for k, v in os.environ.items() if k != name} | ({name: site} if site else {})
+    code = ("import os, sys; import hpctrain.cli; "
+            f"print(os.environ[{name!r}], 'mpi4py.MPI' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=launch.ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [site or value, "False"]
+
+
 def test_launcher_flags_live_in_one_module():
     """No OMPI_* variable or --oversubscribe in code outside hpctrain/job/launch.py (and this
     test); the docs may describe them."""

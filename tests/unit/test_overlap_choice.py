@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from fakes import fake_topology
 
-from hpctrain import comm
 from hpctrain.config import OptimConfig
 from hpctrain.parallel.grad_sync import factory
 
@@ -16,47 +15,31 @@ def topo(dp_within_node: bool):
     return fake_topology(within_node={"dp": dp_within_node})
 
 
-@pytest.fixture
-def multiple(monkeypatch):
-    def set_level(ok: bool):
-        level = "MPI_THREAD_MULTIPLE" if ok else "MPI_THREAD_SERIALIZED"
-        monkeypatch.setattr(comm, "thread_multiple", lambda: (ok, level))
-    return set_level
-
-
-@pytest.mark.parametrize("crosses, has_multiple, progress, overlap", [
-    (True, True, "thread", True),    # across nodes with a thread-safe MPI: progress thread
-    (True, False, "test", False),    # no THREAD_MULTIPLE: test loses over TCP, no overlap
-    (False, True, "test", False),    # inside a node: blocking buckets (overlap measured slower)
-    (False, False, "test", False),
+@pytest.mark.parametrize("crosses, overlap", [
+    (True, True),    # across nodes: MPI_Test from the hooks, overlapped
+    (False, False),  # inside a node: blocking buckets (overlap measured slower)
 ])
-def test_auto(multiple, crosses, has_multiple, progress, overlap):
-    multiple(has_multiple)
+def test_auto(crosses, overlap):
     ocfg, t = OptimConfig(), topo(dp_within_node=not crosses)
     assert ocfg.overlap_progress == "auto"
-    assert factory.progress_for(ocfg, t) == progress
-    assert factory.overlap_on(ocfg, t, "flat", factory.progress_for(ocfg, t)) is overlap
+    assert factory.progress_for(ocfg) == "test"
+    assert factory.overlap_on(ocfg, t, "flat") is overlap
 
 
-def test_an_explicit_choice_is_kept(multiple):
-    multiple(False)
-    ocfg = OptimConfig(overlap_progress="test")
-    assert factory.progress_for(ocfg, topo(False)) == "test"
-    assert factory.overlap_on(ocfg, topo(False), "flat", "test")  # the user asked for test
-    assert not factory.overlap_on(ocfg, topo(True), "flat", "test")  # inside a node: off
-    assert factory.overlap_on(OptimConfig(overlap=True), topo(True), "flat", "test")
+def test_an_explicit_choice_is_kept():
+    ocfg = OptimConfig(overlap_progress="thread")
+    assert factory.progress_for(ocfg) == "thread"
+    assert factory.overlap_on(ocfg, topo(False), "flat")  # across nodes
+    assert not factory.overlap_on(ocfg, topo(True), "flat")  # inside a node: off
+    assert factory.overlap_on(OptimConfig(overlap=True), topo(True), "flat")
 
 
 @pytest.mark.parametrize("change, reduction", [({"overlap_across_nodes": False}, "bucketed"),
                                                ({}, "per-parameter")])
-def test_no_automatic_overlap_when_turned_off_or_naive(multiple, change, reduction):
-    multiple(True)
+def test_no_automatic_overlap_when_turned_off_or_naive(change, reduction):
     ocfg = OptimConfig(**change)
-    progress = factory.progress_for(ocfg, topo(False))
-    assert not factory.overlap_on(ocfg, topo(False), "flat", progress, reduction)
+    assert not factory.overlap_on(ocfg, topo(False), "flat", reduction)
 
 
-def test_not_with_hierarchical_reduction(multiple):
-    multiple(True)
-    ocfg = OptimConfig()
-    assert not factory.overlap_on(ocfg, topo(False), "hierarchical", "thread")
+def test_not_with_hierarchical_reduction():
+    assert not factory.overlap_on(OptimConfig(), topo(False), "hierarchical")

@@ -306,8 +306,8 @@ def test_shipped_descriptions_load_and_round_trip():
     ({"peak_flops": {"int8": 1.0}}, "peak_flops.int8: unknown dtype"),
     ({"link": {"intra": {"latency": 0, "bandwidth": -1}}}, "bandwidth = -1 must be > 0"),
     ({"link": {"intra": {"latency": 0, "bandwidth": 1e9},
-               "inter": {"latency": 0, "bandwidth": 1e9, "ports": 1.5}}},
-     "[link.inter]: ports = 1.5 must be an integer >= 0 (0: one per rank)"),
+               "inter": {"latency": 0, "bandwidth": 1e9, "ports": 0.5}}},
+     "[link.inter]: ports = 0.5 must be 0 (one per rank) or a number >= 1"),
 ])
 def test_bad_cluster_files_name_key_value_and_rule(change, words):
     raw = {"name": "x", "ranks_per_node": 2, "memory": "1GB",

@@ -42,6 +42,16 @@ def test_ports_round_trip_through_the_description():
     assert again == dataclasses.replace(NODES, name=again.name)
 
 
+def test_a_fraction_of_ports_is_what_several_flows_carry_together():
+    """The simulated nodes: two flows carry 1.49x one (``calibrate.ports_of``); the
+    description keeps the fraction, and two flows share it."""
+    link = Link(0, 1.6e7, ports=1.49)
+    assert link.carrying(1) is link
+    assert link.carrying(2).bandwidth == pytest.approx(1.6e7 * 1.49 / 2)
+    frac = dataclasses.replace(NODES, inter=link)
+    assert from_dict(tomllib.loads(dumps(frac))).inter.ports == 1.49
+
+
 def test_hierarchical_rings_share_the_node_link():
     """2 nodes x 2 ranks: the hierarchical all-reduce's 2 rings of n/2 cross one link at
     once, so its cross-node part costs what one ring of n would carry, not half."""
@@ -92,7 +102,7 @@ def test_which_strategies_spin():
     assert not buckets.BlockingBuckets.spins(cfg, "thread")
 
 
-@pytest.mark.parametrize("crosses,want", [(True, ("thread", True)), (False, ("test", False))])
+@pytest.mark.parametrize("crosses,want", [(True, ("test", True)), (False, ("test", False))])
 def test_the_planner_overlaps_where_a_run_does(crosses, want):
     """``optim.overlap_across_nodes`` (on by default) overlaps a flat bucketed reduction
     whose dp groups cross nodes: the plan prices that run, hooks and posts included."""

@@ -134,42 +134,31 @@ def reduction_mode(cfg) -> str:
     return cfg.experimental.reduction
 
 
-def progress_for(ocfg, topo, multiple: bool | None = None) -> str:
-    """``optim.overlap_progress`` with ``auto`` decided: the progress thread where the dp
-    groups cross nodes (``topo.within_node``, the same on every rank) and MPI provides
-    ``MPI_THREAD_MULTIPLE`` (``multiple``; None: ask MPI), else ``test`` (the comparison:
-    docs/results.md, "Overlapped gradient reduction")."""
-    if ocfg.overlap_progress != "auto":
-        return ocfg.overlap_progress
-    if multiple is None:
-        from ... import comm
-
-        multiple = comm.thread_multiple()[0]
-    crosses = not topo.within_node.get("dp", True)
-    return "thread" if crosses and multiple else "test"
+def progress_for(ocfg) -> str:
+    """``optim.overlap_progress`` with ``auto`` decided: ``test``, ``MPI_Test`` from the
+    gradient hooks (no thread to share the rank's core with backward, and no need of
+    ``MPI_THREAD_MULTIPLE``; the comparison: docs/results.md, "Overlapped gradient
+    reduction")."""
+    return "test" if ocfg.overlap_progress == "auto" else ocfg.overlap_progress
 
 
-def decided(cfg, dp_crosses: bool, multiple: bool = True) -> tuple[str, bool]:
+def decided(cfg, dp_crosses: bool) -> tuple[str, bool]:
     """(progress, overlap) as :func:`build` decides them for dp groups that do or do not
-    cross nodes and an MPI with or without ``MPI_THREAD_MULTIPLE``: what the planner asks,
-    without MPI or a Topology."""
+    cross nodes: what the planner asks, without MPI or a Topology."""
     where = SimpleNamespace(within_node={"dp": not dp_crosses})
-    progress = progress_for(cfg.optim, where, multiple)
-    return progress, overlap_on(cfg.optim, where, cfg.topology.dp_reduction, progress,
-                                reduction_mode(cfg))
+    return progress_for(cfg.optim), overlap_on(cfg.optim, where, cfg.topology.dp_reduction,
+                                               reduction_mode(cfg))
 
 
-def overlap_on(ocfg, topo, dp_reduction: str, progress: str, reduction: str = "bucketed") -> bool:
+def overlap_on(ocfg, topo, dp_reduction: str, reduction: str = "bucketed") -> bool:
     """Whether this run overlaps the dp reduction with backward: ``optim.overlap``, or
     (``optim.overlap_across_nodes``) a flat bucketed reduction whose dp groups cross nodes
-    (``topo.within_node``, the same answer on every rank; edp groups lie inside dp's) with a
-    progress that wins there: not ``auto``'s fallback ``test``, which does not beat blocking
-    buckets over TCP (docs/results.md; ``progress``: :func:`progress_for`; ``reduction``:
-    :func:`reduction_mode`)."""
+    (``topo.within_node``, the same answer on every rank; edp groups lie inside dp's;
+    ``reduction``: :func:`reduction_mode`). Inside a node every overlap measured slower than
+    blocking buckets (docs/results.md)."""
     if ocfg.overlap:
         return True
-    wins = ocfg.overlap_progress != "auto" or progress != "test"
-    return bool(ocfg.overlap_across_nodes and not topo.within_node.get("dp", True) and wins
+    return bool(ocfg.overlap_across_nodes and not topo.within_node.get("dp", True)
                 and reduction == "bucketed" and dp_reduction == "flat")
 
 
@@ -199,9 +188,9 @@ def build(cfg, topo, chunks: list, named):
     from . import buckets
     from .interface import wire_dtype
 
-    progress = progress_for(cfg.optim, topo)  # how overlapped reductions advance
+    progress = progress_for(cfg.optim)  # how overlapped reductions advance
     mode = reduction_mode(cfg)
-    overlap = overlap_on(cfg.optim, topo, cfg.topology.dp_reduction, progress, mode)
+    overlap = overlap_on(cfg.optim, topo, cfg.topology.dp_reduction, mode)
     split = buckets.levels(topo)  # collective; None for a flat reduction
     return create(named, topo, cfg.optim.bucket_mb, zero=cfg.optim.zero, overlap=overlap,
                   microbatches=microbatches_per_rank(cfg), mode=mode,
