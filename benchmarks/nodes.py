@@ -12,7 +12,9 @@ data and global batch, interleaved repeat by repeat:
   overlap, ``experimental.placement = "naive"``;
 - PyTorch DDP (gloo; bucket 4 and 25 MB, ``gradient_as_bucket_view``, ``static_graph``;
   float32, or bfloat16 by torch's bf16 compress hook) and FSDP2 (``fully_shard`` on gloo per
-  block and root; full shard over 4, HSDP 2 x 2 mesh; ``reduce_dtype`` float32 or bfloat16);
+  block and root; full shard over 4, HSDP 2 x 2 mesh; ``reduce_dtype`` float32 or bfloat16),
+  each repeat's in one child process per rank (:mod:`benchmarks.torch_peers`), so that no
+  gloo thread lives in the ranks that time hpctrain;
 - ``compute``: each rank alone on its quarter of the batch (no communication).
 
 Ratios are taken between equal precisions only (float32 or bfloat16 gradient traffic, each

@@ -6,14 +6,13 @@
 
 Every variant trains the same model (``cluster_worker.MODEL``), init, data and global batch,
 interleaved repeat by repeat: hpctrain's layouts (:func:`hpctrain_variants`, config overrides
-only), the naive baseline (:data:`NAIVE`), PyTorch DDP and FSDP2 (gloo, :func:`torch_steps`)
-and ``compute``: every rank training its quarter of the batch alone (no communication).
+only), the naive baseline (:data:`NAIVE`), PyTorch DDP and FSDP2 (gloo, :func:`torch_steps`,
+in processes of their own: :mod:`benchmarks.torch_peers`) and ``compute``: every rank
+training its quarter of the batch alone (no communication).
 Rank 0 writes each variant's samples (step seconds, exposed communication per axis, losses).
 """
 
 from __future__ import annotations
-
-import socket
 
 from .cluster_worker import MODEL, interleave, train_once, worker_args
 
@@ -65,36 +64,6 @@ def hpctrain_variants() -> dict[str, list[str]]:
     return dict(HPCTRAIN)
 
 
-def _my_address() -> tuple[str, str]:
-    """This node's address and interface for gloo: eth0's inside the cluster (a UDP
-    connect to the hub sends nothing), else loopback."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.213.0.254", 9))
-            return s.getsockname()[0], "eth0"
-    except OSError:
-        return "127.0.0.1", "lo"
-
-
-def torch_dist(world):
-    """gloo over the nodes' links: rank 0's node address, a port it picked."""
-    import os
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return dist
-    addr, iface = _my_address()
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        port = s.getsockname()[1]
-    addr, port = world.bcast_obj((addr, port) if world.rank == 0 else None)
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=iface)
-    dist.init_process_group("gloo", init_method="env://", rank=world.rank,
-                            world_size=world.size)
-    return dist
-
-
 def _wrap(stage, kind: str, arg, bf16: bool):
     """DDP in its best settings (bucket ``arg`` MB, gradient_as_bucket_view, static graph;
     ``bf16``: :func:`bfloat16_wire_hook`), or FSDP2 ``fully_shard`` per block and at the
@@ -140,7 +109,6 @@ def torch_steps(cfg, world, kind: str, arg, bf16: bool) -> dict:
     (:func:`_wrap`); rank 0's step seconds and losses."""
     from .common import torch_loop
 
-    torch_dist(world)
     times, losses = torch_loop(cfg, world, wrap=lambda stage: _wrap(stage, kind, arg, bf16))
     return {"step_s": times, "comm_s": [{} for _ in times], "losses": losses}
 
@@ -151,13 +119,27 @@ def compute_overrides(size: str) -> list[str]:
     return [f"train.global_batch_size={g // 4}", "topology.dp=1"]
 
 
-def one(world, solo, name: str, size: str) -> dict | None:
-    from .common import train_config
+class Peers:
+    """The torch peers among ``names``, trained by :func:`torch_peers.run` in one child
+    process per rank when a repeat reaches the first of them, in the order that repeat runs
+    them (they stand together in :func:`variant_names`; every other repeat reverses it)."""
 
+    def __init__(self, world, size: str, names: list[str]):
+        self.world, self.size = world, size
+        self.names, self.done = [n for n in names if n in TORCH], {}
+
+    def __call__(self, name: str) -> dict | None:
+        from . import torch_peers
+
+        if name not in self.done:
+            order = self.names if name == self.names[0] else self.names[::-1]
+            self.done = torch_peers.run(self.world, self.size, order) or dict.fromkeys(order)
+        return self.done.pop(name)
+
+
+def one(world, solo, name: str, size: str, peers: Peers) -> dict | None:
     if name in TORCH:
-        cfg = train_config(size, *MODEL[size])
-        res = torch_steps(cfg, world, *TORCH[name])
-        return res if world.rank == 0 else None
+        return peers(name)
     if name == "compute":
         return train_once(world, solo, [*MODEL[size], *compute_overrides(size)], size)
     extra = NAIVE if name == "naive baseline" else hpctrain_variants()[name]
@@ -171,8 +153,10 @@ def main(argv=None) -> int:
     world = comm.world()
     solo = comm.split(world, world.rank, 0, "bench-solo")
     description = calibrated(world, args.size)
-    interleave(world, variant_names(args.size), args.repeats,
-               lambda n: one(world, solo, n, args.size), args.out, "nodes",
+    names = variant_names(args.size)
+    peers = Peers(world, args.size, names)
+    interleave(world, names, args.repeats,
+               lambda n: one(world, solo, n, args.size, peers), args.out, "nodes",
                {CALIBRATED: description})
     return 0
 

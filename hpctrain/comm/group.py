@@ -20,16 +20,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
+from . import sum16
 from .records import OpRecord, Recorder
-from .sum16 import SUM16
 
 if TYPE_CHECKING:
     import torch
 
 PROC_NULL = MPI.PROC_NULL
-_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN,
-        "sum16": SUM16}  # bfloat16 summed as 16-bit words (sum16.py); else 16 bits in float32
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
+
+def _op(name: str) -> MPI.Op:
+    """The MPI op called ``name``. ``sum16`` sums bfloat16 as 16-bit words (``sum16.py``,
+    made on first use, so that importing hpctrain starts no MPI); the others reduce 16-bit
+    floats staged in float32."""
+    return sum16.op() if name == "sum16" else _OPS[name]
 
 
 class _Buffers:
@@ -195,7 +200,7 @@ class Group:
             return t
         bufs = _Buffers()
         buf = bufs(t, write=True)
-        self._run("allreduce", t.nbytes, lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _OPS[op]))
+        self._run("allreduce", t.nbytes, lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _op(op)))
         bufs.done()
         return t
 
@@ -205,21 +210,21 @@ class Group:
         bufs = _Buffers()
         if _low(t) and op != "sum16":
             staged = t.float()
-            req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(staged, write=True), _OPS[op])
+            req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(staged, write=True), _op(op))
 
             def finalise():
                 bufs.done()
                 t.copy_(staged)
 
             return Handle(self.recorder, req, rec, finalise=finalise, keep=staged)
-        req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(t, write=True), _OPS[op])
+        req = self.mpi.Iallreduce(MPI.IN_PLACE, bufs(t, write=True), _op(op))
         return Handle(self.recorder, req, rec, finalise=bufs.done, keep=t)
 
     def allreduce(self, value: float, op: str = "sum") -> float:
         """All-reduce of one Python number (float64)."""
         buf = np.array([value], dtype=np.float64)
         if self.size > 1:
-            self._run("allreduce", 8, lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _OPS[op]))
+            self._run("allreduce", 8, lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _op(op)))
         return float(buf[0])
 
     def allreduce_array(self, arr: np.ndarray, op: str = "sum") -> np.ndarray:
@@ -227,7 +232,7 @@ class Group:
         out = np.array(arr, copy=True)
         if self.size > 1:
             self._run("allreduce", out.nbytes,
-                      lambda: self.mpi.Allreduce(MPI.IN_PLACE, out, _OPS[op]))
+                      lambda: self.mpi.Allreduce(MPI.IN_PLACE, out, _op(op)))
         return out
 
     def reduce_scatter(self, t_in: torch.Tensor, t_out: torch.Tensor,
@@ -243,7 +248,7 @@ class Group:
         bufs = _Buffers()
         sb, rb = bufs(t_in), bufs(t_out, write=True)
         self._run("reduce_scatter", t_in.nbytes,
-                  lambda: self.mpi.Reduce_scatter_block(sb, rb, _OPS[op]))
+                  lambda: self.mpi.Reduce_scatter_block(sb, rb, _op(op)))
         bufs.done()
         return t_out
 
@@ -267,7 +272,7 @@ class Group:
         if self.size == 1:
             dst.copy_(src)
             return Handle(self.recorder, _DoneRequest(), rec, finalise=finalise)
-        req = self.mpi.Ireduce_scatter_block(bufs(src), bufs(dst, write=True), _OPS[op])
+        req = self.mpi.Ireduce_scatter_block(bufs(src), bufs(dst, write=True), _op(op))
         return Handle(self.recorder, req, rec, finalise=finalise, keep=(src, dst))
 
     # -- data movement -----------------------------------------------------------------

@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 BLOCK = 1 << 15  # elements per pass: the widened block stays in cache (32768: 128 KiB)
 _scratch: list = []  # one float32 block, made on first use
+_op: list = []  # the MPI op, made on first use: importing hpctrain needs no MPI_Init
 
 
 def add_bf16(inbuf, inoutbuf, _datatype=None) -> None:
@@ -39,4 +40,8 @@ def add_bf16(inbuf, inoutbuf, _datatype=None) -> None:
         b[lo:hi].copy_(s)
 
 
-SUM16 = MPI.Op.Create(add_bf16, commute=True)
+def op() -> MPI.Op:
+    """The MPI op that sums bfloat16 words with :func:`add_bf16` (made once, on first use)."""
+    if not _op:
+        _op.append(MPI.Op.Create(add_bf16, commute=True))
+    return _op[0]

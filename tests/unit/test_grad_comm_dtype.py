@@ -2,6 +2,8 @@
 the bfloat16 sum op against torch's own rounding, the float32 buffer left float32, and every
 refusal with its message."""
 
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,6 +50,19 @@ class Doubling:
     def allreduce_(self, t, op="sum (the collective's default)"):
         self.seen.append((t.dtype, op))
         return t.mul_(2)
+
+
+def test_importing_hpctrain_starts_no_mpi():
+    """The sum op is made on first use: a process that is no MPI rank (a benchmark's torch
+    peer) imports hpctrain's training code with MPI_Init turned off, and MPI stays down."""
+    code = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False\n"
+            "import hpctrain.optim, hpctrain.train, benchmarks.torch_peers\n"
+            "from mpi4py import MPI; print(MPI.Is_initialized())")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 def test_carried_sends_bfloat16_and_keeps_the_float32_buffer():
