@@ -17,6 +17,7 @@ by :func:`run` (rank 0 writes ``{name: {"step_s", "comm_s", "losses"}}``).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -38,10 +39,29 @@ def my_address() -> tuple[str, str]:
         return "127.0.0.1", "lo"
 
 
+TRIES = 2  # a batch whose child failed on any rank runs again once, on a fresh port
+LIMIT_S = 600  # a child still running after this is killed (its peers' gloo gave up)
+
+
 def run(world, size: str, names: list[str]) -> dict | None:
     """Train the torch peers ``names`` (keys of ``nodes_worker.TORCH``) in one child process
     per rank; rank 0's results by name (None elsewhere). Collective over ``world``: rank 0
-    picks the rendezvous address and a free port, every rank waits for its child."""
+    picks the rendezvous address and a free port, every rank waits for its child; where a
+    child fails on any rank, every rank tries again (:data:`TRIES`), then raises with the
+    failed child's last lines."""
+    for attempt in range(1, TRIES + 1):
+        code, err, res = _attempt(world, size, names)
+        if world.allreduce(float(code != 0), "max") == 0:
+            return res
+        if code != 0:
+            print(f"[torch_peers] rank {world.rank}, try {attempt}: exit {code}\n{err}",
+                  file=sys.stderr, flush=True)
+    raise RuntimeError(f"torch peers {names} failed {TRIES} times (rank {world.rank}: exit "
+                       f"{code}): {err[-1500:]}")
+
+
+def _attempt(world, size: str, names: list[str]) -> tuple[int, str, dict | None]:
+    """One child per rank: its exit code, its stderr's end, rank 0's results."""
     mine, iface = my_address()
     if world.rank == 0:
         with socket.socket() as s:
@@ -54,10 +74,14 @@ def run(world, size: str, names: list[str]) -> dict | None:
         out = Path(d) / "peers.json"
         cmd = [sys.executable, "-m", "benchmarks.torch_peers", "--size", size,
                "--names", json.dumps(names), "--out", str(out)]
-        code = subprocess.run(cmd, env=env).returncode
-        if code != 0:
-            raise RuntimeError(f"torch peers {names} exited with {code} on rank {world.rank}")
-        return json.loads(out.read_text()) if world.rank == 0 else None
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, timeout=LIMIT_S)
+        except subprocess.TimeoutExpired as e:
+            return -9, f"killed after {LIMIT_S} s: {e.stderr or ''}"[-3000:], None
+        ok = proc.returncode == 0 and (world.rank != 0 or out.exists())
+        res = json.loads(out.read_text()) if ok and world.rank == 0 else None
+        return (0 if ok else proc.returncode or 1), proc.stderr[-3000:], res
 
 
 def main(argv=None) -> int:
@@ -78,10 +102,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=LIMIT_S // 4))
     cfg = train_config(a.size, *MODEL[a.size])
     world = SimpleNamespace(rank=rank, size=size)
     res = {n: torch_steps(cfg, world, *TORCH[n]) for n in json.loads(a.names)}
+    dist.barrier()  # every rank done with every peer before the group goes
     dist.destroy_process_group()
     if rank == 0:
         Path(a.out).write_text(json.dumps(res))

@@ -13,6 +13,7 @@ Every operation is recorded (op, axis, peer, bytes, posted, completed) in the gr
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -35,6 +36,23 @@ def _op(name: str) -> MPI.Op:
     made on first use, so that importing hpctrain starts no MPI); the others reduce 16-bit
     floats staged in float32."""
     return sum16.op() if name == "sum16" else _OPS[name]
+
+
+# Under Open MPI, a blocking all-reduce of a host buffer from this size on is posted and
+# waited for: libnbc's reduce-scatter + all-gather (the algorithm the launch and the CLI
+# set) ran 1.5-2.7x faster than MPI_Allreduce's own choice from 128 KiB to 14 MiB, within
+# a node and across two (docs/decisions.md). Device buffers stay blocking (libnbc does not
+# reduce in device memory).
+POSTED_FROM = 128 << 10
+
+
+@functools.cache
+def _libnbc() -> bool:
+    return MPI.Get_library_version().startswith("Open MPI")
+
+
+def _posted(t: torch.Tensor) -> bool:
+    return t.nbytes >= POSTED_FROM and t.device.type == "cpu" and _libnbc()
 
 
 class _Buffers:
@@ -200,7 +218,12 @@ class Group:
             return t
         bufs = _Buffers()
         buf = bufs(t, write=True)
-        self._run("allreduce", t.nbytes, lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _op(op)))
+        if _posted(t):
+            self._run("allreduce", t.nbytes,
+                      lambda: self.mpi.Iallreduce(MPI.IN_PLACE, buf, _op(op)).Wait())
+        else:
+            self._run("allreduce", t.nbytes,
+                      lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _op(op)))
         bufs.done()
         return t
 

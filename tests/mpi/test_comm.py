@@ -29,6 +29,25 @@ def test_allreduce(world, dtype):
     np.testing.assert_allclose(t.double().numpy(), ref.numpy(), rtol=tol, atol=tol * 4)
 
 
+@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("delta", [-8, 0, 8 * 1001 + 8])
+def test_allreduce_on_both_sides_of_the_posted_size(world, op, delta):
+    """From ``POSTED_FROM`` bytes on, Open MPI's all-reduce is posted and waited for (libnbc);
+    below, MPI_Allreduce: both give the reference, at the edge and at odd sizes."""
+    from hpctrain.comm.group import POSTED_FROM
+
+    n = (POSTED_FROM + delta) // 8
+    t = rank_data(world.rank, (n,))
+    parts = [rank_data(r, (n,)) for r in range(world.size)]
+    ref = sum(parts) if op == "sum" else torch.stack(parts).max(0).values
+    world.allreduce_(t, op)
+    np.testing.assert_allclose(t.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12)
+    if world.size == 1:
+        return
+    last = world.recorder.ring[-1]
+    assert (last.op, last.nbytes, last.state) == ("allreduce", t.nbytes, "done")
+
+
 def test_allreduce_max_and_scalar(world):
     t = torch.tensor([float(world.rank), -float(world.rank)], dtype=torch.float64)
     world.allreduce_(t, "max")
