@@ -40,7 +40,7 @@ def _op(name: str) -> MPI.Op:
 
 # Under Open MPI, a blocking all-reduce of a host buffer from this size on is posted and
 # waited for: libnbc's reduce-scatter + all-gather (the algorithm the launch and the CLI
-# set) ran 1.5-3x faster than MPI_Allreduce's own choice from 128 KiB to 14 MiB, within
+# set) ran 1.2-3x faster than MPI_Allreduce's own choice from 128 KiB to 14 MiB, within
 # a node and across two (docs/decisions.md). Device buffers stay blocking (libnbc does not
 # reduce in device memory).
 POSTED_FROM = 128 << 10
