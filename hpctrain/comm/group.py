@@ -38,11 +38,12 @@ def _op(name: str) -> MPI.Op:
     return sum16.op() if name == "sum16" else _OPS[name]
 
 
-# Under Open MPI, a blocking all-reduce of a host buffer from this size on is posted and
-# waited for: libnbc's reduce-scatter + all-gather (the algorithm the launch and the CLI
-# set) ran 1.2-3x faster than MPI_Allreduce's own choice from 128 KiB to 14 MiB, within
-# a node and across two (docs/decisions.md). Device buffers stay blocking (libnbc does not
-# reduce in device memory).
+# Under Open MPI, a blocking all-reduce, reduce-scatter or all-gather of a host buffer from
+# this size on is posted and waited for: libnbc's all-reduce (reduce-scatter + all-gather,
+# the algorithm the launch and the CLI set) ran 1.2-3x faster than MPI_Allreduce's own
+# choice from 128 KiB to 14 MiB, within a node and across two; its reduce-scatter 1.3-1.7x
+# and all-gather 1.1-1.7x faster at 1-14 MiB (docs/decisions.md). Device buffers stay
+# blocking (libnbc does not reduce in device memory).
 POSTED_FROM = 128 << 10
 
 
@@ -205,6 +206,10 @@ class Group:
         self.recorder.complete(rec, time.perf_counter() - t0)
         return out
 
+    def _blocking(self, op: str, t: torch.Tensor, nbytes: int, call, post):
+        """``call()``, or ``post().Wait()`` where ``t`` is posted (:func:`_posted`)."""
+        return self._run(op, nbytes, (lambda: post().Wait()) if _posted(t) else call)
+
     # -- reductions --------------------------------------------------------------------
     def allreduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce; 16-bit floats are reduced in float32 (``sum16``: bfloat16 on
@@ -218,12 +223,9 @@ class Group:
             return t
         bufs = _Buffers()
         buf = bufs(t, write=True)
-        if _posted(t):
-            self._run("allreduce", t.nbytes,
-                      lambda: self.mpi.Iallreduce(MPI.IN_PLACE, buf, _op(op)).Wait())
-        else:
-            self._run("allreduce", t.nbytes,
-                      lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _op(op)))
+        self._blocking("allreduce", t, t.nbytes,
+                       lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, _op(op)),
+                       lambda: self.mpi.Iallreduce(MPI.IN_PLACE, buf, _op(op)))
         bufs.done()
         return t
 
@@ -270,8 +272,9 @@ class Group:
             return t_out.copy_(out32)
         bufs = _Buffers()
         sb, rb = bufs(t_in), bufs(t_out, write=True)
-        self._run("reduce_scatter", t_in.nbytes,
-                  lambda: self.mpi.Reduce_scatter_block(sb, rb, _op(op)))
+        self._blocking("reduce_scatter", t_in, t_in.nbytes,
+                       lambda: self.mpi.Reduce_scatter_block(sb, rb, _op(op)),
+                       lambda: self.mpi.Ireduce_scatter_block(sb, rb, _op(op)))
         bufs.done()
         return t_out
 
@@ -305,7 +308,8 @@ class Group:
             return t_out.copy_(t_in)
         bufs = _Buffers()
         sb, rb = bufs(t_in, raw=True), bufs(t_out, write=True, raw=True)
-        self._run("allgather", t_out.nbytes, lambda: self.mpi.Allgather(sb, rb))
+        self._blocking("allgather", t_out, t_out.nbytes, lambda: self.mpi.Allgather(sb, rb),
+                       lambda: self.mpi.Iallgather(sb, rb))
         bufs.done()
         return t_out
 

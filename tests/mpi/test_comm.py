@@ -32,8 +32,9 @@ def test_allreduce(world, dtype):
 @pytest.mark.parametrize("op", ["sum", "max"])
 @pytest.mark.parametrize("delta", [-8, 0, 8 * 1001 + 8])
 def test_allreduce_on_both_sides_of_the_posted_size(world, op, delta):
-    """From ``POSTED_FROM`` bytes on, Open MPI's all-reduce is posted and waited for (libnbc);
-    below, MPI_Allreduce: both give the reference, at the edge and at odd sizes."""
+    """From ``POSTED_FROM`` bytes on, Open MPI's all-reduce, reduce-scatter and all-gather
+    are posted and waited for (libnbc); below, the blocking calls: both give the reference,
+    at the edge and at odd sizes."""
     from hpctrain.comm.group import POSTED_FROM
 
     n = (POSTED_FROM + delta) // 8
@@ -46,6 +47,16 @@ def test_allreduce_on_both_sides_of_the_posted_size(world, op, delta):
         return
     last = world.recorder.ring[-1]
     assert (last.op, last.nbytes, last.state) == ("allreduce", t.nbytes, "done")
+    rows = n // world.size  # elements per rank's block: the same side of the edge
+    full = [rank_data(r, (rows * world.size,)) for r in range(world.size)]
+    mine = torch.empty(rows, dtype=torch.float64)
+    world.reduce_scatter(full[world.rank], mine, op)
+    red = sum(full) if op == "sum" else torch.stack(full).max(0).values
+    np.testing.assert_allclose(mine.numpy(), red[world.rank * rows:][:rows].numpy(),
+                               rtol=1e-12, atol=1e-12)
+    gathered = torch.empty(rows * world.size, dtype=torch.float64)
+    world.allgather(full[world.rank][:rows], gathered)
+    assert torch.equal(gathered, torch.cat([f[:rows] for f in full]))
 
 
 def test_allreduce_max_and_scalar(world):
