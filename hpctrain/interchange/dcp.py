@@ -46,7 +46,7 @@ def is_dcp_directory(path: str | Path) -> bool:
 @functools.cache
 def _planners():
     """(load planner, save planner) classes: DCP's defaults, except that a bytes entry is
-    unpickled by ``torch.load(weights_only=True)`` and a tensor to save is produced when the
+    read as data (:func:`.pickles.load_torch_data`) and a tensor to save is produced when the
     writer asks for it."""
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner

@@ -25,7 +25,6 @@ Rotary rows are in rotate-half order unless the run set ``rotary_interleaved`` (
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from ..config import ModelConfig
@@ -75,7 +74,7 @@ def common_state(directory: Path) -> dict:
     path = Path(directory) / COMMON
     if not path.is_file():
         return {}
-    state = load_torch_data(path, str(path), allowed=(argparse.Namespace,))
+    state = load_torch_data(path, str(path))
     return state if isinstance(state, dict) else {}
 
 

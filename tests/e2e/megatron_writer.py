@@ -123,6 +123,17 @@ def optimizer_state(gpt, sharding: str, model_sd: dict) -> dict:
     return opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": sharding})
 
 
+def megatron_lm_args() -> argparse.Namespace:
+    """The ``args`` Megatron-LM saves: its parsed command line, which holds Megatron's own
+    enums (``--attention-backend``'s default) and torch dtypes beside plain values."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    return argparse.Namespace(rotary_interleaved=False, num_layers=2, ckpt_format="torch_dist",
+                              iteration=1, attention_backend=AttnBackend.auto,
+                              params_dtype=torch.float32, make_vocab_size_divisible_by=128,
+                              tensor_model_parallel_size=1, vocab_size=SIZES["vocab_size"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -139,9 +150,7 @@ def main() -> None:
     state = {"model": gpt.sharded_state_dict()}
     if args.optimizer:
         state["optimizer"] = optimizer_state(gpt, args.optimizer, state["model"])
-    state.update(args=argparse.Namespace(rotary_interleaved=False, num_layers=2,
-                                         ckpt_format="torch_dist", iteration=1),
-                 checkpoint_version=3.0, iteration=1)
+    state.update(args=megatron_lm_args(), checkpoint_version=3.0, iteration=1)
     ckpt = os.path.join(args.out, "iter_0000001")
     os.makedirs(ckpt)
     dist_checkpointing.save(state, ckpt)
