@@ -141,6 +141,23 @@ elif [ ! -f "$stamp" ]; then
   $PIP install "$TORCH_SPEC" $BASE_PKGS
   touch "$stamp"
 fi
+# torchtitan: the tests write real torchtitan interval saves with its own CheckpointManager,
+# optimizer, scheduler and data loader (tests/e2e/titan_manager_writer.py); hpctrain does
+# not import it. --no-deps because its declared dependencies are its trainer's (datasets,
+# einops, ...); those modules import only the packages listed with it here (its models also
+# need triton, which the tests do not use). Own stamp, so the base list is not reinstalled.
+TITAN_PKGS="torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+  spmd-types==0.2.3 torchdata==0.11.0"
+titan_stamp="$VENV/.hpctrain-titan-$(echo "$TITAN_PKGS" | cksum | cut -d' ' -f1)"
+if [ -n "${BASE_VENV:-}" ] && ls "$BASE_VENV"/.hpctrain-titan-* >/dev/null 2>&1; then
+  :  # BASE_VENV's, through its site directory
+elif [ ! -f "$titan_stamp" ]; then
+  say "installing torchtitan's checkpoint modules (without its trainer's dependencies)"
+  # shellcheck disable=SC2086  # TITAN_PKGS is a word list
+  $PIP install --no-deps $TITAN_PKGS
+  rm -f "$VENV"/.hpctrain-titan-*
+  touch "$titan_stamp"
+fi
 # mpi4py and h5py are built for one (MPICC, HDF5_DIR): a stamp names it, another rebuilds.
 build_key=$(echo "$(command -v "$MPICC") $("$MPICC" -show 2>/dev/null || true) $HDF5_DIR" \
   | cksum | cut -d' ' -f1)

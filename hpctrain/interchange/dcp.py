@@ -77,8 +77,8 @@ def _planners():
             return self.state_dict[index.fqn]  # the box's buffer: offsets are the box's
 
         def load_bytes(self, read_item, value) -> None:
-            fqn = read_item.dest_index.fqn
-            self.state_dict[fqn] = load_torch_data(value, f"DCP entry {fqn}")
+            fqn = read_item.dest_index.fqn  # into the caller's dict: self.state_dict is a copy
+            self.original_state_dict[fqn] = load_torch_data(value, f"DCP entry {fqn}")
 
     class LazySavePlanner(DefaultSavePlanner):
         def __init__(self, produce: Callable):
@@ -155,16 +155,17 @@ class Reader:
         return self._load({key: None})[key]
 
 
-def save(directory: str | Path, specs: dict, produce: Callable) -> None:
-    """Write a DCP checkpoint to ``directory``: ``specs`` maps each key to a ``(shape,
-    torch dtype)`` of a tensor that ``produce(key)`` returns when the writer reaches it, or
-    to a plain value (pickled by DCP)."""
+def save(directory: str | Path, specs: dict, produce: Callable, values: dict | None = None
+         ) -> None:
+    """Write a DCP checkpoint to ``directory``: ``specs`` maps each tensor's key to its
+    ``(shape, torch dtype)``, and ``produce(key)`` returns the tensor when the writer reaches
+    it; ``values`` {key: plain value (a number, a tuple...)} are pickled by DCP."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     _, save_planner = _planners()
-    state = {k: torch.empty(v[0], dtype=v[1], device="meta") if isinstance(v, tuple) else v
-             for k, v in specs.items()}
+    state = {k: torch.empty(v[0], dtype=v[1], device="meta") for k, v in specs.items()}
+    state.update(values or {})
     Path(directory).mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ONE_PROCESS)

@@ -111,7 +111,8 @@ def form_of(reader: dcp.Reader, m: ModelConfig):
     when it has Megatron's names, else torchtitan's."""
     if megatron.is_megatron(reader.tensors):
         return megatron.MegatronForm(m, reader.tensors, megatron.common_state(reader.dir))
-    return titan.TitanForm(m, titan.detect(reader.tensors))
+    return titan.TitanForm(m, titan.detect(reader.tensors), reader.tensors.keys() |
+                           reader.objects, reader.tensors)
 
 
 def check_tied_head(reader: dcp.Reader, form, m: ModelConfig) -> None:
@@ -133,7 +134,7 @@ def import_dcp(directory: str | Path, out: str | Path, cfg: Config, say=print) -
     cfg = dataclasses.replace(cfg, model=m)
     dcp.release_freed_memory()
     directory = megatron.iteration_directory(Path(directory))
-    reader = dcp.Reader(directory)
+    reader = titan.fused_moments(dcp.Reader(directory), m)
     form = form_of(reader, m)
     moments = check_entries(reader, form, m)
     check_tied_head(reader, form, m)
@@ -168,44 +169,74 @@ def export_dcp(path: Path, out: Path, dtype: str = "auto", verify: bool = True,
                say=print) -> None:
     """Write checkpoint ``path`` (verified) as torchtitan's Llama 3 DCP at ``out``:
     parameters (the float32 master of 16-bit ones) and, once the optimizer has stepped
-    (``optim_step`` > 0), its moments and step, in ``dtype`` (auto: float32, float64 for a
-    float64 model); one tensor read at a time."""
+    (``optim_step`` > 0), what torchtitan's ``CheckpointManager`` loads beside them (moments,
+    steps, hyperparameters, schedule and train state: :meth:`.titan.TitanForm.trainer_state`),
+    in ``dtype`` (auto: float32, float64 for a float64 model); one tensor read at a time."""
     import h5py
     import torch
 
     from ..checkpoint import integrity as cv
     from ..model import DTYPES
+    from ..optim.adamw import lr_at
     from .hf_export import read_attributes
 
     cfg, attrs = read_attributes(path, verify)
-    form = titan.TitanForm(resolved(cfg.model), export_names(attrs))
+    m = resolved(cfg.model)
+    form = titan.TitanForm(m, export_names(attrs))
     if dtype == "auto":
-        dtype = "float64" if cfg.model.dtype == "float64" else "float32"
+        dtype = "float64" if m.dtype == "float64" else "float32"
     if out.exists() and any(out.iterdir()):
         raise InterchangeError(f"{out} exists and is not empty: give a new directory")
     step, optim_step = int(attrs.get("step", 0)), int(attrs.get("optim_step", 0))
+    written, values, counts = form.written(bool(optim_step)), {}, set()
+    if optim_step:
+        horizon = cfg.optim.decay_steps or cfg.train.steps
+        tokens = int(attrs.get("data_samples_seen", 0)) * cfg.train.seq_len
+        values = form.trainer_state(cfg.optim, lr_at(step, cfg.optim, horizon),
+                                    model_shapes(m), step, tokens)
+        counts = {f"optimizer.state.{param}.step" for param in form.optimizer_params()}
     cv.disable_file_locking()
     dcp.release_freed_memory()
     with h5py.File(path, "r") as f:
-        source = {}
-        for name, key, heads in form.rows:
-            master = f"optim/{name}/master"
-            source[key] = (master if master in f else f"model/{name}", heads)
-            if optim_step:
-                source.update({form.moment(key, w): (f"optim/{name}/{w}", heads)
-                               for w in MOMENTS})
-        specs = {k: (f[d].shape, DTYPES[dtype]) for k, (d, _) in source.items()}
-        if optim_step:
-            specs.update({form.moment(u.key, "step"): ((), torch.float32) for u in form.units})
-            specs[titan.STEP] = step
+        source = ExportSource(f, written)
+        specs = {k: (source.shape(k), DTYPES[dtype]) for k in written}
+        specs.update({k: ((), torch.float32) for k in counts})
 
         def produce(key: str):
-            if key not in source:  # an optimizer step count
+            if key in counts:
                 return torch.tensor(float(optim_step))
-            dataset, heads = source[key]
-            a = titan.to_interleaved(f[dataset][...], heads) if heads else f[dataset][...]
-            return torch.from_numpy(np.ascontiguousarray(a)).to(DTYPES[dtype])
+            return torch.from_numpy(source.read(key)).to(DTYPES[dtype])
 
-        dcp.save(out, specs, produce)
+        dcp.save(out, specs, produce, values)
     say(f"wrote {out}: torchtitan Llama 3 DCP, {len(form.rows)} parameters ({dtype})"
-        f"{f', optimizer moments at step {step}' if optim_step else ''}")
+        + (f", optimizer moments, schedule and train state at step {step}; torchtitan "
+           f"resumes it as step-{step} of its checkpoint folder with "
+           f"--checkpoint.exclude_from_loading dataloader" if optim_step else ""))
+
+
+class ExportSource:
+    """The tensors of an export (:meth:`.titan.TitanForm.written`) from open hpctrain
+    checkpoint ``f``: each piece's dataset, rows back in the interleaved rotary order, fused
+    q/k/v moments joined."""
+
+    def __init__(self, f, written: dict):
+        self.f, self.written = f, written
+
+    def dataset(self, name: str, which: str | None):
+        """The parameter's float32 master where it has one, else its value; or a moment."""
+        master = f"optim/{name}/master"
+        key = f"optim/{name}/{which}" if which else (
+            master if master in self.f else f"model/{name}")
+        return self.f[key]
+
+    def shape(self, key: str) -> tuple:
+        shapes = [self.dataset(name, which).shape for name, which, _ in self.written[key]]
+        return shapes[0] if len(shapes) == 1 else (sum(s[0] for s in shapes), shapes[0][1])
+
+    def read(self, key: str) -> np.ndarray:
+        pieces = self.written[key]
+        arrays = [titan.to_interleaved(self.dataset(name, which)[...], heads) if heads else
+                  self.dataset(name, which)[...] for name, which, heads in pieces]
+        if len(arrays) == 1:
+            return np.ascontiguousarray(arrays[0])
+        return titan.fuse_qkv(*arrays, kv_heads=pieces[1][2])
