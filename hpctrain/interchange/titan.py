@@ -122,7 +122,7 @@ class TitanForm:
     rows in the interleaved order."""
 
     name = "torchtitan Llama 3"
-    padded: frozenset = frozenset()
+    padded: dict = {}  # torchtitan pads nothing
 
     def __init__(self, m: ModelConfig, names: TitanNames):
         check_model(m)
