@@ -63,6 +63,9 @@ def run(args) -> int:
         if args.format == "dcp":
             from ..interchange.trainers import export_dcp
 
+            if Path(out).exists() and not Path(out).is_dir():
+                raise InterchangeError(f"{out} is a file: --format dcp writes a directory; "
+                                       f"give --out a new directory")
             export_dcp(source(args.checkpoint), Path(out), args.dtype, not args.no_verify)
             return 0
         return export_safetensors(source(args.checkpoint), safetensors_path(out),

@@ -6,6 +6,12 @@ and ``__R_N.distcp`` files (the chunks). :class:`Reader` loads one whole tensor,
 from however many chunks the writer's ranks left, into one buffer; :func:`save` writes a
 checkpoint whose tensors are produced one by one when the writer asks for them. Neither holds
 more than one tensor of the checkpoint at a time.
+
+A checkpoint is data from elsewhere: before anything is read, :func:`check_metadata` checks
+that every tensor's chunks cover it exactly once (:mod:`.chunks`), that every chunk has its
+storage record, and that every record names a file inside the directory that is long enough
+for the bytes recorded in it; a failure while reading (a file damaged inside) is one
+:class:`InterchangeError` naming the entry and the files.
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from . import chunks
 from .hf_map import InterchangeError
 from .pickles import load_dcp_metadata, load_torch_data
 
 METADATA = ".metadata"
 ONE_PROCESS = "torch.distributed is disabled"  # DCP's warning: no_dist=True is meant
+LIMIT = 1 << 48  # above any tensor dimension, offset or file length a checkpoint records
+DAMAGED = "copy the checkpoint again from its writer"
 
 
 def release_freed_memory() -> None:
@@ -99,7 +108,6 @@ class Reader:
 
     def __init__(self, directory: str | Path):
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
         self.dir = Path(directory)
         if not is_dcp_directory(self.dir):
@@ -107,19 +115,17 @@ class Reader:
                                    f"checkpoint (DCP) directory")
         self.meta = load_dcp_metadata(self.dir / METADATA)
         meta = self.meta
+        self.tensors, self.objects = check_metadata(self.dir, meta)
 
         class SafeReader(FileSystemReader):
             def read_metadata(self, *args, **kwargs):
                 return meta
 
         self._fs = SafeReader(str(self.dir))
-        entries = meta.state_dict_metadata.items()
-        self.objects = {k for k, v in entries if isinstance(v, BytesStorageMetadata)}
-        self.tensors = {k: (tuple(v.size), v.properties.dtype) for k, v in entries
-                        if k not in self.objects}
 
     def _load(self, state: dict, box=None) -> dict:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         load_planner, _ = _planners()
         try:
@@ -127,11 +133,17 @@ class Reader:
                 warnings.filterwarnings("ignore", ONE_PROCESS)
                 dcp.load(state, storage_reader=self._fs, planner=load_planner(box),
                          no_dist=True)
-        except InterchangeError:
-            raise
-        except Exception as e:  # a missing or truncated .distcp file
-            raise InterchangeError(f"{self.dir}: reading {', '.join(state)} failed: "
-                                   f"{str(e).strip().splitlines()[-1][:300]}") from None
+        # torch's CheckpointException (a BaseException) wraps what failed while reading
+        except (Exception, CheckpointException) as e:
+            cause = _cause(e)
+            if isinstance(cause, InterchangeError):
+                raise cause from None
+            files = sorted({str(self.dir / info.relative_path) for index, info
+                            in self.meta.storage_data.items() if index.fqn in state})
+            said = (str(cause).strip().splitlines() or [""])[0].split(". ")[0][:200]
+            raise InterchangeError(
+                f"reading {', '.join(state)} from {', '.join(files[:3])} failed "
+                f"({type(cause).__name__}: {said}): the file is damaged; {DAMAGED}") from None
         return state
 
     def tensor(self, key: str, index: int | None = None, rows: int | None = None):
@@ -153,6 +165,118 @@ class Reader:
     def object(self, key: str):
         """A pickled entry (a step count, a learning rate), unpickled safely."""
         return self._load({key: None})[key]
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The exception a torch ``CheckpointException`` wraps (its first rank's), else ``e``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return e
+
+
+def check_metadata(directory: Path, meta) -> tuple[dict, set]:
+    """({key: (shape, torch dtype)} of the tensor entries, the keys of the pickled ones) of
+    DCP metadata ``meta`` of ``directory``, once every entry is well formed, every tensor's
+    chunks cover it exactly once, every chunk has a storage record and every record's bytes
+    lie in a file inside the directory (:func:`check_storage`)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    where = directory / METADATA
+    entries, stored = meta.state_dict_metadata, meta.storage_data
+    if not isinstance(entries, dict) or not isinstance(stored, dict):
+        raise InterchangeError(f"{where} lists no entries and storage records: not DCP "
+                               f"metadata, or damaged; {DAMAGED}")
+    tensors, objects = {}, set()
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            raise InterchangeError(f"{where} has an entry named {key!r}, not a string: "
+                                   f"damaged; {DAMAGED}")
+        if isinstance(entry, BytesStorageMetadata):
+            objects.add(key)
+            starts = [None]
+        else:
+            shape, dtype, starts = _tensor_entry(where, key, entry)
+            tensors[key] = (shape, dtype)
+        absent = next((o for o in starts if MetadataIndex(key, o) not in stored), False)
+        if absent is not False:
+            at = "" if absent is None else f" at offsets {tuple(absent)}"
+            raise InterchangeError(f"{where}: {key}{at} has no storage record (no file holds "
+                                   f"it): the metadata is incomplete; {DAMAGED}")
+    check_storage(directory, stored)
+    return tensors, objects
+
+
+def _ints(values, what: str) -> tuple[int, ...]:
+    out = tuple(values)
+    if not all(type(v) is int and 0 <= v < LIMIT for v in out):
+        raise ValueError(f"{what} {out!r}")
+    return out
+
+
+def _tensor_entry(where: Path, key: str, entry) -> tuple[tuple, object, list]:
+    """(shape, dtype, offsets of its non-empty chunks) of tensor entry ``key``, refused
+    unless its chunks cover it exactly once."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    try:
+        if not isinstance(entry, TensorStorageMetadata):
+            raise TypeError(f"a {type(entry).__name__}")
+        shape, dtype = _ints(entry.size, "size"), entry.properties.dtype
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype {dtype!r}")
+        if not all(isinstance(c, ChunkStorageMetadata) for c in entry.chunks):
+            raise TypeError("chunks that are not DCP chunks")
+        boxes = [(_ints(c.offsets, "offsets"), _ints(c.sizes, "sizes")) for c in entry.chunks]
+    except (AttributeError, TypeError, ValueError) as e:
+        raise InterchangeError(f"{where}: entry {key} is not a DCP tensor entry ({e}): "
+                               f"damaged; {DAMAGED}") from None
+    problem = chunks.cover_problem(shape, boxes)
+    if problem:
+        raise InterchangeError(f"{where}: tensor {key} {list(shape)}: {problem}; refused "
+                               f"rather than filling it with whatever memory holds; {DAMAGED}")
+    return shape, dtype, [o for o, s in boxes if all(s)]
+
+
+def check_storage(directory: Path, stored: dict) -> None:
+    """Every storage record (file, offset, length) names a file inside ``directory`` (not
+    absolute, not through ``..`` or a symlink out of it) at least ``offset + length`` long."""
+    where, root = directory / METADATA, directory.resolve()
+    sizes: dict[str, int] = {}
+    for index, info in stored.items():
+        name = getattr(index, "fqn", index)
+        try:
+            path, span = info.relative_path, _ints((info.offset, info.length), "bytes")
+            if not isinstance(path, str):
+                raise TypeError(path)
+        except (AttributeError, TypeError, ValueError):
+            raise InterchangeError(f"{where}: the storage record of {name} is not a file, "
+                                   f"offset and length: damaged; {DAMAGED}") from None
+        if path not in sizes:
+            sizes[path] = _file_size(directory, root, path, name)
+        if sum(span) > sizes[path]:
+            raise InterchangeError(
+                f"{directory / path} is {sizes[path]} bytes, but {name} is recorded at bytes "
+                f"{span[0]} to {sum(span)}: the file is truncated; {DAMAGED}")
+
+
+def _file_size(directory: Path, root: Path, path: str, name: str) -> int:
+    """The length of ``directory / path``, refused outside ``root`` or missing."""
+    target = directory / path
+    try:
+        inside = not Path(path).is_absolute() and target.resolve().is_relative_to(root)
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, a symlink loop
+        inside = False
+    if not inside:
+        raise InterchangeError(
+            f"{directory / METADATA}: {name} is stored at {path!r}, which leads outside "
+            f"{directory}: refused (a checkpoint's files lie in its own directory)")
+    if not target.is_file():
+        raise InterchangeError(f"{target} is missing (the metadata stores {name} in it): "
+                               f"copy the whole checkpoint directory")
+    return target.stat().st_size
 
 
 def save(directory: str | Path, specs: dict, produce: Callable, values: dict | None = None

@@ -4,11 +4,12 @@ tensor of the checkpoint (or one layer of a stacked one, or its leading rows) an
 parameters cut from it. ``trainers.py`` reads units one at a time; forms never read files.
 
 A form has ``name``, ``units``, ``expected(shapes)`` ({checkpoint key: global shape} from
-hpctrain's parameter shapes), ``padded`` (keys whose first dimension may exceed it: a
-vocabulary padded for tensor parallelism), ``moment(key, which)`` (the key of the optimizer's
-``exp_avg``/``exp_avg_sq``/``step`` of a tensor), ``masters(key)`` (keys where a float32 copy
-of it may be), ``ignored`` (keys that may be present unused), ``notes`` (what the import
-should tell the user), ``steps(reader)`` and ``naming()`` (recorded in the lineage).
+hpctrain's parameter shapes), ``padded`` ({key: (rows, rule)}: the first dimensions its
+writer's padding rule allows a padded vocabulary), ``moment(key, which)`` (the key of the
+optimizer's ``exp_avg``/``exp_avg_sq``/``step`` of a tensor), ``masters(key)`` (keys where a
+float32 copy of it may be), ``ignored`` (keys that may be present unused), ``notes`` (what
+the import should tell the user), ``steps(reader)`` and ``naming()`` (recorded in the
+lineage).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def paired_steps(run, opt) -> tuple[int, int] | None:
     if run is None and opt is None:
         return None
     return int(run if run is not None else opt), int(opt if opt is not None else run)
+
+
+def either(values) -> str:
+    """``a``, ``a or b``, ``a, b or c``: the sizes a message offers."""
+    words = [str(v) for v in values]
+    return " or ".join(filter(None, (", ".join(words[:-1]), words[-1])))
 
 
 def stacked(shape: tuple, layers: int | None) -> tuple:

@@ -6,6 +6,7 @@ attributes, zeroed AdamW state at step 0), which any layout resumes or starts fr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -44,8 +45,16 @@ class HFReader:
         from safetensors import safe_open
 
         if (self.dir / INDEX).is_file():
-            wm = json.loads((self.dir / INDEX).read_text()).get("weight_map", {})
-            return {k: self.dir / v for k, v in wm.items()}
+            try:
+                wm = json.loads((self.dir / INDEX).read_text()).get("weight_map", {})
+            except (ValueError, AttributeError):
+                wm = None
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise hf_map.InterchangeError(f"{self.dir / INDEX} is not a safetensors index "
+                                              f"(JSON whose weight_map names a file per "
+                                              f"tensor): damaged; download it again")
+            shards = {v: self._shard(k, v) for k, v in wm.items()}
+            return {k: shards[v] for k, v in wm.items()}
         single = self.dir / "model.safetensors"
         if not single.is_file():
             raise hf_map.InterchangeError(
@@ -53,6 +62,24 @@ class HFReader:
                 f"weights are read, never pickled .bin files)")
         with safe_open(str(single), "pt") as f:
             return {k: single for k in f.keys()}
+
+    def _shard(self, key: str, name: str) -> Path:
+        """The shard the index names for ``key``: a file name inside the directory (or, in a
+        Hugging Face hub cache's ``snapshots/REV``, a link into the repository's ``blobs``);
+        anything leading elsewhere is refused."""
+        path, root = self.dir / name, self.dir.resolve()
+        blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else root
+        try:
+            real = path.resolve()
+            inside = not Path(name).is_absolute() and ".." not in Path(name).parts and any(
+                real.is_relative_to(r) for r in (root, blobs.resolve()))
+        except (OSError, ValueError, RuntimeError):  # a NUL byte, a symlink loop
+            inside = False
+        if not inside:
+            raise hf_map.InterchangeError(
+                f"{self.dir / INDEX}: weight_map[{key!r}] is {name!r}, which leads outside "
+                f"{self.dir}: refused (a model's shards lie in its own directory)")
+        return path
 
     def _file(self, key: str):
         from safetensors import safe_open
@@ -184,6 +211,36 @@ def file_attributes(cfg: Config, lineage: dict, step: int, optim_step: int) -> d
             "config": dumps_toml(cfg), "lineage": json.dumps(lineage), "data_hash": ""}
 
 
+def check_destination(out: Path) -> None:
+    """Refuse an import's ``out`` that holds anything: an existing ``*.h5``, a directory
+    that is not empty, a file where a directory is meant. An import writes a new checkpoint;
+    it never replaces one or moves a run's ``latest``."""
+    out = Path(out)
+    if out.suffix == ".h5" and (out.exists() or out.is_symlink()):
+        raise hf_map.InterchangeError(f"{out} exists: an import never overwrites a "
+                                      f"checkpoint; give --out a new file or directory")
+    if out.suffix != ".h5" and out.is_dir() and any(out.iterdir()):
+        held = ", ".join(sorted(p.name for p in out.iterdir())[:3])
+        raise hf_map.InterchangeError(f"{out} is not empty (it holds {held}): an import "
+                                      f"never replaces a checkpoint or moves `latest`; give "
+                                      f"--out a new directory")
+    if out.suffix != ".h5" and (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise hf_map.InterchangeError(f"{out} is a file, not a directory: give --out a new "
+                                      f"directory, or a new file ending in .h5")
+
+
+def make_directories(path: Path) -> list[Path]:
+    """Create ``path`` and its missing parents; the ones created, outermost first (what a
+    failed import removes again)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()][::-1]
+    try:
+        for p in missing:
+            p.mkdir()
+    except OSError as e:
+        raise hf_map.InterchangeError(f"cannot create {path}: {e.strerror}") from None
+    return missing
+
+
 def write_checkpoint(out: Path, cfg: Config, arrays, lineage: dict, step: int = 0,
                      optim_step: int = 0) -> Path:
     """Write ``arrays`` ({dataset: array}, or (dataset, array) pairs made one at a time) as
@@ -193,9 +250,10 @@ def write_checkpoint(out: Path, cfg: Config, arrays, lineage: dict, step: int = 
 
     from ..checkpoint.checkpointer import LATEST, step_name
 
+    check_destination(out)
     cv.disable_file_locking()
     final = out if out.suffix == ".h5" else out / step_name(step)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    created = make_directories(final.parent)
     tmp = final.parent / f".{final.name}.tmp"
     attrs = file_attributes(cfg, lineage, step, optim_step)
     pairs = sorted(arrays.items()) if isinstance(arrays, dict) else arrays
@@ -206,11 +264,14 @@ def write_checkpoint(out: Path, cfg: Config, arrays, lineage: dict, step: int = 
                 f.create_dataset(name, data=array)
                 names.append(name)
             f.attrs.update(attrs)
+        cv.stamp(tmp, cv.compute_checksums(tmp, sorted(names)))
+        cv.fsync_file(tmp)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a refusal half way leaves nothing behind
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
         raise
-    cv.stamp(tmp, cv.compute_checksums(tmp, sorted(names)))
-    cv.fsync_file(tmp)
     cv.replace_durably(tmp, final)
     if out.suffix != ".h5":
         cv.write_durably(out / LATEST, final.name + "\n")
@@ -259,6 +320,7 @@ def read_hf(directory: str | Path, dtype: str = "auto"):
 def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
               say=print) -> Path:
     """Convert HF directory ``directory`` into an hpctrain checkpoint at ``out``."""
+    check_destination(Path(out))
     reader, cfg, tensors, lineage = read_hf(directory, dtype)
     m = cfg.model
     final = write_checkpoint(Path(out), cfg, file_arrays(tensors, m.dtype), lineage)

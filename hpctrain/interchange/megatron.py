@@ -2,7 +2,8 @@
 with Megatron's names (``megatron/core/models/gpt``, ``megatron/core/transformer``):
 
 - ``embedding.word_embeddings.weight`` and ``output_layer.weight``, their vocabulary padded
-  (``make_vocab_size_divisible_by`` x tp): only the model's first ``vocab_size`` rows are read;
+  as Megatron-LM pads it (:func:`vocab_padding`): only the model's first ``vocab_size`` rows
+  are read;
 - per layer ``self_attention.linear_qkv.weight``, the query heads of each key/value group
   followed by that group's key and value head: rows ``(groups, heads/groups + 2, d_head,
   d_model)``; ``self_attention.linear_proj``; ``mlp.linear_fc1.weight``, the gate half then
@@ -25,12 +26,14 @@ Rotary rows are in rotate-half order unless the run set ``rotary_interleaved`` (
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import NamedTuple
 
 from ..config import ModelConfig
 from ..model.families import family_of
 from . import hf_map, titan
-from .forms import Unit, paired_steps, stacked
+from .forms import Unit, either, paired_steps, stacked
 from .hf_map import InterchangeError
 from .pickles import load_torch_data
 
@@ -78,6 +81,50 @@ def common_state(directory: Path) -> dict:
     return state if isinstance(state, dict) else {}
 
 
+def arg(common: dict, name: str, default=None):
+    """Megatron-LM's argument ``name`` as ``common.pt``'s ``args`` records it (a namespace,
+    or its fields as a dict), else ``default``."""
+    args = common.get("args")
+    if isinstance(args, dict):
+        return args.get(name, default)
+    return getattr(args, name, default)
+
+
+class Padding(NamedTuple):
+    """The first dimensions a padded vocabulary may be stored with, and the rule's words."""
+
+    rows: frozenset
+    rule: str
+
+
+def vocab_padding(m: ModelConfig, common: dict) -> Padding:
+    """The rows Megatron-LM stores for a tokenizer of ``m.vocab_size`` ids. Its
+    ``_vocab_size_with_padding`` (megatron/training/tokenizer/tokenizer.py) rounds the size up
+    to a multiple of ``make_vocab_size_divisible_by`` (default 128) x
+    ``tensor_model_parallel_size``, both read from ``common.pt``'s ``args``. An argument the
+    save does not record is taken as what Megatron-LM could have run: the default divisor
+    128, and any tensor-parallel size that divides both the attention heads and the
+    key/value groups (Megatron requires both), so a save without ``args`` is accepted with
+    any of those sizes and nothing else."""
+    v = m.vocab_size
+    divisor = arg(common, "make_vocab_size_divisible_by", 128)
+    tp = arg(common, "tensor_model_parallel_size")
+    groups = family_of(m).kv_heads(m)
+    tps = [tp] if tp is not None else [t for t in range(1, groups + 1)
+                                      if m.n_heads % t == 0 and groups % t == 0]
+    if not all(type(x) is int and x > 0 for x in (divisor, *tps)):
+        raise InterchangeError(f"{COMMON}'s args record make_vocab_size_divisible_by "
+                               f"{divisor!r} and tensor_model_parallel_size {tp!r}, not "
+                               f"positive integers: damaged")
+    rows = frozenset(math.ceil(v / (divisor * t)) * divisor * t for t in tps)
+    said = (f"tensor_model_parallel_size {tp}" if tp is not None else
+            f"tensor_model_parallel_size {either(tps)} ({COMMON} records none)")
+    return Padding(rows, f"Megatron-LM rounds the vocabulary up to a multiple of "
+                         f"make_vocab_size_divisible_by {divisor} x {said}; set "
+                         f"model.vocab_size to the tokenizer's size the checkpoint was "
+                         f"trained with")
+
+
 class MegatronForm:
     """Megatron-Core's GPT in Llama form as a form (:mod:`.forms`)."""
 
@@ -88,9 +135,9 @@ class MegatronForm:
         self.m, self.common = m, common
         self.stacked = "decoder.layers.self_attention.linear_qkv.weight" in keys
         self.te = any(k.endswith(TE_NORMS[0]) for k in keys)
-        args = common.get("args")
-        self.interleaved = bool(getattr(args, "rotary_interleaved", False))
-        self.padded = frozenset({EMBED, HEAD})
+        self.interleaved = bool(arg(common, "rotary_interleaved", False))
+        padding = vocab_padding(m, common)
+        self.padded = {EMBED: padding, HEAD: padding}
         self.ignored: list = []
         flat = any(k.startswith(FLAT) for k in keys)
         self.notes = [f"its optimizer state is in Megatron's {FLAT_FORM} form (flat gradient "

@@ -268,7 +268,7 @@ class TitanForm:
     :func:`left_out` becomes a note)."""
 
     name = "torchtitan Llama 3"
-    padded: frozenset = frozenset()
+    padded: dict = {}  # torchtitan pads nothing
 
     def __init__(self, m: ModelConfig, names: TitanNames, entries=(), tensors=()):
         check_model(m)

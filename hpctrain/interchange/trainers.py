@@ -20,7 +20,8 @@ import numpy as np
 from ..config import Config, ModelConfig
 from ..model.families import resolved
 from . import dcp, megatron, titan
-from .hf_import import write_checkpoint
+from .forms import either
+from .hf_import import check_destination, write_checkpoint
 from .hf_map import InterchangeError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -43,14 +44,18 @@ def check_entries(reader: dcp.Reader, form, m: ModelConfig) -> bool:
     want = form.expected(model_shapes(m))
     have = {k for k in reader.tensors if not k.startswith(NOT_MODEL)}
     missing, extra = sorted(set(want) - have), sorted(have - set(want) - set(form.ignored))
-    wrong = [f"{k} {reader.tensors[k][0]} (the config's model: {want[k]})" for k in sorted(want)
-             if k in have and not fits(reader.tensors[k][0], want[k], k in form.padded)]
+    rows = {k: p.rows for k, p in form.padded.items()}
+    wrong = [k for k in sorted(want) if k in have
+             and not fits(reader.tensors[k][0], want[k], rows.get(k, ()))]
     if missing or extra or wrong:
-        raise InterchangeError(
-            f"{reader.dir} does not hold the model the config describes as a {form.name} "
-            f"checkpoint: {len(missing)} missing ({', '.join(missing[:3])}), {len(extra)} "
-            f"unexpected ({', '.join(extra[:3])}), {len(wrong)} of another shape "
-            f"({'; '.join(wrong[:3])}); give --config the checkpoint's model")
+        shapes = [misfit(k, reader.tensors[k][0], want[k], rows.get(k)) for k in wrong]
+        counts = [f"{len(items)} {what} ({sep.join(items[:3])})" for items, what, sep in
+                  ((missing, "missing", ", "), (extra, "unexpected", ", "),
+                   (shapes, "of another shape", "; ")) if items]
+        fix = next((form.padded[k].rule for k in wrong if k in form.padded),
+                   "give --config the checkpoint's model")
+        raise InterchangeError(f"{reader.dir} does not hold the model the config describes as "
+                               f"a {form.name} checkpoint: {', '.join(counts)}; {fix}")
     moments = [form.moment(k, w) for k in want for w in MOMENTS]
     found = [k for k in moments if k in reader.tensors]
     if found and len(found) != len(moments):
@@ -61,12 +66,19 @@ def check_entries(reader: dcp.Reader, form, m: ModelConfig) -> bool:
     return bool(found)
 
 
-def fits(have: tuple, want: tuple, padded: bool) -> bool:
-    """Shapes equal, or (``padded``) the stored first dimension at least the model's."""
+def fits(have: tuple, want: tuple, rows=()) -> bool:
+    """Shapes equal, or the stored first dimension one of ``rows`` (the sizes its writer's
+    padding rule gives the model's vocabulary) and the rest equal."""
     have, want = tuple(have), tuple(want)
-    if padded and len(have) == len(want) and have[1:] == want[1:]:
-        return have[0] >= want[0]
-    return have == want
+    return have == want or (len(have) == len(want) > 0 and have[1:] == want[1:]
+                            and have[0] in rows)
+
+
+def misfit(key: str, have: tuple, want: tuple, rows=None) -> str:
+    """``key``'s stored shape against the model's, with the padded sizes its writer's rule
+    gives (``rows``) when it pads."""
+    padded = f"; padded by its writer's rule: {either(sorted(rows))}" if rows else ""
+    return f"{key} {tuple(have)} (the config's model: {tuple(want)}{padded})"
 
 
 def file_pairs(reader: dcp.Reader, form, dtype: str, moments: bool):
@@ -130,6 +142,7 @@ def check_tied_head(reader: dcp.Reader, form, m: ModelConfig) -> None:
 def import_dcp(directory: str | Path, out: str | Path, cfg: Config, say=print) -> Path:
     """Convert DCP checkpoint ``directory`` of ``cfg``'s model into an hpctrain checkpoint
     at ``out`` (a file ``*.h5``, or a directory that gets ``step_N.h5`` and ``latest``)."""
+    check_destination(Path(out))
     m = resolved(cfg.model)
     cfg = dataclasses.replace(cfg, model=m)
     dcp.release_freed_memory()
