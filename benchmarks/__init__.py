@@ -1,9 +1,10 @@
 """Benchmarks side by side: hpctrain against PyTorch's own distributed training, against the
 naive baseline and against the limit, on the same model, init, data and batch.
 
-Each comparison is one module with ``RANKS`` (the world sizes it runs at) and
-``run(world, size, repeats) -> dict``, called on every rank of one ``mpirun`` (collective
-over ``world``); rank 0's return value is the result. Both sides of a comparison run in the
+Each comparison is one module (:func:`module` of its name) with ``RANKS`` (the world sizes
+it runs at) and ``run(world, size, repeats) -> dict``, called on every rank of one
+``mpirun`` (collective over ``world``); rank 0's return value is the result. Both sides of a
+comparison run in the
 same processes, interleaved repeat by repeat, so a ratio is always taken within one run
 (the machine is noisy). ``python -m benchmarks`` (:mod:`benchmarks.driver`, ``make bench``)
 launches the parts under ``mpirun`` (ranks: :mod:`benchmarks.worker`) and writes
@@ -41,6 +42,7 @@ BENCHES = {
     "context_kinds": (2, 4),  # ring vs Ulysses vs hybrid: step time, peak memory
     "relaunch": (1,),  # time to recover and steps lost: requeue vs relaunch (--size small)
     "faults": (1,),  # a seeded fault campaign on 3 simulated nodes: survived, steps lost
+    "fuzz-foreign": (1,),  # 10,000 mutated foreign checkpoints through hpctrain import
 }
 SIZES = ("tiny", "small")
 # name -> seconds one launch of it may take at --size small with 5 repeats (about three
@@ -49,4 +51,9 @@ SIZES = ("tiny", "small")
 BUDGETS = {"gradsync": 300, "overlap": 600, "ddp": 300, "pipeline": 600, "overhead": 300,
            "collectives": 300, "checkpoint": 600, "memory": 600, "scaling": 600,
            "cluster": 900, "nodes": 900, "data": 600, "context_kinds": 600, "relaunch": 900,
-           "faults": 1800}
+           "faults": 1800, "fuzz-foreign": 3600}
+
+
+def module(name: str) -> str:
+    """The module of part ``name`` (``fuzz-foreign``: ``benchmarks.fuzz_foreign``)."""
+    return name.replace("-", "_")

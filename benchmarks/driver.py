@@ -25,10 +25,11 @@ from pathlib import Path
 
 from hpctrain.job.launch import command, launch_env, with_checkout
 
-from . import BENCHES, BUDGETS, SIZES
+from . import BENCHES, BUDGETS, SIZES, module
 
 ACROSS_SIZES = ("scaling",)  # its efficiency compares world sizes
-OWN_TEST = ("faults",)  # --smoke leaves it out: tests/e2e/test_fault_campaign.py runs it
+# --smoke leaves these out: tests/e2e/test_fault_campaign.py and test_fuzz_foreign.py run them
+OWN_TEST = ("faults", "fuzz-foreign")
 
 PROG = "python -m benchmarks"
 
@@ -124,7 +125,7 @@ def _group_runs(pgid: int) -> bool:
 
 
 def available(name: str) -> bool:
-    return find_spec(f".{name}", __package__) is not None
+    return find_spec(f".{module(name)}", __package__) is not None
 
 
 def run(args) -> int:

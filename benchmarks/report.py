@@ -222,6 +222,9 @@ PARTS = {  # what each part of benchmarks/ compares (its module's docstring says
     "faults": "a seeded campaign of 100 faults (9 in CI) on 3 simulated nodes: faults "
               "survived, steps lost, recovery time, the final state against an uninterrupted "
               "run's, byte for byte",
+    "fuzz-foreign": "10,000 mutated torchtitan, Megatron-LM and Hugging Face checkpoints (500 "
+                    "in CI) through `hpctrain import`: the same model or one refusal, nothing "
+                    "written outside, no process, no import, no hang",
 }
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import BENCHES, SIZES
+from . import BENCHES, SIZES, module
 
 
 def main(argv=None) -> int:
@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     for name in args.names:
         t0 = time.perf_counter()
         before = loadavg()
-        module = importlib.import_module(f".{name}", __package__)
-        res = module.run(world, args.size, args.repeats)
+        part = importlib.import_module(f".{module(name)}", __package__)
+        res = part.run(world, args.size, args.repeats)
         if world.rank == 0:
             res["wall_s"] = time.perf_counter() - t0
             res["load"] = {"before": before, "after": loadavg()}
