@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import chunks
-from .hf_map import InterchangeError
+from . import InterchangeError
 from .pickles import load_dcp_metadata, load_torch_data
 
 METADATA = ".metadata"

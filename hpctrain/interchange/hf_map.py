@@ -18,13 +18,9 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..model.families import FAMILIES, Family, by_hf_model_type, family_of
+from . import InterchangeError
 
 INDEX = "model.safetensors.index.json"  # a sharded HF directory's map of key -> file
-
-
-class InterchangeError(ValueError):
-    """A model or directory that cannot be converted; the message says what and why. The CLI
-    prints it and exits 2."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..checkpoint import integrity as cv
 from ..config import Config, ModelConfig, from_dict
-from . import hf_map
+from . import InterchangeError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,21 +28,34 @@ IGNORED = {"dtype", "device", "init_std", "recompute", "capacity_factor", "aux_l
 
 
 def source_kind(path: str) -> tuple[str, Path]:
-    """("hf", dir) for a directory with config.json, ("ckpt", file) for a checkpoint."""
+    """(format name, path) of an ``init_from`` source: a format of the registry that
+    ``init_from`` reads (``formats.FORMATS``: a Hugging Face directory), or ("ckpt", file)
+    for an hpctrain checkpoint (a file, or a directory with ``latest``). A source in a format
+    that needs an import first (a DCP directory) is refused, saying the command."""
+    from . import formats
+
     p = Path(path)
-    if p.is_dir() and (p / "config.json").is_file():
-        return "hf", p
+    found = formats.detect(p)
+    if found is not None and found.init_from:
+        return found.name, p
+    if found is not None:
+        raise InterchangeError(
+            f"checkpoint.init_from={path!r} is {found.what}, which a run does not read "
+            f"directly: convert it first with `hpctrain import {path} --format {found.name}"
+            f"{' --config CONFIG' if found.needs_config else ''} --out NEW_DIR` and give "
+            f"NEW_DIR to checkpoint.init_from")
     if p.is_dir():
         from ..checkpoint import latest
 
-        found = latest(p)
-        if found is None:
-            raise hf_map.InterchangeError(f"checkpoint.init_from={path!r}: the directory has "
-                                          f"neither config.json (Hugging Face) nor `latest`")
-        return "ckpt", found
+        found_ckpt = latest(p)
+        if found_ckpt is None:
+            raise InterchangeError(f"checkpoint.init_from={path!r}: the directory is no format "
+                                   f"hpctrain reads ({formats.described('init_from')}) and has "
+                                   f"no `latest` (an hpctrain checkpoint directory)")
+        return "ckpt", found_ckpt
     if p.is_file():
         return "ckpt", p
-    raise hf_map.InterchangeError(f"checkpoint.init_from={path!r}: nothing there")
+    raise InterchangeError(f"checkpoint.init_from={path!r}: nothing there")
 
 
 def source_model(kind: str, path: Path) -> ModelConfig:
@@ -56,11 +69,11 @@ def source_model(kind: str, path: Path) -> ModelConfig:
     try:
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != cv.FORMAT:
-                raise hf_map.InterchangeError(f"checkpoint.init_from: {path} is not an "
+                raise InterchangeError(f"checkpoint.init_from: {path} is not an "
                                               f"hpctrain checkpoint")
             text = cv._plain(f.attrs.get("config", ""))
     except OSError as e:
-        raise hf_map.InterchangeError(f"checkpoint.init_from: {path} cannot be read "
+        raise InterchangeError(f"checkpoint.init_from: {path} cannot be read "
                                       f"({e})") from None
     return from_dict(tomllib.loads(str(text))).model
 
@@ -105,7 +118,7 @@ def problems(cfg: Config) -> list[str]:
             from .hf_import import HFReader, check_keys
 
             check_keys(HFReader(path), theirs)
-    except hf_map.InterchangeError as e:
+    except InterchangeError as e:
         return [str(e)]
     if diff:
         return [f"checkpoint.init_from={cfg.checkpoint.init_from!r} holds another model: "

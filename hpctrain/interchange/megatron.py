@@ -34,7 +34,7 @@ from ..config import ModelConfig
 from ..model.families import family_of
 from . import hf_map, titan
 from .forms import Unit, either, paired_steps, stacked
-from .hf_map import InterchangeError
+from . import InterchangeError
 from .pickles import load_torch_data
 
 COMMON = "common.pt"

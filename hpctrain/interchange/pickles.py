@@ -38,7 +38,7 @@ import types
 import zipfile
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from .hf_map import InterchangeError
+from . import InterchangeError
 
 DCP_META = "torch.distributed.checkpoint.metadata"
 _PURE = {"PosixPath": PurePosixPath, "PurePosixPath": PurePosixPath,
