@@ -28,7 +28,9 @@ from hpctrain.job.launch import command, launch_env, with_checkout
 from . import BENCHES, BUDGETS, SIZES
 
 ACROSS_SIZES = ("scaling",)  # its efficiency compares world sizes
-OWN_TEST = ("faults",)  # --smoke leaves it out: tests/e2e/test_fault_campaign.py runs it
+# --smoke leaves them out: tests/e2e/test_fault_campaign.py and test_interchange_memory.py
+# run them
+OWN_TEST = ("faults", "interchange")
 
 PROG = "python -m benchmarks"
 

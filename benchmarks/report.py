@@ -222,6 +222,7 @@ PARTS = {  # what each part of benchmarks/ compares (its module's docstring says
     "faults": "a seeded campaign of 100 faults (9 in CI) on 3 simulated nodes: faults "
               "survived, steps lost, recovery time, the final state against an uninterrupted "
               "run's, byte for byte",
+    "interchange": "peak memory of every import and export, against its bound",
 }
 
 
