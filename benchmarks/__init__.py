@@ -43,6 +43,7 @@ BENCHES = {
     "relaunch": (1,),  # time to recover and steps lost: requeue vs relaunch (--size small)
     "faults": (1,),  # a seeded fault campaign on 3 simulated nodes: survived, steps lost
     "fuzz-foreign": (1,),  # 10,000 mutated foreign checkpoints through hpctrain import
+    "interchange": (1,),  # peak memory of each import and export vs largest tensor x 2
 }
 SIZES = ("tiny", "small")
 # name -> seconds one launch of it may take at --size small with 5 repeats (about three
@@ -51,7 +52,8 @@ SIZES = ("tiny", "small")
 BUDGETS = {"gradsync": 300, "overlap": 600, "ddp": 300, "pipeline": 600, "overhead": 300,
            "collectives": 300, "checkpoint": 600, "memory": 600, "scaling": 600,
            "cluster": 900, "nodes": 900, "data": 600, "context_kinds": 600, "relaunch": 900,
-           "faults": 1800, "fuzz-foreign": 3600}
+           "faults": 1800, "fuzz-foreign": 3600,
+           "interchange": 900}
 
 
 def module(name: str) -> str:

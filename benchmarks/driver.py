@@ -28,8 +28,9 @@ from hpctrain.job.launch import command, launch_env, with_checkout
 from . import BENCHES, BUDGETS, SIZES, module
 
 ACROSS_SIZES = ("scaling",)  # its efficiency compares world sizes
-# --smoke leaves these out: tests/e2e/test_fault_campaign.py and test_fuzz_foreign.py run them
-OWN_TEST = ("faults", "fuzz-foreign")
+# --smoke leaves these out: tests/e2e/test_fault_campaign.py, test_fuzz_foreign.py and
+# test_interchange_memory.py run them
+OWN_TEST = ("faults", "fuzz-foreign", "interchange")
 
 PROG = "python -m benchmarks"
 

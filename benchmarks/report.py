@@ -225,6 +225,7 @@ PARTS = {  # what each part of benchmarks/ compares (its module's docstring says
     "fuzz-foreign": "10,000 mutated torchtitan, Megatron-LM and Hugging Face checkpoints (500 "
                     "in CI) through `hpctrain import`: the same model or one refusal, nothing "
                     "written outside, no process, no import, no hang",
+    "interchange": "peak memory of every import and export, against its bound",
 }
 
 

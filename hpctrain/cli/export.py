@@ -93,20 +93,28 @@ def safetensors_path(out: str) -> Path:
 
 
 def export_safetensors(path: Path, out: Path, verify: bool) -> int:
-    """One safetensors file in hpctrain's names, the source's lineage as its metadata."""
+    """One safetensors file in hpctrain's names, the source's lineage as its metadata,
+    written a block of one tensor at a time."""
+    import functools
+
+    import numpy as np
     import torch
 
     from ..checkpoint import integrity as cv
-    from ..interchange.hf_export import read_checkpoint, save_safetensors
+    from ..interchange.hf_export import open_source
+    from ..interchange.safetensors_file import Planned, write_file
 
-    _, arrays, attrs = read_checkpoint(path, verify)
-    tensors = {name: torch.from_numpy(a) for name, a in arrays.items()}
-    meta = {key: str(cv._plain(attrs[key])) for key in
-            ("format", "step", "data_hash", "git_commit", "versions", "topology") if key in attrs}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_safetensors(tensors, out, {"source": str(path), **meta})
+    with open_source(path, verify) as (_, source, attrs):
+        tensors = [Planned(name, torch.from_numpy(np.empty(0, dt)).dtype, shape,
+                           functools.partial(source.blocks, name))
+                   for name, (shape, dt) in source.specs.items()]
+        meta = {key: str(cv._plain(attrs[key])) for key in ("format", "step", "data_hash",
+                                                             "git_commit", "versions",
+                                                             "topology") if key in attrs}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_file(out, tensors, {"source": str(path), **meta})
     Path(str(out) + ".config.toml").write_text(str(attrs.get("config", "")))
-    n = sum(t.numel() for t in tensors.values())
+    n = sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
     print(f"wrote {out}: {len(tensors)} tensors, {n:,} parameters (step {meta.get('step')}); "
           f"config in {out}.config.toml")
     return 0

@@ -21,8 +21,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from . import chunks
-from . import InterchangeError
+from . import InterchangeError, chunks
 from .pickles import load_dcp_metadata, load_torch_data
 
 METADATA = ".metadata"

@@ -9,17 +9,22 @@ published per-expert layout) and, when one is known, the tokenizer. One process,
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
-import os
 import re
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from ..checkpoint import integrity as cv
+from ..checkpoint.integrity import BLOCK_BYTES
 from ..config import Config, dumps_toml, from_dict
 from ..data import tokenizer, tokenizer_match
 from . import hf_map
 from .hf_map import INDEX
+from .safetensors_file import Planned, write_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,23 +45,73 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
-def read_checkpoint(path: Path, verify: bool = True) -> tuple[Config, dict, dict]:
-    """(config, {name: numpy array} of model/, attributes) of a checkpoint (verified unless
-    ``verify`` is false), or of a Hugging Face directory read as ``import`` reads it (its
-    lineage and config as the attributes an imported checkpoint would have)."""
+class Arrays:
+    """hpctrain parameters by name as arrays (the h5py datasets of an open checkpoint, or
+    numpy arrays): ``specs`` {name: (global shape, numpy dtype)}; :meth:`blocks` reads one a
+    block of rows at a time, :meth:`read` whole."""
+
+    def __init__(self, arrays: dict):
+        self.arrays = arrays
+        self.specs = {name: (tuple(a.shape), np.dtype(a.dtype)) for name, a in arrays.items()}
+
+    def read(self, name: str, index: int | None = None) -> np.ndarray:
+        """Parameter ``name``, or ``[index]`` of its first dimension (one expert)."""
+        a = self.arrays[name]
+        return np.asarray(a[()] if index is None else a[index])
+
+    def blocks(self, name: str, index: int | None = None):
+        """:meth:`read`'s array as blocks of rows of about ``BLOCK_BYTES``."""
+        a = self.arrays[name]
+        shape = a.shape if index is None else a.shape[1:]
+        if not shape:
+            yield self.read(name, index)
+            return
+        row = a.dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+        step = max(1, BLOCK_BYTES // max(1, row))
+        for start in range(0, shape[0], step):
+            rows = slice(start, start + step)
+            yield np.asarray(a[rows] if index is None else a[index, rows])
+
+
+class HFTensors:
+    """A Hugging Face directory's parameters as ``import`` reads them, with the interface
+    of :class:`Arrays` (a block is a whole parameter or expert)."""
+
+    def __init__(self, reader, m):
+        from .hf_import import global_specs, parameter_entries
+
+        self.reader, self.entries = reader, parameter_entries(reader, m)
+        self.specs = {name: (shape, np.dtype(dt))
+                      for name, (shape, dt) in global_specs(reader, m).items()}
+
+    def read(self, name: str, index: int | None = None) -> np.ndarray:
+        from .hf_import import global_tensor
+
+        return global_tensor(self.reader, self.entries[name], index)
+
+    def blocks(self, name: str, index: int | None = None):
+        yield self.read(name, index)
+
+
+@contextlib.contextmanager
+def open_source(path: Path, verify: bool = True):
+    """(config, parameters, attributes) of a checkpoint (verified unless ``verify`` is
+    false; the parameters :class:`Arrays` of its model/ datasets, read while the file is
+    open), or of a Hugging Face directory read as ``import`` reads it (:class:`HFTensors`;
+    its lineage and config as the attributes an imported checkpoint would have)."""
     import h5py
 
     from . import hf_import
 
     if hf_import.is_hf_directory(path):
-        _, cfg, tensors, lineage = hf_import.read_hf(path)
-        return cfg, tensors, {"config": dumps_toml(cfg), "lineage": json.dumps(lineage),
-                              "step": 0}
+        reader, cfg, lineage = hf_import.open_hf(path)
+        yield cfg, HFTensors(reader, cfg.model), {
+            "config": dumps_toml(cfg), "lineage": json.dumps(lineage), "step": 0}
+        return
     cfg, attrs = read_attributes(path, verify)
     with h5py.File(path, "r") as f:
-        tensors = {n[len("model/"):]: f[n][...] for n in cv.dataset_names(f)
-                   if n.startswith("model/")}
-    return cfg, tensors, attrs
+        yield cfg, Arrays({n[len("model/"):]: f[n] for n in cv.dataset_names(f)
+                           if n.startswith("model/")}), attrs
 
 
 def read_attributes(path: Path, verify: bool = True) -> tuple[Config, dict]:
@@ -71,68 +126,71 @@ def read_attributes(path: Path, verify: bool = True) -> tuple[Config, dict]:
     return from_dict(tomllib.loads(str(attrs.get("config", "")))), attrs
 
 
-def hf_tensors(cfg: Config, tensors: dict, dtype: str) -> dict:
-    """{HF key: torch tensor} in HF's order, cast to ``dtype``."""
+def hf_planned(cfg: Config, source, dtype: str) -> list[Planned]:
+    """Every HF tensor in HF's order as the writer streams it: key, ``dtype``, shape (from
+    the source's metadata alone) and its blocks, read from ``source`` (:class:`Arrays`)
+    when the writer reaches it."""
     import torch
 
     from ..model import DTYPES as TORCH
 
-    out = {}
+    out = []
     for e in hf_map.entries(cfg.model):
-        if e.name not in tensors:
+        if e.name not in source.specs:
             raise hf_map.InterchangeError(f"the checkpoint has no tensor model/{e.name} "
                                           f"(needed for {e.key})")
-        t = torch.from_numpy(tensors[e.name])
-        t = e.to_hf(t[e.expert] if e.expert is not None else t)
+        shape = source.specs[e.name][0]
         wide = e.name.endswith(".route_bias") and dtype != "float64"  # HF keeps it float32
-        t = t.to(torch.float32 if wide else TORCH[dtype]).contiguous()
-        # a second HF key of one tensor (DeepSeek's copies) gets its own storage
-        out[e.key] = t.clone() if any(v.data_ptr() == t.data_ptr() for v in out.values()) \
-            else t
-    unused = set(tensors) - {e.name for e in hf_map.entries(cfg.model)}
+        dt = torch.float32 if wide else TORCH[dtype]
+        out.append(Planned(e.key, dt, shape[1:] if e.expert is not None else shape,
+                           functools.partial(_hf_blocks, source, e, dt)))
+    unused = set(source.specs) - {e.name for e in hf_map.entries(cfg.model)}
     if unused:
         raise hf_map.InterchangeError(f"checkpoint tensors with no HF counterpart: "
                                       f"{sorted(unused)[:5]}")
     return out
 
 
-def shards(tensors: dict, limit: int) -> list[dict]:
-    """Consecutive groups of tensors of at most ``limit`` bytes (a bigger tensor alone)."""
-    groups: list[dict] = [{}]
+def _hf_blocks(source, e: hf_map.Entry, dtype):
+    """Entry ``e``'s tensor in HF's row order and ``dtype``, a block at a time (whole when
+    its rows are reordered)."""
+    import torch
+
+    if e.rows is not None:
+        yield e.to_hf(torch.from_numpy(source.read(e.name, e.expert))).to(dtype)
+        return
+    for block in source.blocks(e.name, e.expert):
+        yield torch.from_numpy(block).to(dtype)
+
+
+def shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """Consecutive groups of keys of at most ``limit`` bytes together (``sizes``: bytes by
+    key; a bigger tensor alone)."""
+    groups: list[list[str]] = [[]]
     size = 0
-    for key, t in tensors.items():
-        n = t.numel() * t.element_size()
+    for key, n in sizes.items():
         if groups[-1] and size + n > limit:
-            groups.append({})
+            groups.append([])
             size = 0
-        groups[-1][key] = t
+        groups[-1].append(key)
         size += n
     return groups
 
 
-def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
-    """``safetensors.torch.save_file``, then the mode any new file gets under the umask (the
-    library writes a private temporary file, 0600, and renames it)."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata=metadata)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
-def write_weights(out: Path, tensors: dict, limit: int) -> list[str]:
-    """model.safetensors, or numbered shards and their index; returns the file names."""
-    groups = shards(tensors, limit)
+def write_weights(out: Path, tensors: list[Planned], limit: int) -> list[str]:
+    """model.safetensors, or numbered shards and their index, each file written as it
+    fills (:func:`safetensors_file.write_file`); returns the file names."""
+    groups = shards({t.key: t.nbytes for t in tensors}, limit)
     if len(groups) == 1:
-        save_safetensors(tensors, out / "model.safetensors", {"format": "pt"})
+        write_file(out / "model.safetensors", tensors, {"format": "pt"})
         return ["model.safetensors"]
     names = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    by_key = {t.key: t for t in tensors}
     weight_map = {}
     for name, group in zip(names, groups):
-        save_safetensors(group, out / name, {"format": "pt"})
+        write_file(out / name, [by_key[k] for k in group], {"format": "pt"})
         weight_map.update({key: name for key in group})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(t.nbytes for t in tensors)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return names + [INDEX]
@@ -140,25 +198,26 @@ def write_weights(out: Path, tensors: dict, limit: int) -> list[str]:
 
 def export_hf(path: Path, out: Path, dtype: str = "auto", max_shard: str = "5GB",
               tokenizer_path: str | None = None, say=print) -> Path:
-    """Write the HF directory ``out`` from checkpoint ``path``."""
+    """Write the HF directory ``out`` from checkpoint ``path``, one block of one tensor in
+    memory at a time."""
     limit = parse_size(max_shard)
-    cfg, arrays, attrs = read_checkpoint(path)
-    hf_map.check_exportable(cfg.model)
-    dtype = cfg.model.dtype if dtype == "auto" else dtype
-    tensors = hf_tensors(cfg, arrays, dtype)
-    source, why = tokenizer_match.resolve(str(attrs.get("lineage", "")),
-                                          str(attrs.get("config", "")), tokenizer_path)
-    out.mkdir(parents=True, exist_ok=True)
-    max_len = max(cfg.train.seq_len, 2048)
-    special, note = tokenizer.write(out, source, cfg.model.vocab_size, max_len)
-    say(f"{note} ({why})")
-    config = hf_map.hf_config(cfg.model, max_len, dtype, special)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {"do_sample": True, "temperature": 0.8, "top_k": 40, "max_length": max_len,
-           **{f"{k}_token_id": v for k, v in special.items()}}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    files = write_weights(out, tensors, limit)
-    n = sum(t.numel() for t in tensors.values())
+    with open_source(path) as (cfg, source, attrs):
+        hf_map.check_exportable(cfg.model)
+        dtype = cfg.model.dtype if dtype == "auto" else dtype
+        tensors = hf_planned(cfg, source, dtype)
+        source_tok, why = tokenizer_match.resolve(str(attrs.get("lineage", "")),
+                                                  str(attrs.get("config", "")), tokenizer_path)
+        out.mkdir(parents=True, exist_ok=True)
+        max_len = max(cfg.train.seq_len, 2048)
+        special, note = tokenizer.write(out, source_tok, cfg.model.vocab_size, max_len)
+        say(f"{note} ({why})")
+        config = hf_map.hf_config(cfg.model, max_len, dtype, special)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = {"do_sample": True, "temperature": 0.8, "top_k": 40, "max_length": max_len,
+               **{f"{k}_token_id": v for k, v in special.items()}}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        files = write_weights(out, tensors, limit)
+    n = sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
     say(f"wrote {out}: {config['architectures'][0]}, {len(tensors)} tensors, {n:,} parameters "
         f"({dtype}, step {attrs.get('step')}) in {', '.join(files)}")
     return out

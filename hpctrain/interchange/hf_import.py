@@ -11,10 +11,12 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from ..checkpoint import integrity as cv
+from ..checkpoint.integrity import BLOCK_BYTES
 from ..config import Config, ModelConfig, dumps_toml
 from . import hf_map
 from .hf_map import INDEX
@@ -82,6 +84,8 @@ class HFReader:
         return path
 
     def _file(self, key: str):
+        """The open file holding ``key``, for its header (shapes, dtypes) only: see
+        :meth:`_mapped`."""
         from safetensors import safe_open
 
         path = self.where[key]
@@ -91,12 +95,47 @@ class HFReader:
             self._open[path] = safe_open(str(path), "pt")
         return self._open[path]
 
-    def get(self, key: str):
-        return self._file(key).get_tensor(key)
+    @contextlib.contextmanager
+    def _mapped(self, key: str):
+        """``key``'s slice object in a mapping of its file made for one read: the pages a
+        read touches count in the process's resident memory until the mapping closes, so
+        values read through a file kept open would add up to the whole model."""
+        from safetensors import safe_open
 
-    def get_slice(self, key: str, index: tuple):
+        self._file(key)  # the shard exists
+        with safe_open(str(self.where[key]), "pt") as f:
+            yield f.get_slice(key)
+
+    def get(self, key: str):
+        """Tensor ``key``, in memory of its own."""
+        return self.get_slice(key, ...)
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self._file(key).get_slice(key).get_shape())
+
+    def read_dtype(self, key: str) -> type:
+        """The numpy dtype tensor ``key`` is read as: float64 stays, the rest is float32."""
+        wide = self._file(key).get_slice(key).get_dtype() == "F64"
+        return np.float64 if wide else np.float32
+
+    def read_into(self, key: str, dest: np.ndarray) -> None:
+        """Tensor ``key`` into ``dest`` (its shape; 16-bit values widened exactly), a block of
+        about ``BLOCK_BYTES`` at a time."""
+        import torch
+
+        out = torch.from_numpy(dest)
+        if dest.ndim == 0:
+            out.copy_(self.get(key))
+            return
+        step = max(1, BLOCK_BYTES // max(1, out[0].numel() * out.element_size()))
+        for start in range(0, len(out), step):
+            with self._mapped(key) as part:
+                out[start:start + step].copy_(part[start:start + step])
+
+    def get_slice(self, key: str, index):
         """``tensor[index]`` read without loading the rest of it."""
-        return self._file(key).get_slice(key)[index]
+        with self._mapped(key) as part:
+            return part[index]
 
     def slice_of(self, m: ModelConfig, name: str, index: tuple):
         """hpctrain parameter ``name``'s global ``index`` (experts stacked), as numpy;
@@ -151,10 +190,11 @@ def _check_tied_head(reader: HFReader, rows: int = 4096) -> None:
     import torch
 
     embed = "model.embed_tokens.weight"
-    a, b = reader._file(HEAD).get_slice(HEAD), reader._file(embed).get_slice(embed)
-    same = a.get_shape() == b.get_shape()
-    for start in range(0, a.get_shape()[0] if same else 0, rows):
-        same = torch.equal(a[start:start + rows], b[start:start + rows])
+    shape = reader.shape(HEAD)
+    same = shape == reader.shape(embed)
+    for start in range(0, shape[0] if same else 0, rows):
+        block = slice(start, start + rows)
+        same = torch.equal(reader.get_slice(HEAD, block), reader.get_slice(embed, block))
         if not same:
             break
     if not same:
@@ -164,39 +204,73 @@ def _check_tied_head(reader: HFReader, rows: int = 4096) -> None:
             f"to import the head as its own tensor, or remove {HEAD} to tie it")
 
 
-def global_tensors(reader: HFReader, m: ModelConfig) -> dict[str, np.ndarray]:
-    """{hpctrain parameter name: global array}; experts stacked along dim 0. Refuses
-    missing and unexpected HF tensors, naming them (:func:`check_keys`)."""
-    import torch
-
-    entries = hf_map.entries(m, reader.config)
-    check_keys(reader, m)
-    stacked = {e.name for e in entries if e.expert is not None}
-    parts: dict[str, list] = {}
-    for e in entries:
-        t = e.to_hpctrain(reader.get(e.key))
-        t = t.float() if t.dtype in (torch.bfloat16, torch.float16) else t  # exact widening
-        parts.setdefault(e.name, []).append(t)
-    return {name: (torch.stack(ts) if name in stacked else ts[0]).numpy()
-            for name, ts in parts.items()}
+def parameter_entries(reader: HFReader, m: ModelConfig) -> dict[str, list]:
+    """{hpctrain parameter: its HF entries} in HF's order (an expert-stacked parameter has
+    one entry per expert)."""
+    groups: dict[str, list] = {}
+    for e in hf_map.entries(m, reader.config):
+        groups.setdefault(e.name, []).append(e)
+    return groups
 
 
-def file_arrays(tensors: dict, dtype: str) -> dict[str, np.ndarray]:
-    """model/ and optim/ datasets as a fresh run at step 0 would write them (16-bit
-    parameters widened to float32, zero moments, float32 master copies)."""
-    pdt = np.float64 if dtype == "float64" else np.float32
-    sdt = np.float64 if dtype == "float64" else np.float32
+def global_specs(reader: HFReader, m: ModelConfig) -> dict[str, tuple]:
+    """{hpctrain parameter: (global shape, numpy dtype as read)} from the files' headers
+    alone: experts stacked along dim 0, 16-bit tensors widened to float32."""
     out = {}
-    for name, a in tensors.items():
-        if name.endswith(".route_bias"):  # an MoE layer's selection bias: state, no moments
-            out[f"model/{name}"] = a.astype(np.float64 if dtype == "float64" else np.float32)
-            continue
-        out[f"model/{name}"] = a.astype(pdt)
-        out[f"optim/{name}/exp_avg"] = np.zeros(a.shape, sdt)
-        out[f"optim/{name}/exp_avg_sq"] = np.zeros(a.shape, sdt)
-        if dtype in ("bfloat16", "float16"):
-            out[f"optim/{name}/master"] = a.astype(np.float32)
+    for name, group in parameter_entries(reader, m).items():
+        shape = reader.shape(group[0].key)
+        stacked = group[0].expert is not None
+        out[name] = ((len(group), *shape) if stacked else shape, reader.read_dtype(group[0].key))
     return out
+
+
+def global_tensor(reader: HFReader, group: list, expert: int | None = None) -> np.ndarray:
+    """The global array of the parameter whose HF entries are ``group`` (only expert
+    ``expert`` of a stacked one when given), 16-bit values widened: read into its destination
+    a block at a time, each expert into its slice of the stacked array."""
+    first = group[0]
+    if first.rows is not None:  # reordered rows (DeepSeek's projections): whole, then reordered
+        import torch
+
+        t = first.to_hpctrain(reader.get(first.key))
+        return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
+    parts = group if expert is None else [e for e in group if e.expert == expert]
+    stacked = first.expert is not None and expert is None
+    shape = reader.shape(first.key)
+    out = np.empty((len(group), *shape) if stacked else shape, reader.read_dtype(first.key))
+    for e in parts:
+        reader.read_into(e.key, out[e.expert] if stacked else out)
+    return out
+
+
+def global_tensors(reader: HFReader, m: ModelConfig):
+    """(hpctrain parameter name, global array) pairs of a directory :func:`open_hf` checked,
+    one parameter at a time; experts stacked along dim 0."""
+    for name, group in parameter_entries(reader, m).items():
+        yield name, global_tensor(reader, group)
+
+
+class Zeros(NamedTuple):
+    """A dataset of zeros (fresh optimizer moments): HDF5 fills it as it allocates the space,
+    so no array of zeros is made (:func:`write_checkpoint`)."""
+
+    shape: tuple
+    dtype: type
+
+
+def file_arrays(tensors, dtype: str):
+    """(dataset, array) pairs of model/ and optim/ as a fresh run at step 0 would write them
+    (16-bit parameters widened to float32, zero moments, float32 master copies), made one
+    parameter at a time from ``tensors`` ({name: global array} or (name, array) pairs)."""
+    pdt = np.float64 if dtype == "float64" else np.float32
+    for name, a in tensors.items() if isinstance(tensors, dict) else tensors:
+        yield f"model/{name}", a.astype(pdt, copy=False)
+        if not name.endswith(".route_bias"):  # an MoE layer's selection bias: no moments
+            yield f"optim/{name}/exp_avg", Zeros(a.shape, pdt)
+            yield f"optim/{name}/exp_avg_sq", Zeros(a.shape, pdt)
+            if dtype in ("bfloat16", "float16"):
+                yield f"optim/{name}/master", a.astype(np.float32, copy=False)
+        del a  # not held while the next parameter is read
 
 
 def file_attributes(cfg: Config, lineage: dict, step: int, optim_step: int) -> dict:
@@ -261,8 +335,9 @@ def write_checkpoint(out: Path, cfg: Config, arrays, lineage: dict, step: int = 
     try:
         with h5py.File(tmp, "w") as f:
             for name, array in pairs:
-                f.create_dataset(name, data=array)
+                _dataset(f, name, array)
                 names.append(name)
+                del array  # not held while the next one is made
             f.attrs.update(attrs)
         cv.stamp(tmp, cv.compute_checksums(tmp, sorted(names)))
         cv.fsync_file(tmp)
@@ -276,6 +351,20 @@ def write_checkpoint(out: Path, cfg: Config, arrays, lineage: dict, step: int = 
     if out.suffix != ".h5":
         cv.write_durably(out / LATEST, final.name + "\n")
     return final
+
+
+def _dataset(f, name: str, array) -> None:
+    """Dataset ``name`` holding ``array``, or of :class:`Zeros` filled by HDF5 itself."""
+    from h5py import h5d, h5p
+
+    if not isinstance(array, Zeros):
+        f.create_dataset(name, data=array)
+        return
+    dcpl = h5p.create(h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5d.FILL_TIME_ALLOC)
+    dcpl.set_fill_value(np.zeros((), array.dtype))
+    f.create_dataset(name, shape=array.shape, dtype=array.dtype, dcpl=dcpl)
 
 
 def tokenizer_lineage(directory: Path, m: ModelConfig) -> dict:
@@ -304,31 +393,42 @@ def is_hf_directory(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "config.json").is_file()
 
 
-def read_hf(directory: str | Path, dtype: str = "auto"):
-    """(reader, config with the directory's model, {parameter: global array}, lineage) of an
-    HF directory, as ``import`` converts it; ``export`` and ``generate`` read it the same way."""
+def open_hf(directory: str | Path, dtype: str = "auto"):
+    """(reader, config with the directory's model, lineage) of an HF directory, checked
+    (:func:`check_keys`, the tokenizer) before anything is read or written; ``import``,
+    ``export`` and ``generate`` read it the same way."""
     reader = HFReader(directory)
     m = reader.model_config(dtype)
-    tensors = global_tensors(reader, m)
+    check_keys(reader, m)
     cfg = dataclasses.replace(Config(), model=m)
     lineage = {"imported_from": str(Path(directory).resolve()),
                "hf_architectures": reader.config.get("architectures"),
                "hf_config": reader.config, **tokenizer_lineage(reader.dir, m)}
-    return reader, cfg, tensors, lineage
+    return reader, cfg, lineage
+
+
+def read_hf(directory: str | Path, dtype: str = "auto"):
+    """(reader, config, {parameter: global array}, lineage) of an HF directory: the whole
+    model in memory (``generate`` builds it anyway)."""
+    reader, cfg, lineage = open_hf(directory, dtype)
+    return reader, cfg, dict(global_tensors(reader, cfg.model)), lineage
 
 
 def import_hf(directory: str | Path, out: str | Path, dtype: str = "auto",
               say=print) -> Path:
-    """Convert HF directory ``directory`` into an hpctrain checkpoint at ``out``."""
+    """Convert HF directory ``directory`` into an hpctrain checkpoint at ``out``, one
+    parameter in memory at a time."""
     check_destination(Path(out))
-    reader, cfg, tensors, lineage = read_hf(directory, dtype)
+    reader, cfg, lineage = open_hf(directory, dtype)
     m = cfg.model
-    final = write_checkpoint(Path(out), cfg, file_arrays(tensors, m.dtype), lineage)
-    n = sum(a.size for a in tensors.values())
+    specs = global_specs(reader, m)
+    final = write_checkpoint(Path(out), cfg, file_arrays(global_tensors(reader, m), m.dtype),
+                             lineage)
+    n = sum(int(np.prod(shape)) for shape, _ in specs.values())
     keys = ", ".join(f"model.{k}={v!r}" for k, v in hf_map.model_section(reader.config,
                                                                          set(reader.where))
                      .items())
-    say(f"wrote {final}: {reader.config.get('architectures', ['?'])[0]}, {len(tensors)} "
+    say(f"wrote {final}: {reader.config.get('architectures', ['?'])[0]}, {len(specs)} "
         f"tensors, {n:,} parameters ({m.dtype}); train from it with "
         f"--set checkpoint.init_from={final} and the model keys {keys}")
     return final

@@ -32,9 +32,8 @@ from typing import NamedTuple
 
 from ..config import ModelConfig
 from ..model.families import family_of
-from . import hf_map, titan
+from . import InterchangeError, hf_map, titan
 from .forms import Unit, either, paired_steps, stacked
-from . import InterchangeError
 from .pickles import load_torch_data
 
 COMMON = "common.pt"

@@ -41,9 +41,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..model.families import family_of
-from . import hf_map
+from . import InterchangeError, hf_map
 from .forms import Unit, paired_steps
-from . import InterchangeError
 
 # Hugging Face key (after ``model.layers.N.``) -> torchtitan key (after ``layers.N.``);
 # {qkv}: "attention." or, since 2026, "attention.qkv_linear."

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint.integrity import BLOCK_BYTES
 from ..config import Config, ModelConfig
 from ..model.families import resolved
 from . import dcp, megatron, titan
 from .forms import either
-from .hf_import import check_destination, write_checkpoint
+from .hf_import import Zeros, check_destination, write_checkpoint
 from .hf_map import InterchangeError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -82,40 +83,59 @@ def misfit(key: str, have: tuple, want: tuple, rows=None) -> str:
 
 
 def file_pairs(reader: dcp.Reader, form, dtype: str, moments: bool):
-    """(dataset, array) pairs of the checkpoint, one unit at a time: each parameter in the
-    run's storage dtype (16-bit ones rounded, then widened to float32, with the exact float32
-    value as ``master``: the form's float32 copy where it has one), its moments or zeros."""
-    import torch
-
-    def get(unit, key):
-        t = reader.tensor(key, unit.index, unit.rows)
-        t = t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
-        return dict(unit.cut(t.numpy()))
-
+    """(dataset, array) pairs of the checkpoint, one tensor in memory at a time: each unit's
+    parameters in the run's storage dtype (16-bit ones rounded, then widened to float32,
+    with the exact float32 value as ``master``: the form's float32 copy where it has one),
+    then each of its moments, read in turn, or zeros (written by HDF5, :class:`Zeros`)."""
     store = np.float64 if dtype == "float64" else np.float32
     for unit in form.units:
         exact = next((k for k in form.masters(unit.key) if k in reader.tensors), unit.key)
-        params = get(unit, exact)
-        state = {w: get(unit, form.moment(unit.key, w)) if moments else None for w in MOMENTS}
-        for name, a in params.items():
+        shapes = {}
+        for name, a in unit_parts(reader, unit, exact):
+            shapes[name] = a.shape
             yield from parameter_pairs(name, a, dtype, store)
-            for w in MOMENTS:
-                value = state[w][name] if moments else np.zeros(a.shape, store)
-                yield f"optim/{name}/{w}", value.astype(store, copy=False)
+            del a
+        for w in MOMENTS:
+            if not moments:
+                yield from ((f"optim/{n}/{w}", Zeros(s, store)) for n, s in shapes.items())
+                continue
+            for name, a in unit_parts(reader, unit, form.moment(unit.key, w)):
+                yield f"optim/{name}/{w}", a.astype(store, copy=False)
+                del a
+
+
+def unit_parts(reader: dcp.Reader, unit, key: str):
+    """(parameter, array) of each hpctrain parameter ``unit`` holds, read from checkpoint
+    tensor ``key`` (the unit's own, its float32 copy or one of its moments; 16-bit values
+    widened exactly): the tensor is read once, its parts cut one at a time."""
+    import torch
+
+    t = reader.tensor(key, unit.index, unit.rows)
+    a = (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
+    del t
+    yield from unit.cut(a)
 
 
 def parameter_pairs(name: str, a: np.ndarray, dtype: str, store):
-    """model/NAME in the run's storage, and for 16-bit models the float32 master."""
+    """model/NAME in the run's storage, and for 16-bit models the float32 master (the
+    rounding made a block of rows at a time into the one new array)."""
     import torch
 
     from ..model import DTYPES
 
-    if dtype in ("bfloat16", "float16"):
-        rounded = torch.from_numpy(a.astype(np.float32)).to(DTYPES[dtype]).float().numpy()
-        yield f"model/{name}", rounded.astype(store, copy=False)
-        yield f"optim/{name}/master", a.astype(np.float32, copy=False)
-    else:
+    if dtype not in ("bfloat16", "float16"):
         yield f"model/{name}", a.astype(store, copy=False)
+        return
+    exact = a.astype(np.float32, copy=False)
+    rounded = np.empty_like(exact)
+    flat, out = exact.reshape(-1), rounded.reshape(-1)
+    step = BLOCK_BYTES // 4
+    for start in range(0, flat.size, step):
+        block = torch.from_numpy(flat[start:start + step])
+        out[start:start + step] = block.to(DTYPES[dtype]).float().numpy()
+    yield f"model/{name}", rounded.astype(store, copy=False)
+    del rounded, out
+    yield f"optim/{name}/master", exact
 
 
 def form_of(reader: dcp.Reader, m: ModelConfig):
