@@ -51,6 +51,29 @@ def is_dcp_directory(path: str | Path) -> bool:
     return (Path(path) / METADATA).is_file() or (Path(path) / LATEST).is_file()
 
 
+class _Destination:
+    """The part of a destination tensor a stored chunk is copied into (what torch's reader
+    asks ``resolve_tensor`` for): the copy is refused unless the chunk has the dtype the
+    metadata states, since torch would convert it silently (a float32 chunk under float16
+    metadata would import rounded)."""
+
+    def __init__(self, target, fqn: str):
+        self.target, self.fqn = target, fqn
+
+    def detach(self):
+        return self
+
+    def size(self):
+        return self.target.size()
+
+    def copy_(self, chunk):
+        if chunk.dtype != self.target.dtype:
+            raise InterchangeError(
+                f"{self.fqn} is stored as {chunk.dtype}, but the metadata states "
+                f"{self.target.dtype}: the metadata does not describe its files; {DAMAGED}")
+        self.target.copy_(chunk)
+
+
 @functools.cache
 def _planners():
     """(load planner, save planner) classes: DCP's defaults, except that a bytes entry is
@@ -87,6 +110,12 @@ def _planners():
         def load_bytes(self, read_item, value) -> None:
             fqn = read_item.dest_index.fqn  # into the caller's dict: self.state_dict is a copy
             self.original_state_dict[fqn] = load_torch_data(value, f"DCP entry {fqn}")
+
+        def resolve_tensor(self, read_item):
+            return _Destination(super().resolve_tensor(read_item), read_item.dest_index.fqn)
+
+        def commit_tensor(self, read_item, tensor) -> None:
+            pass  # the values are in the caller's tensor already
 
     class LazySavePlanner(DefaultSavePlanner):
         def __init__(self, produce: Callable):

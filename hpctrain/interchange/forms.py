@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import InterchangeError
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -37,12 +39,28 @@ class Unit:
             yield name, np.ascontiguousarray(fn(a) if fn is not None else a)
 
 
-def paired_steps(run, opt) -> tuple[int, int] | None:
-    """(training step, optimizer step) from what a checkpoint records of each, either
-    standing in for the other when alone; None when it records neither."""
+def count(value, what: str) -> int:
+    """``value`` (a step count a checkpoint records: a number, or a one-element tensor) as an
+    int; anything but a whole number >= 0 is refused, naming ``what``."""
+    if hasattr(value, "numel") and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
+            or not float(value).is_integer():
+        raise InterchangeError(f"{what} holds {str(value)[:80]!r}, not a step count (a whole "
+                               f"number >= 0): the checkpoint is damaged; copy it again from "
+                               f"its writer")
+    return int(value)
+
+
+def paired_steps(run, opt, where: str = "the checkpoint") -> tuple[int, int] | None:
+    """(training step, optimizer step) from what a checkpoint records of each (checked by
+    :func:`count`), either standing in for the other when alone; None when it records
+    neither."""
     if run is None and opt is None:
         return None
-    return int(run if run is not None else opt), int(opt if opt is not None else run)
+    run = None if run is None else count(run, f"{where}'s training step")
+    opt = None if opt is None else count(opt, f"{where}'s optimizer step")
+    return (run if run is not None else opt), (opt if opt is not None else run)
 
 
 def either(values) -> str:

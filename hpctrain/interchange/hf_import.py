@@ -27,6 +27,25 @@ HF_DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16",
              "float16": "float16"}
 
 
+FLOATS = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a weight may have
+
+
+@contextlib.contextmanager
+def safetensors_file(path: Path):
+    """``safetensors.safe_open(path)``; a file it cannot read (a header too large, not JSON,
+    offsets outside the file) is one :class:`InterchangeError` naming it."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(str(path), "pt")
+    except Exception as e:  # the library's SafetensorError, OSError
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise hf_map.InterchangeError(f"{path} is not a readable safetensors file ({detail}): "
+                                      f"damaged or truncated; download it again") from None
+    with f:
+        yield f
+
+
 class HFReader:
     """The tensors of an HF directory by key, wherever (which shard) they are."""
 
@@ -44,8 +63,6 @@ class HFReader:
         self._open: dict = {}
 
     def _index(self) -> dict[str, Path]:
-        from safetensors import safe_open
-
         if (self.dir / INDEX).is_file():
             try:
                 wm = json.loads((self.dir / INDEX).read_text()).get("weight_map", {})
@@ -62,7 +79,7 @@ class HFReader:
             raise hf_map.InterchangeError(
                 f"{self.dir} has neither model.safetensors nor {INDEX} (only safetensors "
                 f"weights are read, never pickled .bin files)")
-        with safe_open(str(single), "pt") as f:
+        with safetensors_file(single) as f:
             return {k: single for k in f.keys()}
 
     def _shard(self, key: str, name: str) -> Path:
@@ -86,13 +103,11 @@ class HFReader:
     def _file(self, key: str):
         """The open file holding ``key``, for its header (shapes, dtypes) only: see
         :meth:`_mapped`."""
-        from safetensors import safe_open
-
         path = self.where[key]
         if path not in self._open:
             if not path.is_file():
                 raise hf_map.InterchangeError(f"shard {path} named by {INDEX} is missing")
-            self._open[path] = safe_open(str(path), "pt")
+            self._open[path] = safetensors_file(path).__enter__()
         return self._open[path]
 
     @contextlib.contextmanager
@@ -100,10 +115,8 @@ class HFReader:
         """``key``'s slice object in a mapping of its file made for one read: the pages a
         read touches count in the process's resident memory until the mapping closes, so
         values read through a file kept open would add up to the whole model."""
-        from safetensors import safe_open
-
-        self._file(key)  # the shard exists
-        with safe_open(str(self.where[key]), "pt") as f:
+        self._file(key)  # the shard exists and its header reads
+        with safetensors_file(self.where[key]) as f:
             yield f.get_slice(key)
 
     def get(self, key: str):
@@ -113,9 +126,13 @@ class HFReader:
     def shape(self, key: str) -> tuple:
         return tuple(self._file(key).get_slice(key).get_shape())
 
+    def stored_dtype(self, key: str) -> str:
+        """The safetensors dtype of ``key`` ("F32", "BF16", ...), from the header."""
+        return self._file(key).get_slice(key).get_dtype()
+
     def read_dtype(self, key: str) -> type:
         """The numpy dtype tensor ``key`` is read as: float64 stays, the rest is float32."""
-        wide = self._file(key).get_slice(key).get_dtype() == "F64"
+        wide = self.stored_dtype(key) == "F64"
         return np.float64 if wide else np.float32
 
     def read_into(self, key: str, dest: np.ndarray) -> None:
@@ -177,6 +194,13 @@ def check_keys(reader: HFReader, m: ModelConfig) -> None:
         extra.discard(HEAD)
         _check_tied_head(reader)
     unexpected = sorted(extra)
+    not_float = [f"{k} ({reader.stored_dtype(k)})" for k in sorted(known & set(reader.where))
+                 if reader.stored_dtype(k) not in FLOATS]
+    if not_float:
+        raise hf_map.InterchangeError(
+            f"{reader.dir}: {len(not_float)} weight(s) stored in a dtype that is not floating "
+            f"point ({', '.join(not_float[:3])}): not weights of this model, or a damaged "
+            f"safetensors header; download the model again")
     if missing or unexpected:
         raise hf_map.InterchangeError(
             f"{reader.dir} does not match its config.json as a "

@@ -209,7 +209,8 @@ class MegatronForm:
     def steps(self, reader) -> tuple[int, int]:
         """(training step, optimizer step) from ``common.pt``: ``iteration`` and the step
         of the optimizer's first parameter group, each standing in for the other."""
-        steps = paired_steps(self.common.get("iteration"), optimizer_step(self.common))
+        steps = paired_steps(self.common.get("iteration"), optimizer_step(self.common),
+                             f"{reader.dir / COMMON}")
         if steps is None:
             raise InterchangeError(
                 f"{reader.dir} has optimizer moments but no step ({COMMON} records neither "

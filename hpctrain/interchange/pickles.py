@@ -66,6 +66,8 @@ ADMITTED = {
 }
 # the first torch whose archive and storage reading has no published bypass (docs/decisions.md)
 SAFE_TORCH = (2, 10)
+# values waiting on the stack (nesting): a DCP metadata of a million chunks waits on tens
+DEEPEST = 100_000
 # classes read as a Record (name, arguments, attributes), never imported
 AS_RECORDS = ("argparse.Namespace", "types.SimpleNamespace", "megatron.",
               "transformer_engine.", "numpy.", "apex.")
@@ -277,11 +279,24 @@ class DataUnpickler(pickle._Unpickler):
         if type(obj) is not kind and not (kind is dict and type(obj) is collections.OrderedDict):
             self._refuse(f"adds items to {_describe(obj)} (opcode {opcode})")
 
+    @staticmethod
+    def _nest(load):
+        """``load`` (an opcode that opens a container or a mark), unless the values waiting on
+        the stack are already :data:`DEEPEST`: a nesting no checkpoint writes, which would
+        take the interpreter and everything that walks the result unbounded time."""
+        def checked(self):
+            if len(self.stack) + len(self.metastack) > DEEPEST:
+                self._refuse(f"nests values over {DEEPEST:,} deep")
+            load(self)
+        return checked
+
     def _opcode(self):
         self._refuse("uses an opcode no checkpoint format writes (INST, OBJ or an extension "
                      "code)")
 
 
+for _code in (pickle.MARK, pickle.EMPTY_DICT, pickle.EMPTY_LIST, pickle.EMPTY_SET):
+    DataUnpickler.dispatch[_code[0]] = DataUnpickler._nest(DataUnpickler.dispatch[_code[0]])
 for _code in (pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4):
     DataUnpickler.dispatch[_code[0]] = DataUnpickler._opcode
 for _code, _method in ((pickle.REDUCE, "load_reduce"), (pickle.NEWOBJ, "load_newobj"),

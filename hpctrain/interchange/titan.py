@@ -42,7 +42,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..model.families import family_of
 from . import InterchangeError, hf_map
-from .forms import Unit, paired_steps
+from .forms import Unit, count, paired_steps
 
 # Hugging Face key (after ``model.layers.N.``) -> torchtitan key (after ``layers.N.``);
 # {qkv}: "attention." or, since 2026, "attention.qkv_linear."
@@ -216,7 +216,6 @@ def fused_moments(reader, m: ModelConfig):
 def step_count(reader, key: str) -> int | None:
     """The count (a step) in entry ``key``: a one-element tensor or a pickled number; None
     when there is no such entry. Anything else is refused, naming the entry."""
-    import torch
 
     if key in reader.tensors:
         if math.prod(reader.tensors[key][0]) != 1:
@@ -225,15 +224,9 @@ def step_count(reader, key: str) -> int | None:
         value = reader.tensor(key).item()
     elif key in reader.objects:
         value = reader.object(key)
-        if torch.is_tensor(value) and value.numel() == 1:
-            value = value.item()
     else:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
-            or not float(value).is_integer():
-        raise InterchangeError(f"{reader.dir}: {key} holds {str(value)[:80]!r}, not a step "
-                               f"count (a whole number >= 0)")
-    return int(value)
+    return count(value, f"{reader.dir}: {key}")
 
 
 def left_out(entries, tensors) -> str | None:
