@@ -5,13 +5,12 @@ hpctrain checkpoint, the one that exports a checkpoint to it, and whether
 export`` take their ``--format`` choices and their dispatch from here, ``init_from`` its source
 kinds, and docs/interchange.md its table of formats (:func:`markdown`). Adding a format is
 a module with its reader and writer and one line here (docs/design.md, "A checkpoint
-format"). Functions are named as ``module:function`` of this package and imported only when
-used, so the CLI's help needs neither torch nor h5py.
+format"). Each format's functions import their modules when called, so the CLI's help needs
+neither torch nor h5py.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,33 +29,9 @@ def _is_dcp(path: Path) -> bool:
 
 
 @dataclass(frozen=True)
-class Format:
-    """One format. ``reads``/``writes``: ``module:function`` (None: not that direction);
-    an importer is ``f(source: Path, out: Path, options: Options, say) -> Path``, an exporter
-    ``f(checkpoint: Path, out: str, options: Options, say) -> Path``. ``needs_config``: the
-    format does not describe its model, so import needs ``--config``."""
-
-    name: str
-    what: str
-    detect: Callable[[Path], bool] | None
-    reads: str | None
-    writes: str | None
-    init_from: bool
-    needs_config: bool
-    carries: str
-    refuses: str
-
-    def importer(self) -> Callable:
-        return _resolve(self.reads)
-
-    def exporter(self) -> Callable:
-        return _resolve(self.writes)
-
-
-@dataclass(frozen=True)
 class Options:
     """What the user asked of a conversion: ``cfg`` (a Config, from ``--config``), ``dtype``,
-    ``verify`` (the checkpoint's checksums first), HF's ``max_shard_size`` and
+    ``verify`` (the checkpoint's checksums first), Hugging Face's ``max_shard_size`` and
     ``tokenizer``."""
 
     cfg: object = None
@@ -66,27 +41,73 @@ class Options:
     tokenizer: str | None = None
 
 
+def _hf_in(source: Path, out: Path, o: Options, say) -> Path:
+    from .hf_import import import_hf
+
+    return import_hf(source, out, o.dtype, say)
+
+
+def _hf_out(checkpoint: Path, out: str, o: Options, say) -> Path:
+    from .hf_export import export_hf
+
+    return export_hf(checkpoint, Path(out), o.dtype, o.max_shard_size, o.tokenizer, say)
+
+
+def _dcp_in(source: Path, out: Path, o: Options, say) -> Path:
+    from .trainers import import_dcp
+
+    return import_dcp(source, out, o.cfg, say)
+
+
+def _dcp_out(checkpoint: Path, out: str, o: Options, say) -> Path:
+    from .trainers import export_dcp
+
+    if Path(out).exists() and not Path(out).is_dir():
+        raise InterchangeError(f"{out} is a file: --format dcp writes a directory; give --out "
+                               f"a new directory")
+    export_dcp(checkpoint, Path(out), o.dtype, o.verify, say)
+    return Path(out)
+
+
+def _safetensors_out(checkpoint: Path, out: str, o: Options, say) -> Path:
+    from .safetensors_file import export_safetensors, safetensors_path
+
+    return export_safetensors(checkpoint, safetensors_path(out), o.verify, say)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One format: ``reads`` imports a source in it (``f(source, out, options, say)``),
+    ``writes`` exports a checkpoint to it (``f(checkpoint, out, options, say)``); None: not
+    that direction. ``needs_config``: the format does not describe its model, so import needs
+    ``--config``; ``init_from``: a run starts from it directly."""
+
+    name: str
+    what: str
+    detect: Callable[[Path], bool] | None
+    reads: Callable | None
+    writes: Callable | None
+    init_from: bool
+    needs_config: bool
+    carries: str
+    refuses: str
+
+
 FORMATS = (
     Format("hf", "a Hugging Face model directory (config.json, safetensors shards)", _is_hf,
-           "hf_import:import_format", "hf_export:export_format", True, False,
-           "weights of Llama, Qwen2/3, Mixtral, Qwen-MoE, DeepSeek-V3; the tokenizer; no "
-           "optimizer state",
-           "pickled .bin weights, features hpctrain lacks, index paths outside the directory"),
+           _hf_in, _hf_out, True, False,
+           "weights of Llama, Qwen2/3, Mixtral, Qwen-MoE and DeepSeek-V3; the tokenizer",
+           "pickled .bin weights, features hpctrain lacks, unreadable headers, shards "
+           "outside the directory"),
     Format("dcp", "a torch Distributed Checkpoint of torchtitan or Megatron-Core", _is_dcp,
-           "trainers:import_format", "trainers:export_format", False, True,
-           "weights, Adam moments and step (torchtitan; Megatron-Core's per-parameter "
-           "optimizer forms); export in torchtitan's names",
-           "code in its pickles, chunk gaps or overlaps, paths outside the directory, "
-           "padding other than the writer's rule"),
+           _dcp_in, _dcp_out, False, True,
+           "weights, Adam moments and steps (export: torchtitan's names and trainer state)",
+           "code in its pickles, chunk gaps or overlaps, files outside the directory or "
+           "truncated, padding other than the writer's rule"),
     Format("safetensors", "one safetensors file in hpctrain's parameter names", None,
-           None, "hf_export:export_safetensors_format", False, False,
-           "weights (global shapes) and the resolved config beside it", ""),
+           None, _safetensors_out, False, False,
+           "weights in global shapes; the config beside it", ""),
 )
-
-
-def _resolve(name: str | None) -> Callable:
-    module, function = str(name).split(":")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
 
 def names(direction: str) -> list[str]:

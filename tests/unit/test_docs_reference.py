@@ -30,6 +30,16 @@ def test_docs_commands_md_is_generated_from_the_parser():
     assert text == reference(), f"docs/commands.md is stale; regenerate it: {REGENERATE}"
 
 
+def test_docs_formats_table_is_generated_from_the_registry():
+    from hpctrain.interchange import formats
+
+    text = (ROOT / "docs" / "interchange.md").read_text(encoding="utf-8")
+    start = text.index("<!-- Generated from interchange/formats.py")
+    table = text[text.index("\n", start) + 1:text.index("<!-- end of the generated table")]
+    assert table == formats.markdown(), "docs/interchange.md's format table is stale: paste " \
+        "formats.markdown() between its markers"
+
+
 def test_docs_metrics_md_is_generated_from_the_declaration():
     text = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
     assert text == fields.markdown(), \
