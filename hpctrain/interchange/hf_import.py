@@ -30,20 +30,17 @@ HF_DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16",
 FLOATS = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a weight may have
 
 
-@contextlib.contextmanager
-def safetensors_file(path: Path):
+def open_safetensors(path: Path):
     """``safetensors.safe_open(path)``; a file it cannot read (a header too large, not JSON,
     offsets outside the file) is one :class:`InterchangeError` naming it."""
     from safetensors import safe_open
 
     try:
-        f = safe_open(str(path), "pt")
+        return safe_open(str(path), "pt")
     except Exception as e:  # the library's SafetensorError, OSError
         detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise hf_map.InterchangeError(f"{path} is not a readable safetensors file ({detail}): "
                                       f"damaged or truncated; download it again") from None
-    with f:
-        yield f
 
 
 class HFReader:
@@ -57,7 +54,7 @@ class HFReader:
                                           f"Face model directory")
         try:
             self.config = json.loads(cfg_path.read_text())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise hf_map.InterchangeError(f"{cfg_path} is not valid JSON: {e}") from None
         self.where = self._index()
         self._open: dict = {}
@@ -66,21 +63,35 @@ class HFReader:
         if (self.dir / INDEX).is_file():
             try:
                 wm = json.loads((self.dir / INDEX).read_text()).get("weight_map", {})
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):  # not JSON, nested too deep
                 wm = None
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise hf_map.InterchangeError(f"{self.dir / INDEX} is not a safetensors index "
                                               f"(JSON whose weight_map names a file per "
                                               f"tensor): damaged; download it again")
             shards = {v: self._shard(k, v) for k, v in wm.items()}
+            self._check_shards(wm, shards)
             return {k: shards[v] for k, v in wm.items()}
         single = self.dir / "model.safetensors"
         if not single.is_file():
             raise hf_map.InterchangeError(
                 f"{self.dir} has neither model.safetensors nor {INDEX} (only safetensors "
                 f"weights are read, never pickled .bin files)")
-        with safetensors_file(single) as f:
+        with open_safetensors(single) as f:
             return {k: single for k in f.keys()}
+
+    def _check_shards(self, weight_map: dict, shards: dict) -> None:
+        """Every tensor the index names is in the header of the shard it names."""
+        held = {}
+        for name, path in shards.items():
+            if path.is_file():
+                with open_safetensors(path) as f:
+                    held[name] = set(f.keys())
+        wrong = next((k for k, v in weight_map.items() if v in held and k not in held[v]), None)
+        if wrong is not None:
+            raise hf_map.InterchangeError(
+                f"{self.dir / INDEX} names {weight_map[wrong]} for {wrong}, but that shard does "
+                f"not hold it: the index and the shards disagree; download the model again")
 
     def _shard(self, key: str, name: str) -> Path:
         """The shard the index names for ``key``: a file name inside the directory (or, in a
@@ -107,7 +118,7 @@ class HFReader:
         if path not in self._open:
             if not path.is_file():
                 raise hf_map.InterchangeError(f"shard {path} named by {INDEX} is missing")
-            self._open[path] = safetensors_file(path).__enter__()
+            self._open[path] = open_safetensors(path)
         return self._open[path]
 
     @contextlib.contextmanager
@@ -116,7 +127,7 @@ class HFReader:
         read touches count in the process's resident memory until the mapping closes, so
         values read through a file kept open would add up to the whole model."""
         self._file(key)  # the shard exists and its header reads
-        with safetensors_file(self.where[key]) as f:
+        with open_safetensors(self.where[key]) as f:
             yield f.get_slice(key)
 
     def get(self, key: str):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-TOTAL_WORDS = 30_000
+TOTAL_WORDS = 31_000  # raised from 30,000 with the formats table, refusals and fuzz figures
 DESIGN_WORDS = 6_000
 RECORD_WORDS = 150
 DATED = {"results.md", "decisions.md", "benchmarks.md"}  # the pages that may carry dates
