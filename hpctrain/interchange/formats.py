@@ -70,7 +70,7 @@ def _dcp_out(checkpoint: Path, out: str, o: Options, say) -> Path:
 
 
 def _safetensors_out(checkpoint: Path, out: str, o: Options, say) -> Path:
-    from .safetensors_file import export_safetensors, safetensors_path
+    from .hf_export import export_safetensors, safetensors_path
 
     return export_safetensors(checkpoint, safetensors_path(out), o.verify, say)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -220,4 +221,42 @@ def export_hf(path: Path, out: Path, dtype: str = "auto", max_shard: str = "5GB"
     n = sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
     say(f"wrote {out}: {config['architectures'][0]}, {len(tensors)} tensors, {n:,} parameters "
         f"({dtype}, step {attrs.get('step')}) in {', '.join(files)}")
+    return out
+
+
+SUFFIX = ".safetensors"
+
+
+def safetensors_path(out: str) -> Path:
+    """Where ``--format safetensors`` writes: OUT if it ends in .safetensors; in an existing
+    directory (or OUT ending in a separator) ``model.safetensors``, the name a Hugging Face
+    directory gives its weights; otherwise OUT with the suffix added."""
+    if out.endswith(("/", os.sep)) or Path(out).is_dir():
+        return Path(out) / f"model{SUFFIX}"
+    return Path(out) if out.endswith(SUFFIX) else Path(out + SUFFIX)
+
+
+def export_safetensors(path: Path, out: Path, verify: bool, say=print) -> Path:
+    """One safetensors file in hpctrain's names, the source's lineage as its metadata,
+    written a block of one tensor at a time."""
+    import functools
+
+    import numpy as np
+    import torch
+
+    from ..checkpoint import integrity as cv
+
+    with open_source(path, verify) as (_, source, attrs):
+        tensors = [Planned(name, torch.from_numpy(np.empty(0, dt)).dtype, shape,
+                           functools.partial(source.blocks, name))
+                   for name, (shape, dt) in source.specs.items()]
+        meta = {key: str(cv._plain(attrs[key])) for key in ("format", "step", "data_hash",
+                                                             "git_commit", "versions",
+                                                             "topology") if key in attrs}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_file(out, tensors, {"source": str(path), **meta})
+    Path(str(out) + ".config.toml").write_text(str(attrs.get("config", "")))
+    n = sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
+    say(f"wrote {out}: {len(tensors)} tensors, {n:,} parameters (step {meta.get('step')}); "
+          f"config in {out}.config.toml")
     return out

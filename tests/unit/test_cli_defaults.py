@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hpctrain.__main__ import COMMANDS, build_parser
 from hpctrain.cli import about
-from hpctrain.interchange.safetensors_file import safetensors_path
+from hpctrain.interchange.hf_export import safetensors_path
 
 
 def parsers(parser, prefix="hpctrain"):
