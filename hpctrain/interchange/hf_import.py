@@ -286,8 +286,8 @@ def global_tensors(reader: HFReader, m: ModelConfig):
 
 
 class Zeros(NamedTuple):
-    """A dataset of zeros (fresh optimizer moments): HDF5 fills it as it allocates the space,
-    so no array of zeros is made (:func:`write_checkpoint`)."""
+    """A dataset of zeros (fresh optimizer moments), made by HDF5's fill value: no array of
+    zeros in memory, no bytes on disk (:func:`write_checkpoint`)."""
 
     shape: tuple
     dtype: type
@@ -389,17 +389,13 @@ def write_checkpoint(out: Path, cfg: Config, arrays, lineage: dict, step: int = 
 
 
 def _dataset(f, name: str, array) -> None:
-    """Dataset ``name`` holding ``array``, or of :class:`Zeros` filled by HDF5 itself."""
-    from h5py import h5d, h5p
-
-    if not isinstance(array, Zeros):
+    """Dataset ``name`` holding ``array``; :class:`Zeros` as a dataset whose fill value is 0
+    and whose space is never allocated: nothing of it is written, and every reader (h5py,
+    MPI-IO through HDF5, the checksums) gets zeros."""
+    if isinstance(array, Zeros):
+        f.create_dataset(name, shape=array.shape, dtype=array.dtype, fillvalue=0)
+    else:
         f.create_dataset(name, data=array)
-        return
-    dcpl = h5p.create(h5p.DATASET_CREATE)
-    dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
-    dcpl.set_fill_time(h5d.FILL_TIME_ALLOC)
-    dcpl.set_fill_value(np.zeros((), array.dtype))
-    f.create_dataset(name, shape=array.shape, dtype=array.dtype, dcpl=dcpl)
 
 
 def tokenizer_lineage(directory: Path, m: ModelConfig) -> dict:
