@@ -28,6 +28,7 @@ names, sizes, mtimes and hashes after every case. The rules, each a kind of viol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -184,7 +185,7 @@ class Worker:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            with _quiet():
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.proc = None
@@ -205,14 +206,6 @@ class Worker:
         self.pristine = snapshot(self.sentinel)
 
 
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, ProcessLookupError)
-
-
 def place(path: Path, data) -> None:
     """Put a case's file: bytes, None (removed), or ("truncate", n)."""
     if data is None:
@@ -228,12 +221,15 @@ def violations(res: dict, outside: list[str]) -> list[tuple[str, str]]:
     """Every rule case result ``res`` broke: (kind, detail)."""
     if "hang" in res:
         return [("hang", f"ran past {TIMEOUT_S:g} s (in its {res.get('after')})")]
-    if "died" in res or "error" in res:
-        return [("crash", str(res.get("died") or res.get("error"))[-300:])]
+    if "died" in res:
+        return [("crash", res["died"])]
+    if "error" in res:  # the checkpoint or the process after the case could not be checked
+        return [("the checks after the case failed", res["error"][-300:])]
     found = [("wrote outside the scratch directory", d) for d in outside]
     names = {"write": "wrote outside the scratch directory", "process": "started a process",
              "import": "imported a module outside the admitted list",
-             "read": "read a file outside the checkpoint"}
+             "read": "read a file outside the checkpoint",
+             "hook": "the checks after the case failed"}
     found += [(names[kind], detail) for kind, detail in res["seen"]]
     found += [(names["import"], m) for m in res["modules"]
               if (names["import"], m) not in found]
@@ -401,7 +397,7 @@ def progress(tally: Tally, n: int, t0: float, say) -> None:
             f"{dict(tally.outcomes)}", flush=True)
 
 
-def settings(count: int | None = None) -> tuple[int, int]:
+def settings() -> tuple[int, int]:
     """(seed, workers) from HPCTRAIN_FUZZ_SEED and HPCTRAIN_FUZZ_WORKERS."""
     seed = int(os.environ.get("HPCTRAIN_FUZZ_SEED", "64"))
     workers = int(os.environ.get("HPCTRAIN_FUZZ_WORKERS", min(3, os.cpu_count() or 1)))
