@@ -4,7 +4,8 @@ data, never code, and never a traceback.
 ``python -m benchmarks --only fuzz-foreign`` (10,000 cases; ``--size tiny``: 500, the CI run
 of tests/e2e/test_fuzz_foreign.py), or alone ``python -m benchmarks.fuzz_foreign --cases N
 [--seed S] [--workers W]`` (exit 1 when a case broke a rule). ``HPCTRAIN_FUZZ_SEED`` picks
-the draw (default 64), ``HPCTRAIN_FUZZ_WORKERS`` the workers (default: up to 3).
+the draw (default 64), ``HPCTRAIN_FUZZ_WORKERS`` the workers (default: up to 3);
+``HPCTRAIN_FUZZ_LOG=FILE`` appends every case's mutation and outcome to FILE (JSON lines).
 
 Each case is a real checkpoint (:mod:`benchmarks.fuzz_fixtures`: a torchtitan DCP, a
 Megatron-LM save with ``common.pt``, a Hugging Face safetensors directory) with one file
@@ -241,23 +242,19 @@ def violations(res: dict, outside: list[str]) -> list[tuple[str, str]]:
 def result_violations(res: dict) -> list[tuple[str, str]]:
     """What the conversion ended with: the same model, or one refusal and nothing left."""
     rc, err = res["rc"], res["stderr"]
-    if res["exception"]:
-        return [("traceback", res["exception"].strip().splitlines()[-1][:300])]
-    if "Traceback" in err:
-        return [("traceback", err.strip().splitlines()[-1][:300])]
-    if rc == 0:
+    if rc == 0 and not res["exception"] and "Traceback" not in err:
         model = res["model"]
-        if model["same"]:
-            return []
-        return [("imported other weights (exit 0)", model["what"])]
-    if rc != 2:
-        return [("exit status other than 0 or 2", f"exit {rc}: {err.strip()[-200:]}")]
+        return [] if model["same"] else [("imported other weights (exit 0)", model["what"])]
     lines = [x for x in err.splitlines() if x.strip()]
-    found = []
+    found = [("failed but left output behind", lines[-1][:200] if lines else "")] \
+        if res["out_exists"] else []
+    if res["exception"] or "Traceback" in err:
+        last = (res["exception"] or err).strip().splitlines()[-1]
+        return [("traceback", last[:300]), *found]
+    if rc != 2:
+        return [("exit status other than 0 or 2", f"exit {rc}: {err.strip()[-200:]}"), *found]
     if len(lines) != 1 or not lines[0].startswith("hpctrain import: "):
         found.append(("refusal not one message", err.strip()[:300]))
-    if res["out_exists"]:
-        found.append(("refusal left output behind", lines[-1][:200] if lines else ""))
     return found
 
 
@@ -383,6 +380,13 @@ def finish(w: Worker, res: dict, tally: Tally, sel) -> None:
     if w.case.family == "control" and not found and res.get("rc") != 0:
         found = [("refused a file that means the same", res["stderr"].strip()[:300])]
     tally.add(w.case, res, found)
+    log = os.environ.get("HPCTRAIN_FUZZ_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"case": w.case.index, "kind": w.case.kind,
+                                "family": w.case.family, "what": w.case.what,
+                                "rc": res.get("rc"), "stderr": res.get("stderr", "")[-300:],
+                                "violations": found}) + "\n")
     if outside:
         w.restore()
     w.case = None
