@@ -64,15 +64,16 @@ def make_sentinel(where: Path, fixtures: Path) -> None:
     shutil.copytree(fixtures / "decoys", where / "decoys")
 
 
-def snapshot(root: Path, hashes: bool = True) -> dict[str, tuple]:
-    """{relative path: (kind, size, mtime, sha256)} of everything under ``root``."""
+def snapshot(root: Path) -> dict[str, tuple]:
+    """{relative path: (kind, size, mtime, sha256)} of everything under ``root`` (a
+    directory's mtime changes when an entry is made or removed in it)."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             p = os.path.join(dirpath, name)
             st = os.lstat(p)
             digest = ""
-            if hashes and name in filenames and os.path.isfile(p) and not os.path.islink(p):
+            if name in filenames and os.path.isfile(p) and not os.path.islink(p):
                 with open(p, "rb") as f:
                     digest = hashlib.sha256(f.read()).hexdigest()
             kind = "link" if os.path.islink(p) else "dir" if name in dirnames else "file"
