@@ -52,8 +52,7 @@ SIZES = ("tiny", "small")
 BUDGETS = {"gradsync": 300, "overlap": 600, "ddp": 300, "pipeline": 600, "overhead": 300,
            "collectives": 300, "checkpoint": 600, "memory": 600, "scaling": 600,
            "cluster": 900, "nodes": 900, "data": 600, "context_kinds": 600, "relaunch": 900,
-           "faults": 1800, "fuzz-foreign": 3600,
-           "interchange": 1800}
+           "faults": 1800, "fuzz-foreign": 5400, "interchange": 1800}
 
 
 def module(name: str) -> str:

@@ -48,7 +48,8 @@ class Context:
 @dataclass
 class Case:
     """One case: the fixture ``kind``, the mutation's ``family`` and description, and the
-    files of the fixture it replaces (relative path -> bytes; None: removed)."""
+    files of the fixture it replaces (relative path -> bytes; None: removed; ``("truncate",
+    n)``: cut to n bytes)."""
 
     index: int
     kind: str
@@ -85,8 +86,10 @@ class Targets:
 
 
 # -- families: (rng, targets, ctx) -> (kind, family, what, files) ---------------------------
-def _pickle_case(rng, t: fm.PickleTarget, family: str, ctx: Context, kind: str, name: str):
-    inside = os.path.dirname(META[kind]) if kind in META else MEGATRON_ITER
+def _pickle_case(rng, t: fm.PickleTarget, family: str, ctx: Context, kind: str):
+    """An opcode-level or byte-level mutation, or a pickle gadget, of pickle ``t`` of a
+    fixture ``kind`` (strings it may put in: paths beside that fixture's .distcp)."""
+    inside = os.path.dirname(META[kind])
     if family == "opcode":
         mutation = rng.choice(fm.OPCODE_MUTATIONS + (fm.op_string,))
         if mutation is fm.op_string:
@@ -103,21 +106,23 @@ def dcp_metadata(rng, tg: Targets, ctx: Context, kind: str, family: str):
         inside = os.path.dirname(META[kind])
         what, data = ff.dcp_object(rng, t.obj, ctx.paths(kind, DISTCP, inside))
     else:
-        what, data = _pickle_case(rng, t, family, ctx, kind, META[kind])
+        what, data = _pickle_case(rng, t, family, ctx, kind)
     return kind, family, f"{META[kind]}: {what}", {META[kind]: data}
 
 
 def common_pt(rng, tg: Targets, ctx: Context, family: str):
-    victim = str(ctx.victim)
-    if family == "gadget" and rng.random() < 0.5:
-        what, data = (ff.common_object if rng.random() < 0.7 else
-                      lambda r, c, v: ff.common_zip(r, tg.common_zip, v))(rng, tg.common.obj,
-                                                                           victim)
-    elif family == "bytes" and rng.random() < 0.2:
+    """Megatron's common.pt: its data.pkl mutated (and zipped again), or (gadgets) saved
+    again with a field replaced or its zip damaged, or (bytes) the zip's bytes mutated."""
+    choice = rng.random()
+    if family == "gadget" and choice < 0.35:
+        what, data = ff.common_object(rng, tg.common.obj, str(ctx.victim))
+    elif family == "gadget" and choice < 0.5:
+        what, data = ff.common_zip(rng, tg.common_zip, str(ctx.victim))
+    elif family == "bytes" and choice < 0.2:
         what, data = fm.byte_mutation(rng, tg.common_zip)
         what = f"the zip's {what}"
     else:
-        what, pkl = _pickle_case(rng, tg.common, family, ctx, "megatron", COMMON)
+        what, pkl = _pickle_case(rng, tg.common, family, ctx, "megatron")
         what, data = f"data.pkl {what}", tg.common_file(pkl)
     return "megatron", family, f"common.pt: {what}", {COMMON: data}
 

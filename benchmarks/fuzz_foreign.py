@@ -4,7 +4,8 @@ data, never code, and never a traceback.
 ``python -m benchmarks --only fuzz-foreign`` (10,000 cases; ``--size tiny``: 500, the CI run
 of tests/e2e/test_fuzz_foreign.py), or alone ``python -m benchmarks.fuzz_foreign --cases N
 [--seed S] [--workers W]`` (exit 1 when a case broke a rule). ``HPCTRAIN_FUZZ_SEED`` picks
-the draw (default 64), ``HPCTRAIN_FUZZ_WORKERS`` the workers (default: up to 3).
+the draw (default 64), ``HPCTRAIN_FUZZ_WORKERS`` the workers (default: up to 3);
+``HPCTRAIN_FUZZ_LOG=FILE`` appends every case's mutation and outcome to FILE (JSON lines).
 
 Each case is a real checkpoint (:mod:`benchmarks.fuzz_fixtures`: a torchtitan DCP, a
 Megatron-LM save with ``common.pt``, a Hugging Face safetensors directory) with one file
@@ -28,6 +29,7 @@ names, sizes, mtimes and hashes after every case. The rules, each a kind of viol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -62,15 +64,16 @@ def make_sentinel(where: Path, fixtures: Path) -> None:
     shutil.copytree(fixtures / "decoys", where / "decoys")
 
 
-def snapshot(root: Path, hashes: bool = True) -> dict[str, tuple]:
-    """{relative path: (kind, size, mtime, sha256)} of everything under ``root``."""
+def snapshot(root: Path) -> dict[str, tuple]:
+    """{relative path: (kind, size, mtime, sha256)} of everything under ``root`` (a
+    directory's mtime changes when an entry is made or removed in it)."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             p = os.path.join(dirpath, name)
             st = os.lstat(p)
             digest = ""
-            if hashes and name in filenames and os.path.isfile(p) and not os.path.islink(p):
+            if name in filenames and os.path.isfile(p) and not os.path.islink(p):
                 with open(p, "rb") as f:
                     digest = hashlib.sha256(f.read()).hexdigest()
             kind = "link" if os.path.islink(p) else "dir" if name in dirnames else "file"
@@ -184,7 +187,7 @@ class Worker:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            with _quiet():
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.proc = None
@@ -205,14 +208,6 @@ class Worker:
         self.pristine = snapshot(self.sentinel)
 
 
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, ProcessLookupError)
-
-
 def place(path: Path, data) -> None:
     """Put a case's file: bytes, None (removed), or ("truncate", n)."""
     if data is None:
@@ -228,12 +223,15 @@ def violations(res: dict, outside: list[str]) -> list[tuple[str, str]]:
     """Every rule case result ``res`` broke: (kind, detail)."""
     if "hang" in res:
         return [("hang", f"ran past {TIMEOUT_S:g} s (in its {res.get('after')})")]
-    if "died" in res or "error" in res:
-        return [("crash", str(res.get("died") or res.get("error"))[-300:])]
+    if "died" in res:
+        return [("crash", res["died"])]
+    if "error" in res:  # the checkpoint or the process after the case could not be checked
+        return [("the checks after the case failed", res["error"][-300:])]
     found = [("wrote outside the scratch directory", d) for d in outside]
     names = {"write": "wrote outside the scratch directory", "process": "started a process",
              "import": "imported a module outside the admitted list",
-             "read": "read a file outside the checkpoint"}
+             "read": "read a file outside the checkpoint",
+             "hook": "the checks after the case failed"}
     found += [(names[kind], detail) for kind, detail in res["seen"]]
     found += [(names["import"], m) for m in res["modules"]
               if (names["import"], m) not in found]
@@ -245,23 +243,19 @@ def violations(res: dict, outside: list[str]) -> list[tuple[str, str]]:
 def result_violations(res: dict) -> list[tuple[str, str]]:
     """What the conversion ended with: the same model, or one refusal and nothing left."""
     rc, err = res["rc"], res["stderr"]
-    if res["exception"]:
-        return [("traceback", res["exception"].strip().splitlines()[-1][:300])]
-    if "Traceback" in err:
-        return [("traceback", err.strip().splitlines()[-1][:300])]
-    if rc == 0:
+    if rc == 0 and not res["exception"] and "Traceback" not in err:
         model = res["model"]
-        if model["same"]:
-            return []
-        return [("imported other weights (exit 0)", model["what"])]
-    if rc != 2:
-        return [("exit status other than 0 or 2", f"exit {rc}: {err.strip()[-200:]}")]
+        return [] if model["same"] else [("imported other weights (exit 0)", model["what"])]
     lines = [x for x in err.splitlines() if x.strip()]
-    found = []
+    found = [("failed but left output behind", lines[-1][:200] if lines else "")] \
+        if res["out_exists"] else []
+    if res["exception"] or "Traceback" in err:
+        last = (res["exception"] or err).strip().splitlines()[-1]
+        return [("traceback", last[:300]), *found]
+    if rc != 2:
+        return [("exit status other than 0 or 2", f"exit {rc}: {err.strip()[-200:]}"), *found]
     if len(lines) != 1 or not lines[0].startswith("hpctrain import: "):
         found.append(("refusal not one message", err.strip()[:300]))
-    if res["out_exists"]:
-        found.append(("refusal left output behind", lines[-1][:200] if lines else ""))
     return found
 
 
@@ -387,6 +381,13 @@ def finish(w: Worker, res: dict, tally: Tally, sel) -> None:
     if w.case.family == "control" and not found and res.get("rc") != 0:
         found = [("refused a file that means the same", res["stderr"].strip()[:300])]
     tally.add(w.case, res, found)
+    log = os.environ.get("HPCTRAIN_FUZZ_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"case": w.case.index, "kind": w.case.kind,
+                                "family": w.case.family, "what": w.case.what,
+                                "rc": res.get("rc"), "stderr": res.get("stderr", "")[-300:],
+                                "violations": found}) + "\n")
     if outside:
         w.restore()
     w.case = None
@@ -401,7 +402,7 @@ def progress(tally: Tally, n: int, t0: float, say) -> None:
             f"{dict(tally.outcomes)}", flush=True)
 
 
-def settings(count: int | None = None) -> tuple[int, int]:
+def settings() -> tuple[int, int]:
     """(seed, workers) from HPCTRAIN_FUZZ_SEED and HPCTRAIN_FUZZ_WORKERS."""
     seed = int(os.environ.get("HPCTRAIN_FUZZ_SEED", "64"))
     workers = int(os.environ.get("HPCTRAIN_FUZZ_WORKERS", min(3, os.cpu_count() or 1)))

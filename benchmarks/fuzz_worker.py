@@ -91,6 +91,14 @@ class Watch:
     def hook(self, event: str, args) -> None:
         if self.mode == "off":
             return
+        try:
+            self._event(event, args)
+        except PermissionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the hook must not break what it watches
+            self.seen.append(("hook", f"{event}: {e!r}"[:200]))
+
+    def _event(self, event: str, args) -> None:
         if event == "import":
             self._import(args[0])
         elif event == "open":
@@ -307,6 +315,7 @@ def convert(cmd: dict, mode: str) -> dict:
     its exit status, escaped exception, output, what the hook saw, seconds."""
     from hpctrain.__main__ import main
 
+    home = os.getcwd()
     os.chdir(cmd["scratch"])
     t0, rc, exc = time.perf_counter(), None, None
     with captured(cmd["scratch"]):
@@ -317,6 +326,7 @@ def convert(cmd: dict, mode: str) -> dict:
             exc = traceback.format_exc(limit=-6)[-3000:]
         finally:
             WATCH.mode = "off"
+            os.chdir(home)
     seen = list(dict.fromkeys(WATCH.seen))
     return {"rc": rc, "exception": exc, "seen": seen, "seconds": time.perf_counter() - t0,
             "stdout": read_text(os.path.join(cmd["scratch"], "stdout")),

@@ -10,8 +10,9 @@ import pytest
 # tests on one (--dist loadfile: its module fixtures are made once; only test_slurm.py
 # submits to the local SLURM). The longest modules go first so that none is left running
 # alone at the end.
-FIRST = ("test_fault_campaign", "test_bench", "test_faults", "test_cli_layouts", "test_slurm",
-         "test_local_tiers", "test_checkpoint_async", "test_resume_checks", "test_perf",
+FIRST = ("test_fault_campaign", "test_bench", "test_fuzz_foreign", "test_faults",
+         "test_cli_layouts", "test_slurm", "test_local_tiers", "test_checkpoint_async",
+         "test_resume_checks", "test_perf",
          "test_checkpoint", "test_docs_examples", "test_cluster", "test_cli",
          "test_eval_lineage", "test_relaunch_cluster")
 SLOW_S = 30  # a test whose setup and call take longer carries @pytest.mark.slow(reason=...)
