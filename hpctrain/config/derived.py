@@ -4,6 +4,8 @@ dataclasses."""
 
 from __future__ import annotations
 
+import math
+
 
 def microbatches(cfg) -> int:
     t = cfg.train
@@ -32,3 +34,18 @@ def ulysses_degrees(cp: int, tp: int, heads: int, kv_heads: int, node_ranks: int
     ranks fill nodes evenly."""
     return [u for u in range(cp, 1, -1) if cp % u == 0 and heads // tp % u == 0
             and kv_heads // tp % u == 0 and (not node_ranks or node_ranks % (tp * u) == 0)] + [1]
+
+
+def lr_at(step: int, ocfg, total_steps: int) -> float:
+    """The learning rate of ``step`` under ``ocfg`` (an ``OptimConfig``): linear warmup
+    over ``warmup_steps``, then cosine decay to ``min_lr`` at the horizon
+    ``decay_steps`` (0: ``total_steps``, which a resumed run takes from its checkpoint:
+    ``checkpoint.lineage.decay_horizon``). ``step`` counts from 0. From the horizon on the
+    rate is ``min_lr``, also when the warmup has not ended there."""
+    decay = ocfg.decay_steps or total_steps
+    if step >= decay:
+        return ocfg.min_lr
+    if ocfg.warmup_steps > 0 and step < ocfg.warmup_steps:
+        return ocfg.lr * (step + 1) / ocfg.warmup_steps
+    progress = (step - ocfg.warmup_steps) / (decay - ocfg.warmup_steps)  # in [0, 1)
+    return ocfg.min_lr + 0.5 * (ocfg.lr - ocfg.min_lr) * (1 + math.cos(math.pi * progress))

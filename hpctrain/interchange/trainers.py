@@ -209,8 +209,8 @@ def export_dcp(path: Path, out: Path, dtype: str = "auto", verify: bool = True,
     import torch
 
     from ..checkpoint import integrity as cv
+    from ..config.derived import lr_at
     from ..model import DTYPES
-    from ..optim.adamw import lr_at
     from .hf_export import read_attributes
 
     cfg, attrs = read_attributes(path, verify)

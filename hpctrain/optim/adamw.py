@@ -22,21 +22,8 @@ import math
 import torch
 
 from ..config import OptimConfig
+from ..config.derived import lr_at  # noqa: F401  (the schedule the optimizer follows)
 from ..parallel.grad_sync.interface import main_grad
-
-
-def lr_at(step: int, ocfg: OptimConfig, total_steps: int) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr`` at the horizon
-    ``decay_steps`` (0: ``total_steps``, which a resumed run takes from its checkpoint:
-    ``checkpoint.lineage.decay_horizon``). ``step`` counts from 0. From the horizon on the
-    rate is ``min_lr``, also when the warmup has not ended there."""
-    decay = ocfg.decay_steps or total_steps
-    if step >= decay:
-        return ocfg.min_lr
-    if ocfg.warmup_steps > 0 and step < ocfg.warmup_steps:
-        return ocfg.lr * (step + 1) / ocfg.warmup_steps
-    progress = (step - ocfg.warmup_steps) / (decay - ocfg.warmup_steps)  # in [0, 1)
-    return ocfg.min_lr + 0.5 * (ocfg.lr - ocfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def counted_here(meta, topo, grads_sharded_over_dp: bool = False) -> bool:

@@ -59,7 +59,7 @@ def test_init_from_must_exist_and_hold_this_model(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "junk.h5").write_text("x")
     for source, words in ((tmp_path / "none", "nothing there"),
-                          (tmp_path / "empty", "neither config.json"),
+                          (tmp_path / "empty", "no format hpctrain reads .* no `latest`"),
                           (tmp_path / "junk.h5", "cannot be read")):
         with pytest.raises(InputError, match=words):
             inputs.check_inputs(load(TINY, [f'checkpoint.init_from="{source}"']),
