@@ -273,6 +273,7 @@ def check_storage(directory: Path, stored: dict) -> None:
     absolute, not through ``..`` or a symlink out of it) at least ``offset + length`` long."""
     where, root = directory / METADATA, directory.resolve()
     sizes: dict[str, int] = {}
+    spans: dict[str, list] = {}
     for index, info in stored.items():
         name = getattr(index, "fqn", index)
         try:
@@ -288,6 +289,19 @@ def check_storage(directory: Path, stored: dict) -> None:
             raise InterchangeError(
                 f"{directory / path} is {sizes[path]} bytes, but {name} is recorded at bytes "
                 f"{span[0]} to {sum(span)}: the file is truncated; {DAMAGED}")
+        spans.setdefault(path, []).append((*span, name))
+    for path, parts in spans.items():
+        _check_disjoint(directory / path, sorted(parts, key=lambda p: p[:2]))
+
+
+def _check_disjoint(path: Path, parts: list) -> None:
+    """The (offset, length, entry) records of one file, sorted, share no byte: two entries
+    read from the same bytes would import one of them as the other."""
+    for (a, n, first), (b, _, second) in zip(parts, parts[1:]):
+        if b < a + n:
+            raise InterchangeError(f"{path}: {second} is recorded at byte {b}, inside {first} "
+                                   f"(bytes {a} to {a + n}): the metadata does not describe "
+                                   f"its files; {DAMAGED}")
 
 
 def _file_size(directory: Path, root: Path, path: str, name: str) -> int:

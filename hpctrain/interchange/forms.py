@@ -44,7 +44,7 @@ def count(value, what: str) -> int:
     int; anything but a whole number >= 0 is refused, naming ``what``."""
     if hasattr(value, "numel") and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 2**62 \
             or not float(value).is_integer():
         raise InterchangeError(f"{what} holds {str(value)[:80]!r}, not a step count (a whole "
                                f"number >= 0): the checkpoint is damaged; copy it again from "

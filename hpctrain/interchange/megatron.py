@@ -80,13 +80,15 @@ def common_state(directory: Path) -> dict:
     return state if isinstance(state, dict) else {}
 
 
-def arg(common: dict, name: str, default=None):
+def arg(common: dict, name: str, default=None, kind: type = int):
     """Megatron-LM's argument ``name`` as ``common.pt``'s ``args`` records it (a namespace,
-    or its fields as a dict), else ``default``."""
+    or its fields as a dict), else ``default``; a value that is not a ``kind`` is refused."""
     args = common.get("args")
-    if isinstance(args, dict):
-        return args.get(name, default)
-    return getattr(args, name, default)
+    value = args.get(name, default) if isinstance(args, dict) else getattr(args, name, default)
+    if value is not None and value is not default and type(value) is not kind:
+        raise InterchangeError(f"{COMMON}'s args record {name} = {str(value)[:60]!r}, not "
+                               f"a {kind.__name__}: damaged; copy the checkpoint again")
+    return value
 
 
 class Padding(NamedTuple):
@@ -134,7 +136,7 @@ class MegatronForm:
         self.m, self.common = m, common
         self.stacked = "decoder.layers.self_attention.linear_qkv.weight" in keys
         self.te = any(k.endswith(TE_NORMS[0]) for k in keys)
-        self.interleaved = bool(arg(common, "rotary_interleaved", False))
+        self.interleaved = arg(common, "rotary_interleaved", False, bool)
         padding = vocab_padding(m, common)
         self.padded = {EMBED: padding, HEAD: padding}
         self.ignored: list = []

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import collections
+import encodings.raw_unicode_escape  # noqa: F401  (protocol 0's UNICODE opcode decodes with it)
 import functools
 import importlib
 import io
@@ -319,8 +320,10 @@ def load_dcp_metadata(path: str | Path):
         raise InterchangeError(f"cannot read {path}: {e.strerror}") from None
     meta = _read(lambda: DataUnpickler(io.BytesIO(data), str(path)).load(), path,
                  "a readable DCP metadata file")
-    if not isinstance(meta, Metadata):
-        raise InterchangeError(f"{path} holds {_describe(meta)}, not DCP Metadata")
+    if not isinstance(meta, Metadata) or not all(
+            hasattr(meta, a) for a in ("state_dict_metadata", "storage_data")):
+        raise InterchangeError(f"{path} holds {_describe(meta)} without DCP Metadata's "
+                               f"entries and storage records: damaged; copy it again")
     return meta
 
 
