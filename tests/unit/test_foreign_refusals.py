@@ -294,7 +294,8 @@ def test_padding_rule_reads_the_args_as_a_namespace_or_a_dict():
     assert megatron.vocab_padding(m, {"args": as_dict}).rows == {256}
     assert megatron.vocab_padding(m, {"args": PADDED}).rows == {256}
     assert megatron.vocab_padding(m, {}).rows == {256, 512}
-    with pytest.raises(hf_map.InterchangeError, match="tensor_model_parallel_size.* not (a|positive)"):
+    with pytest.raises(hf_map.InterchangeError,
+                       match="tensor_model_parallel_size.* not (a|positive)"):
         megatron.vocab_padding(m, {"args": {"tensor_model_parallel_size": "2"}})
 
 
@@ -404,3 +405,44 @@ def test_hf_hub_cache_links_into_its_blobs_are_followed(tmp_path, capsys):
         shutil.move(shard, repo / "blobs" / shard.name)
         os.symlink(Path("../../blobs") / shard.name, shard)
     assert cli(capsys, "import", snap, "--out", tmp_path / "t.h5")[0] == 0
+
+
+def test_records_sharing_bytes_and_chunks_of_another_dtype_are_refused(tmp_path, capsys):
+    """Found by the fuzz campaign: a storage record moved onto another entry's bytes (of the
+    same size) imported that entry's values; metadata stating float16 for float32 bytes
+    imported them rounded. Both are refused, naming the entries."""
+    titan_dcp(tmp_path / "a")
+
+    def onto_another(meta):
+        first, second = sorted(meta.storage_data, key=lambda i: i.fqn)[:2]
+        meta.storage_data[second].offset = meta.storage_data[first].offset
+        meta.storage_data[second].relative_path = meta.storage_data[first].relative_path
+
+    rewrite(tmp_path / "a", onto_another)
+    err = refused(capsys, *import_args(tmp_path / "a", tmp_path / "a.h5"))
+    assert "inside" in err and not (tmp_path / "a.h5").exists()
+    titan_dcp(tmp_path / "b")
+
+    def half(meta):
+        meta.state_dict_metadata[EMBED].properties.dtype = torch.float16
+
+    rewrite(tmp_path / "b", half)
+    err = refused(capsys, *import_args(tmp_path / "b", tmp_path / "b.h5"))
+    assert "stored as torch.float32" in err and "float16" in err
+
+
+def test_metadata_without_its_entries_and_huge_steps_are_refused(tmp_path, capsys):
+    titan_dcp(tmp_path / "a")
+
+    def strip(meta):
+        del meta.__dict__["state_dict_metadata"]
+
+    rewrite(tmp_path / "a", strip)
+    assert "without DCP Metadata's entries" in refused(
+        capsys, *import_args(tmp_path / "a", tmp_path / "a.h5"))
+    from hpctrain.interchange.forms import count
+
+    assert count(7, "s") == 7 and count(torch.tensor(3), "s") == 3
+    for bad in (2**70, float("inf"), -1, 2.5, True, "7"):
+        with pytest.raises(hf_map.InterchangeError, match="not a step count"):
+            count(bad, "common.pt's training step")
