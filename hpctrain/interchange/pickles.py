@@ -197,7 +197,8 @@ class DataUnpickler(pickle._Unpickler):
                 return constant
             if f"{module}.{name}".startswith(AS_RECORDS):
                 return _RecordClass(f"{module}.{name}")
-            self._refuse(f"asks for {module}.{name}")
+            full = f"{module}.{name}"
+            self._refuse(f"asks for {full if full.isprintable() else ascii(full)}")
         if module.startswith("pathlib"):
             return _PURE[name]
         return _STAND_INS.get((module, name)) or super().find_class(module, name)
