@@ -62,7 +62,7 @@ ADMITTED = {
     "torch": {"Size"},  # and every dtype and layout (:func:`_torch_constant`)
     "pathlib": set(_PURE), "pathlib._local": set(_PURE),
     "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice", "complex", "bytearray"},
+    "builtins": {"set", "frozenset", "slice", "complex"},
     "_codecs": {"encode"},  # how protocol 2 pickles bytes
 }
 # the first torch whose archive and storage reading has no published bypass (docs/decisions.md)
