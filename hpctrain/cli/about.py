@@ -45,9 +45,10 @@ DETAILS = {  # each command's description, where its module sets none
                  "embedded corpus, offline and deterministic.",
     "inspect": "Show a checkpoint's tensors, shapes, dtypes, lineage and how it was written "
                "(--verify recomputes every checksum), or a prepared data file's contents.",
-    "import": "Turn a Hugging Face Llama/Mixtral/Qwen-MoE directory into an hpctrain "
-              "checkpoint that any layout starts from (or use --set "
-              "checkpoint.init_from=DIR directly).",
+    "import": "Turn a checkpoint of another format (a Hugging Face directory; a torchtitan "
+              "or Megatron-Core DCP with --config) into an hpctrain checkpoint that any "
+              "layout resumes or starts from; foreign files are read as data and checked "
+              "before anything is written (docs/interchange.md#formats).",
     "generate": "Continue a prompt with a model: a checkpoint of any layout, or a Hugging "
                 "Face Llama/Mixtral/Qwen-MoE directory, on one process (no MPI).",
     "report": "Plots and a Markdown summary of where a run's time went (needs matplotlib).",
