@@ -19,7 +19,9 @@ from . import InterchangeError
 
 
 def _is_hf(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file()
+    from .hf_import import is_hf_directory
+
+    return is_hf_directory(path)
 
 
 def _is_dcp(path: Path) -> bool:
