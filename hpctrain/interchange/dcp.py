@@ -120,12 +120,17 @@ def _planners():
     class LazySavePlanner(DefaultSavePlanner):
         def __init__(self, produce: Callable):
             super().__init__(flatten_state_dict=False)
-            self.produce = produce
+            self.produce, self.last = produce, None
 
         def resolve_data(self, write_item):
             if write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
-            return self.produce(write_item.index.fqn)
+            # torch's writer holds the tensor of the file it closed until it has the next
+            # one: free that tensor's memory (written already) before making the next
+            if self.last is not None and self.last.untyped_storage().resizable():
+                self.last.untyped_storage().resize_(0)
+            self.last = self.produce(write_item.index.fqn)
+            return self.last
 
     return SafeLoadPlanner, LazySavePlanner
 

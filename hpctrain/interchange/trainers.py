@@ -238,7 +238,7 @@ def export_dcp(path: Path, out: Path, dtype: str = "auto", verify: bool = True,
         def produce(key: str):
             if key in counts:
                 return torch.tensor(float(optim_step))
-            return torch.from_numpy(source.read(key)).to(DTYPES[dtype])
+            return source.fill(key, torch.empty(specs[key][0], dtype=DTYPES[dtype]))
 
         dcp.save(out, specs, produce, values)
     say(f"wrote {out}: torchtitan Llama 3 DCP, {len(form.rows)} parameters ({dtype})"
@@ -265,6 +265,21 @@ class ExportSource:
     def shape(self, key: str) -> tuple:
         shapes = [self.dataset(name, which).shape for name, which, _ in self.written[key]]
         return shapes[0] if len(shapes) == 1 else (sum(s[0] for s in shapes), shapes[0][1])
+
+    def fill(self, key: str, out):
+        """Tensor ``out`` (torch, any float dtype) filled with :meth:`read`'s values; an
+        entry of one plain piece is copied a block of rows at a time, never whole."""
+        import torch
+
+        (name, which, heads), *rest = self.written[key]
+        if rest or heads or out.dim() == 0:
+            out.copy_(torch.from_numpy(self.read(key)))
+            return out
+        ds = self.dataset(name, which)
+        step = max(1, BLOCK_BYTES // max(1, ds.dtype.itemsize * out[0].numel()))
+        for start in range(0, out.shape[0], step):
+            out[start:start + step].copy_(torch.from_numpy(ds[start:start + step]))
+        return out
 
     def read(self, key: str) -> np.ndarray:
         pieces = self.written[key]
