@@ -271,14 +271,17 @@ class ExportSource:
         entry of one plain piece is copied a block of rows at a time, never whole."""
         import torch
 
+        from .hf_export import Arrays
+
         (name, which, heads), *rest = self.written[key]
         if rest or heads or out.dim() == 0:
             out.copy_(torch.from_numpy(self.read(key)))
             return out
-        ds = self.dataset(name, which)
-        step = max(1, BLOCK_BYTES // max(1, ds.dtype.itemsize * out[0].numel()))
-        for start in range(0, out.shape[0], step):
-            out[start:start + step].copy_(torch.from_numpy(ds[start:start + step]))
+        start = 0
+        for block in Arrays({key: self.dataset(name, which)}).blocks(key):
+            out[start:start + len(block)].copy_(torch.from_numpy(block))
+            start += len(block)
+            del block  # before the next is read: one block in memory, not two
         return out
 
     def read(self, key: str) -> np.ndarray:
